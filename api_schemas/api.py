@@ -1,0 +1,130 @@
+"""Request and response models of the REST API, shared by the service, CLI and SDK."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+
+from pydantic import BaseModel, Field
+
+from api_schemas.jobs import JobSpec
+
+
+class JobStatus(str, Enum):
+    queued = "queued"
+    scheduled = "scheduled"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class AttemptStatus(str, Enum):
+    scheduled = "scheduled"  # placed on a host, task sent, not yet claimed
+    running = "running"  # claimed by a worker that renews its lease
+    succeeded = "succeeded"
+    failed = "failed"  # the training process exited with an error
+    lost = "lost"  # the worker stopped renewing its lease, or never claimed it
+    cancelled = "cancelled"
+
+    @property
+    def is_final(self) -> bool:
+        return self not in (AttemptStatus.scheduled, AttemptStatus.running)
+
+
+class AttemptOut(BaseModel):
+    id: int
+    number: int
+    host_name: str
+    status: AttemptStatus
+    failure_reason: str | None
+    resumed_from_step: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class JobOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    status: JobStatus
+    step: int = Field(description="Last optimizer step reported by the training loop.")
+    max_steps: int
+    priority: int
+    effective_batch_size: int
+    restarts: int = Field(description="Attempts that ended without success so far.")
+    failure_reason: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    spec: JobSpec
+    attempts: list[AttemptOut] = []
+
+
+class JobPage(BaseModel):
+    items: list[JobOut]
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null on the last page.")
+
+
+class MetricSeries(BaseModel):
+    steps: list[int]
+    values: list[float]
+
+
+class MetricsOut(BaseModel):
+    series: dict[str, MetricSeries]
+
+
+class LogLineOut(BaseModel):
+    attempt: int
+    seq: int
+    line: str
+
+
+class LogsOut(BaseModel):
+    lines: list[LogLineOut]
+
+
+class CheckpointOut(BaseModel):
+    id: int
+    job_id: int
+    step: int
+    sha256: str = Field(description="sha256 of model.safetensors.")
+    size_bytes: int = Field(description="Size of model.safetensors.")
+    created_at: datetime
+
+
+class WorkerOut(BaseModel):
+    name: str
+    device: str
+    slots: int
+    busy_slots: int
+    online: bool
+    last_heartbeat: datetime
+
+
+class RunningJobOut(BaseModel):
+    id: int
+    name: str
+    owner: str
+    step: int
+    max_steps: int
+    progress: float
+    last_train_loss: float | None
+    host_name: str | None
+
+
+class DashboardOut(BaseModel):
+    jobs_by_status: dict[str, int]
+    running: list[RunningJobOut]
+    workers: list[WorkerOut]
+
+
+class UserCreated(BaseModel):
+    name: str
+    token: str = Field(description="Shown once; only its hash is stored.")

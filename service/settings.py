@@ -1,0 +1,55 @@
+"""The one place service configuration lives. Every field reads TRAINYARD_<NAME> from the environment."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
+
+    data_dir: Path = Field(Path(".trainyard"), description="Embedded mode: holds trainyard.db, broker.db, artifacts/, data/ and token.")
+    database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/trainyard.db.")
+    broker_url: str | None = Field(None, description="Celery broker URL; default sqla+sqlite:///<data_dir>/broker.db.")
+    artifact_root: Path | None = Field(None, description="Checkpoint store, shared by API and workers; default <data_dir>/artifacts.")
+    data_root: Path | None = Field(None, description="Datasets that job specs may name; default <data_dir>/data.")
+    work_root: Path | None = Field(None, description="Worker scratch space for running attempts; default <data_dir>/work.")
+
+    lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
+    heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
+    host_timeout_seconds: float = Field(30.0, gt=0, description="A host silent for this long gets no new attempts.")
+    dispatch_timeout_seconds: float = Field(60.0, gt=0, description="A scheduled attempt not claimed for this long is dispatched again.")
+    scheduler_interval_seconds: float = Field(0.5, gt=0, description="Pause between scheduler passes.")
+
+    max_request_bytes: int = Field(1_000_000, gt=0, description="Largest accepted request body.")
+    log_tail_max: int = Field(1000, gt=0, description="Most log lines one /logs request returns.")
+    metrics_max_points: int = Field(10_000, gt=0, description="Most points per series one /metrics request returns.")
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.data_dir.resolve()}/trainyard.db"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or f"sqla+sqlite:///{self.data_dir.resolve()}/broker.db"
+
+    @property
+    def resolved_artifact_root(self) -> Path:
+        return (self.artifact_root or self.data_dir / "artifacts").resolve()
+
+    @property
+    def resolved_data_root(self) -> Path:
+        return (self.data_root or self.data_dir / "data").resolve()
+
+    @property
+    def resolved_work_root(self) -> Path:
+        return (self.work_root or self.data_dir / "work").resolve()
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()
