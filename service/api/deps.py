@@ -1,0 +1,65 @@
+"""Dependencies shared by the routes: settings, a DB session, the authenticated user, the artifact store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from service.artifacts import ArtifactStore
+from service.db import crud
+from service.db.models import Job, User
+from service.db.session import session_factory
+from service.settings import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+
+def get_session(settings: SettingsDep) -> Iterator[Session]:
+    with session_factory(settings.resolved_database_url)() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]
+
+_bearer = HTTPBearer(auto_error=False)
+
+
+def get_current_user(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> User:
+    user = crud.user_by_token(session, credentials.credentials) if credentials else None
+    if user is None:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+    return user
+
+
+CurrentUser = Annotated[User, Depends(get_current_user)]
+
+
+def get_store(settings: SettingsDep) -> ArtifactStore:
+    return ArtifactStore(settings.resolved_artifact_root)
+
+
+StoreDep = Annotated[ArtifactStore, Depends(get_store)]
+
+
+def not_found(what: str) -> HTTPException:
+    return HTTPException(status.HTTP_404_NOT_FOUND, f"{what} not found")
+
+
+def get_visible_job(job_id: int, session: SessionDep, user: CurrentUser) -> Job:
+    """The path's job, if the caller may see it. Others get the same 404 as for a missing job."""
+    job = crud.job_visible_to(session, user, job_id)
+    if job is None:
+        raise not_found("job")
+    return job
+
+
+VisibleJob = Annotated[Job, Depends(get_visible_job)]

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api_schemas import DashboardOut, RunningJobOut, WorkerOut
+from service.api.deps import CurrentUser, SessionDep, SettingsDep
+from service.db import crud
+from service.db.models import utcnow
+
+router = APIRouter(prefix="/v1", tags=["dashboard"])
+
+
+@router.get("/workers", response_model=list[WorkerOut])
+def list_workers(session: SessionDep, _user: CurrentUser, settings: SettingsDep) -> list[WorkerOut]:
+    busy = crud.busy_slots_by_host(session)
+    online = {host.name for host in crud.online_hosts(session, utcnow(), settings.host_timeout_seconds)}
+    return [
+        WorkerOut(
+            name=host.name,
+            device=host.device,
+            slots=host.slots,
+            busy_slots=busy.get(host.name, 0),
+            online=host.name in online,
+            last_heartbeat=host.last_heartbeat,
+        )
+        for host in crud.all_hosts(session)
+    ]
+
+
+@router.get("/dashboard", response_model=DashboardOut)
+def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> DashboardOut:
+    running = [
+        RunningJobOut(
+            id=job.id,
+            name=job.name,
+            owner=job.owner.name,
+            step=job.step,
+            max_steps=job.max_steps,
+            progress=job.step / job.max_steps,
+            last_train_loss=crud.last_metric(session, job.id, "train_loss"),
+            host_name=job.attempts[-1].host_name if job.attempts else None,
+        )
+        for job in crud.running_jobs(session, user)
+    ]
+    return DashboardOut(
+        jobs_by_status=crud.job_counts(session, user),
+        running=running,
+        workers=list_workers(session, user, settings),
+    )

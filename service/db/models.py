@@ -1,0 +1,155 @@
+"""Database tables. The database is the source of truth for jobs, attempts, metrics and checkpoints."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import JSON, TypeDecorator, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from api_schemas import AttemptStatus, JobStatus
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class UTCDateTime(TypeDecorator):
+    """Timestamps in UTC; SQLite stores them without a zone, so the zone is restored on load."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+def _status_column(enum_type):
+    # Stored as the plain value string (no native enum type to migrate), loaded back as the enum.
+    return Enum(enum_type, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
+
+
+# SQLite has no BIGSERIAL; BigInteger primary keys only autoincrement there as INTEGER.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class User(Base):
+    __tablename__ = "users"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    spec: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[JobStatus] = mapped_column(_status_column(JobStatus), default=JobStatus.queued)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    max_steps: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    failure_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    owner: Mapped[User] = relationship(lazy="joined")
+    attempts: Mapped[list[Attempt]] = relationship(back_populates="job", order_by="Attempt.number", lazy="selectin")
+
+    __table_args__ = (
+        Index("ix_jobs_queue", "status", "priority", "id"),
+        UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+    )
+
+
+class Attempt(Base):
+    """One try at running a job on a host. The worker owns it while its lease is fresh."""
+
+    __tablename__ = "attempts"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    number: Mapped[int] = mapped_column(Integer)
+    host_name: Mapped[str] = mapped_column(String(200), index=True)
+    slots: Mapped[int] = mapped_column(Integer)
+    status: Mapped[AttemptStatus] = mapped_column(_status_column(AttemptStatus), default=AttemptStatus.scheduled)
+    lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    resume_checkpoint_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
+    resumed_from_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    failure_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    job: Mapped[Job] = relationship(back_populates="attempts")
+
+    __table_args__ = (
+        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        Index("ix_attempts_status", "status"),
+    )
+
+
+class Metric(Base):
+    """One value of one named series at one step. A step recomputed after a resume overwrites its row."""
+
+    __tablename__ = "metrics"
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    value: Mapped[float] = mapped_column(Float)
+    attempt_id: Mapped[int] = mapped_column(BigId)
+
+
+class LogLine(Base):
+    __tablename__ = "log_lines"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"))
+    attempt_id: Mapped[int] = mapped_column(BigId)
+    attempt_number: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(Integer)
+    line: Mapped[str] = mapped_column(Text)
+
+    __table_args__ = (
+        UniqueConstraint("attempt_id", "seq", name="uq_log_lines_attempt_seq"),
+        Index("ix_log_lines_job", "job_id", "id"),
+    )
+
+
+class Checkpoint(Base):
+    """A checkpoint whose files are complete and verified in the artifact store."""
+
+    __tablename__ = "checkpoints"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    attempt_id: Mapped[int] = mapped_column(BigId)
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(500), doc="Directory relative to the artifact root.")
+    sha256: Mapped[str] = mapped_column(String(64), doc="sha256 of model.safetensors.")
+    size_bytes: Mapped[int] = mapped_column(BigInteger, doc="Size of model.safetensors.")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+
+class WorkerHost(Base):
+    __tablename__ = "worker_hosts"
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    device: Mapped[str] = mapped_column(String(16))
+    slots: Mapped[int] = mapped_column(Integer, doc="Devices (GPUs, or CPU process slots) the host offers.")
+    info: Mapped[dict] = mapped_column(JSON, default=dict)
+    registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -1,0 +1,47 @@
+"""Celery wiring shared by the scheduler (sends) and the workers (consume).
+
+The broker only carries "run attempt X" to host X's queue; the database holds every state, so a
+lost or repeated message is harmless: the scheduler re-sends unclaimed attempts after a timeout,
+and a worker ignores an attempt that is no longer `scheduled`.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from service.settings import Settings
+
+RUN_ATTEMPT_TASK = "trainyard.run_attempt"
+
+
+def host_queue(host_name: str) -> str:
+    return f"host.{host_name}"
+
+
+def make_celery(settings: Settings) -> Celery:
+    url = settings.resolved_broker_url
+    transport_options: dict = {}
+    if url.startswith("sqla+"):
+        from kombu.transport import sqlalchemy as kombu_sqla
+
+        # The SQLAlchemy transport polls its table, every 1 s by default, which would dominate
+        # dispatch latency. Its transport options all go to create_engine(), so the poll interval
+        # is set on the transport class, and the options carry SQLite's lock wait instead.
+        kombu_sqla.Transport.polling_interval = 0.2
+        if "sqlite" in url:
+            transport_options = {"connect_args": {"timeout": 60}}
+    app = Celery("trainyard", broker=url)
+    app.conf.update(
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_ignore_result=True,
+        task_default_queue="trainyard.default",
+        broker_connection_retry_on_startup=True,
+        broker_transport_options=transport_options,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+def dispatch_attempt(app: Celery, attempt_id: int, host_name: str) -> None:
+    app.send_task(RUN_ATTEMPT_TASK, args=[attempt_id], queue=host_queue(host_name))

@@ -1,0 +1,82 @@
+"""Places queued jobs on worker hosts and notices attempts whose worker went away.
+
+One pass = one transaction: reap lost attempts, re-send dispatches nobody claimed, place queued
+jobs on hosts with free slots. Tasks are sent only after the transaction commits, so a worker
+never receives an attempt that isn't in the database yet.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+from celery import Celery
+from sqlalchemy.orm import Session, sessionmaker
+
+from api_schemas import AttemptStatus, JobSpec
+from service import state
+from service.db import crud
+from service.db.models import utcnow
+from service.queue import dispatch_attempt
+from service.settings import Settings
+
+log = logging.getLogger("trainyard.scheduler")
+
+
+def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]:
+    """Run one pass and commit it; returns (attempt_id, host_name) pairs to dispatch."""
+    now = utcnow()
+    crud.lock_scheduler(session)
+
+    # Attempts whose worker stopped renewing the lease: the worker (or its host) is gone.
+    for attempt in crud.expired_leases(session, now):
+        state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"worker on host {attempt.host_name} stopped renewing its lease")
+        log.warning("attempt %s of job %s lost (lease expired)", attempt.id, attempt.job_id)
+
+    hosts = crud.online_hosts(session, now, settings.host_timeout_seconds)
+    online = {host.name for host in hosts}
+
+    # Dispatches nobody claimed: re-send while the host is alive, give the job back otherwise.
+    to_dispatch: list[tuple[int, str]] = []
+    for attempt in crud.unclaimed_attempts(session, now - timedelta(seconds=settings.dispatch_timeout_seconds)):
+        if attempt.host_name in online:
+            attempt.dispatched_at = now
+            to_dispatch.append((attempt.id, attempt.host_name))
+        else:
+            state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
+
+    # Place queued jobs, best fit: the host with the fewest free slots that still fits.
+    busy = crud.busy_slots_by_host(session)
+    free = {host.name: host.slots - busy.get(host.name, 0) for host in hosts}
+    device = {host.name: host.device for host in hosts}
+    for job in crud.queued_jobs(session, limit=200):
+        resources = JobSpec.model_validate(job.spec).resources
+        fitting = [h for h in free if device[h] == resources.device and free[h] >= resources.processes_per_node]
+        if not fitting:
+            continue
+        host = min(fitting, key=lambda h: (free[h], h))
+        attempt = crud.create_attempt(session, job, host, resources.processes_per_node, now)
+        if attempt is not None:
+            free[host] -= resources.processes_per_node
+            to_dispatch.append((attempt.id, host))
+            log.info("job %s attempt %s placed on %s", job.id, attempt.number, host)
+
+    session.commit()
+    return to_dispatch
+
+
+def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, stop=lambda: False) -> None:
+    """The scheduler process: one pass every `scheduler_interval_seconds` until `stop()`."""
+    log.info("scheduler started")
+    while not stop():
+        try:
+            with sessions() as session:
+                dispatches = schedule_pass(session, settings)
+            for attempt_id, host in dispatches:
+                dispatch_attempt(celery, attempt_id, host)
+        except Exception:
+            # A database or broker restart must not kill the scheduler; the next pass retries.
+            log.exception("scheduler pass failed; retrying")
+            time.sleep(2)
+        time.sleep(settings.scheduler_interval_seconds)

@@ -1,0 +1,105 @@
+"""The one place job and attempt statuses change.
+
+Every change is a compare-and-set: `UPDATE … WHERE id = :id AND status = :current`. If another
+process (a second scheduler, a duplicate task delivery, the lease reaper) moved the row first, the
+update matches nothing and the caller learns it lost the race instead of overwriting a newer state.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import update
+from sqlalchemy.orm import Session
+
+from api_schemas import AttemptStatus, JobStatus
+from service.db.models import Attempt, Job, utcnow
+
+JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
+    JobStatus.queued: {JobStatus.scheduled, JobStatus.cancelled, JobStatus.failed},
+    JobStatus.scheduled: {JobStatus.running, JobStatus.queued, JobStatus.failed, JobStatus.cancelled},
+    JobStatus.running: {JobStatus.succeeded, JobStatus.failed, JobStatus.queued, JobStatus.cancelled},
+    JobStatus.succeeded: set(),
+    JobStatus.failed: set(),
+    JobStatus.cancelled: set(),
+}
+
+ATTEMPT_TRANSITIONS: dict[AttemptStatus, set[AttemptStatus]] = {
+    AttemptStatus.scheduled: {AttemptStatus.running, AttemptStatus.lost, AttemptStatus.cancelled},
+    AttemptStatus.running: {AttemptStatus.succeeded, AttemptStatus.failed, AttemptStatus.lost, AttemptStatus.cancelled},
+    AttemptStatus.succeeded: set(),
+    AttemptStatus.failed: set(),
+    AttemptStatus.lost: set(),
+    AttemptStatus.cancelled: set(),
+}
+
+
+class InvalidTransition(Exception):
+    pass
+
+
+def _compare_and_set(session: Session, row: Job | Attempt, to, allowed: dict, values: dict) -> bool:
+    current = row.status
+    if to not in allowed[current]:
+        raise InvalidTransition(f"{type(row).__name__} {row.id}: {current.value} -> {to.value} is not allowed")
+    model = type(row)
+    result = session.execute(
+        update(model).where(model.id == row.id, model.status == current).values(status=to, **values),
+        execution_options={"synchronize_session": False},
+    )
+    if result.rowcount != 1:
+        session.refresh(row)
+        return False
+    row.status = to
+    for key, value in values.items():
+        setattr(row, key, value)
+    return True
+
+
+def move_job(session: Session, job: Job, to: JobStatus, *, reason: str | None = None, now: datetime | None = None) -> bool:
+    """Move a job to `to`; False if another process changed its status first."""
+    now = now or utcnow()
+    values: dict = {}
+    if to == JobStatus.running and job.started_at is None:
+        values["started_at"] = now
+    if to.is_final:
+        values["finished_at"] = now
+    if reason is not None:
+        values["failure_reason"] = reason
+    return _compare_and_set(session, job, to, JOB_TRANSITIONS, values)
+
+
+def move_attempt(
+    session: Session, attempt: Attempt, to: AttemptStatus, *, reason: str | None = None, now: datetime | None = None, **values
+) -> bool:
+    """Move an attempt to `to`; False if another process changed its status first."""
+    now = now or utcnow()
+    if to == AttemptStatus.running:
+        values["started_at"] = now
+    if to.is_final:
+        values["finished_at"] = now
+        values["lease_expires_at"] = None
+    if reason is not None:
+        values["failure_reason"] = reason
+    return _compare_and_set(session, attempt, to, ATTEMPT_TRANSITIONS, values)
+
+
+def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptStatus, reason: str | None = None) -> bool:
+    """Record how an attempt ended and decide what its job does next.
+
+    succeeded → job succeeded. cancelled, or any end of a job whose cancel was requested → job
+    cancelled. failed or lost → the job is queued again (it resumes from its latest complete
+    checkpoint) while restarts remain, else it fails with the attempt's reason.
+    """
+    if not move_attempt(session, attempt, outcome, reason=reason):
+        return False
+    if outcome == AttemptStatus.succeeded:
+        return move_job(session, job, JobStatus.succeeded)
+    if outcome == AttemptStatus.cancelled or job.cancel_requested:
+        return move_job(session, job, JobStatus.cancelled)
+    # An attempt that never started used no restart: its host vanished before it claimed it.
+    if attempt.started_at is not None:
+        job.restarts += 1
+    if job.restarts <= job.spec.get("max_restarts", 0):
+        return move_job(session, job, JobStatus.queued, reason=f"retrying after attempt {attempt.number}: {reason}")
+    return move_job(session, job, JobStatus.failed, reason=f"attempt {attempt.number} {outcome.value}: {reason}")

@@ -1,0 +1,91 @@
+"""Shared fixtures: real PostgreSQL and Redis on 127.0.0.1, SQLite in a temp dir.
+
+With CI=true a missing PostgreSQL or Redis fails the run; elsewhere those tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from service.db.migrate import upgrade
+from service.db.session import session_factory
+
+REPO = Path(__file__).resolve().parent.parent
+POSTGRES_ADMIN_URL = os.environ.get("TRAINYARD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("TRAINYARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+IN_CI = os.environ.get("CI", "").lower() == "true"
+
+
+def service_missing(what: str, error: Exception):
+    message = f"{what} is not reachable: {error}"
+    if IN_CI:
+        pytest.fail(f"CI=true: {message}", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> str:
+    try:
+        engine = sa.create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+        with engine.connect() as connection:
+            connection.execute(sa.text("SELECT 1"))
+    except Exception as exc:
+        service_missing("PostgreSQL", exc)
+    return POSTGRES_ADMIN_URL
+
+
+@pytest.fixture
+def postgres_url(postgres_server: str) -> str:
+    """A fresh, migrated database per test, dropped afterwards."""
+    name = f"trainyard_test_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = postgres_server.rsplit("/", 1)[0] + f"/{name}"
+    upgrade(url)
+    yield url
+    session_factory(url).kw["bind"].dispose()
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def redis_url() -> str:
+    import redis
+
+    try:
+        client = redis.Redis.from_url(REDIS_URL)
+        client.ping()
+    except Exception as exc:
+        service_missing("Redis", exc)
+    client.flushdb()
+    yield REDIS_URL
+    client.flushdb()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path}/trainyard.db"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request) -> str:
+    """Data-layer tests run against both backends."""
+    return request.getfixturevalue(f"{request.param}_url")
+
+
+@pytest.fixture
+def data_root(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    shutil.copy(REPO / "data" / "tinyshakespeare.txt", root / "tinyshakespeare.txt")
+    return root

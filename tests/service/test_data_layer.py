@@ -1,0 +1,196 @@
+"""The state machine and data-access module against both SQLite and the real PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+from api_schemas import AttemptStatus, JobStatus
+from service import state
+from service.db import crud
+from service.db.models import Attempt, Job, Metric, utcnow
+from service.db.session import session_factory
+from service.scheduler import schedule_pass
+from service.settings import Settings
+from tests.helpers import job_spec
+
+
+@pytest.fixture
+def sessions(database_url):
+    return session_factory(database_url)
+
+
+@pytest.fixture
+def settings(database_url, tmp_path) -> Settings:
+    return Settings(data_dir=tmp_path, database_url=database_url, lease_seconds=30, host_timeout_seconds=30, dispatch_timeout_seconds=60)
+
+
+def queue_job(sessions, **overrides) -> int:
+    with sessions() as session:
+        user = crud.user_by_name(session, "alice") or crud.create_user(session, "alice")[0]
+        return crud.create_job(session, user, job_spec(**overrides)).id
+
+
+def place_and_claim(sessions, settings, owner="w1") -> crud.ClaimedAttempt:
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 2, {})
+        [(attempt_id, host)] = schedule_pass(session, settings)
+    with sessions() as session:
+        claimed = crud.claim_attempt(session, attempt_id, owner, settings.lease_seconds)
+    assert claimed is not None
+    return claimed
+
+
+def test_job_moves_through_allowed_transitions_only(sessions):
+    job_id = queue_job(sessions)
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        with pytest.raises(state.InvalidTransition):
+            state.move_job(session, job, JobStatus.succeeded)
+        assert state.move_job(session, job, JobStatus.scheduled)
+        assert state.move_job(session, job, JobStatus.running)
+        assert job.started_at is not None
+        assert state.move_job(session, job, JobStatus.succeeded)
+        assert job.finished_at is not None
+        session.commit()
+        with pytest.raises(state.InvalidTransition):
+            state.move_job(session, job, JobStatus.queued)
+
+
+def test_a_stale_transition_loses_the_race_instead_of_overwriting(sessions):
+    job_id = queue_job(sessions)
+    with sessions() as first, sessions() as second:
+        stale = second.get(Job, job_id)  # read while still queued
+        second.commit()
+        assert state.move_job(first, first.get(Job, job_id), JobStatus.cancelled)
+        first.commit()
+        assert not state.move_job(second, stale, JobStatus.scheduled)
+        assert stale.status == JobStatus.cancelled
+
+
+def test_a_second_delivery_of_the_same_attempt_is_a_no_op(sessions, settings):
+    queue_job(sessions)
+    claimed = place_and_claim(sessions, settings, owner="first")
+    with sessions() as session:
+        assert crud.claim_attempt(session, claimed.attempt_id, "second", settings.lease_seconds) is None
+        attempt = session.get(Attempt, claimed.attempt_id)
+        assert attempt.lease_owner == "first" and attempt.status == AttemptStatus.running
+        assert attempt.job.status == JobStatus.running
+
+
+def test_an_expired_lease_requeues_the_job_and_the_old_worker_cannot_finish_it(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        attempt = session.get(Attempt, claimed.attempt_id)
+        attempt.lease_expires_at = utcnow() - timedelta(seconds=1)
+        attempt.job.cancel_requested = False
+        session.commit()
+        # The host stays registered but the job needs a new placement: it is queued again first.
+        schedule_pass(session, settings)
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        assert job.attempts[0].status == AttemptStatus.lost
+        assert "stopped renewing its lease" in job.attempts[0].failure_reason
+        assert job.restarts == 1
+        assert job.status == JobStatus.scheduled and len(job.attempts) == 2  # placed again in the same pass
+        assert not crud.renew_lease(session, claimed, 30).held
+        assert not crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+
+
+def test_restarts_exhausted_fail_the_job_with_the_attempt_reason(sessions, settings):
+    job_id = queue_job(sessions, max_restarts=0)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        assert crud.finish_attempt(session, claimed, AttemptStatus.failed, "exit code 1: boom")
+        job = session.get(Job, job_id)
+        assert job.status == JobStatus.failed
+        assert "boom" in job.failure_reason
+
+
+def test_cancel_reaches_a_running_attempt_through_its_lease(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        crud.request_cancel(session, session.get(Job, job_id))
+        lease = crud.renew_lease(session, claimed, 30)
+        assert lease.held and lease.cancel_requested
+        crud.finish_attempt(session, claimed, AttemptStatus.cancelled, "cancelled by user")
+        assert session.get(Job, job_id).status == JobStatus.cancelled
+
+
+def test_metrics_are_idempotent_per_job_step_and_name(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "train_loss", 3.5)])
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(2, "train_loss", 3.4), (3, "train_loss", 3.0)])
+        rows = session.execute(select(Metric.step, Metric.value).where(Metric.job_id == job_id).order_by(Metric.step)).all()
+        assert [tuple(r) for r in rows] == [(1, 4.0), (2, 3.4), (3, 3.0)]
+        assert session.get(Job, job_id).step == 3
+
+
+def test_scheduler_places_by_priority_and_only_where_slots_are_free(sessions, settings):
+    low = queue_job(sessions, priority=0)
+    high = queue_job(sessions, priority=5)
+    wide = queue_job(sessions, priority=9, **{"resources.processes_per_node": 4})
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        placed = schedule_pass(session, settings)
+        assert len(placed) == 1
+        assert session.get(Job, high).status == JobStatus.scheduled
+        assert session.get(Job, low).status == JobStatus.queued
+        assert session.get(Job, wide).status == JobStatus.queued  # needs 4 slots, the host has 1
+
+
+def test_two_schedulers_never_place_a_job_twice(sessions, settings):
+    jobs = [queue_job(sessions) for _ in range(12)]
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 6, {})
+        crud.register_host(session, "host-b", "cpu", 6, {})
+    results: list[list] = []
+    barrier = threading.Barrier(2)
+
+    def scheduler():
+        barrier.wait()
+        with sessions() as session:
+            results.append(schedule_pass(session, settings))
+
+    threads = [threading.Thread(target=scheduler) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dispatched = [attempt for result in results for attempt in result]
+    assert len(dispatched) == 12
+    with sessions() as session:
+        attempts = session.scalars(select(Attempt)).all()
+        assert sorted(a.job_id for a in attempts) == sorted(jobs)
+        assert crud.busy_slots_by_host(session) == {"host-a": 6, "host-b": 6}
+
+
+def test_checkpoint_retention_keeps_the_newest(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        stale = []
+        for step in (6, 12, 18):
+            stale += crud.record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, keep_last=2)
+        assert stale == ["ck/6"]
+        assert [c.step for c in crud.list_checkpoints(session, job_id)] == [12, 18]
+        assert crud.latest_checkpoint(session, job_id).step == 18
+
+
+def test_a_new_attempt_resumes_from_the_latest_checkpoint(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        crud.record_checkpoint(session, job_id, claimed.attempt_id, 6, "ck/6", "0" * 64, 10, keep_last=2)
+        crud.finish_attempt(session, claimed, AttemptStatus.failed, "crash")
+        [(attempt_id, _)] = schedule_pass(session, settings)
+        second = crud.claim_attempt(session, attempt_id, "w2", 30)
+        assert second.number == 2 and second.resume_step == 6 and second.resume_checkpoint_path == "ck/6"
+        assert session.get(Job, job_id).step == 6

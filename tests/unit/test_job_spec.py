@@ -1,0 +1,50 @@
+import pytest
+from pydantic import ValidationError
+
+from api_schemas import JobSpec
+from tests.helpers import EXAMPLE_SPEC, spec_dict
+
+
+def errors_of(spec: dict) -> list[tuple[tuple, str]]:
+    with pytest.raises(ValidationError) as info:
+        JobSpec.model_validate(spec)
+    return [(error["loc"], error["msg"]) for error in info.value.errors()]
+
+
+def test_the_readme_example_spec_is_accepted_as_written():
+    spec = JobSpec.model_validate(EXAMPLE_SPEC)
+    assert spec.model.n_embd == 128 and spec.training.max_steps == 2000
+    assert spec.effective_batch_size == 12
+    assert spec.warmup_steps == 100
+
+
+def test_effective_batch_counts_accumulation_and_every_process():
+    spec = JobSpec.model_validate(
+        spec_dict(**{"training.micro_batch_size": 8, "training.gradient_accumulation_steps": 4, "resources.processes_per_node": 2})
+    )
+    assert spec.effective_batch_size == 8 * 4 * 2
+
+
+def test_default_warmup_is_ten_percent_of_steps():
+    spec = JobSpec.model_validate(spec_dict(**{"schedule.warmup_steps": None, "training.max_steps": 500}))
+    assert spec.warmup_steps == 50
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "reason"),
+    [
+        ({"model.kind": "resnet"}, ("model", "kind"), "'gpt'"),
+        ({"model.n_embd": 130}, ("model",), "n_embd (130) must be divisible by n_head (4)"),
+        ({"training.max_steps": -5}, ("training", "max_steps"), "greater than or equal to 1"),
+        ({"training.precision": "fp8"}, ("training", "precision"), "'no', 'fp16' or 'bf16'"),
+        ({"dataset.path": "../etc/passwd"}, ("dataset", "path"), "must not contain '..'"),
+        ({"dataset.path": "/etc/passwd"}, ("dataset", "path"), "relative path"),
+        ({"optimizer.betas": [0.9, 1.5]}, ("optimizer", "betas"), "each beta must be in [0, 1)"),
+        ({"training.learning_rate": 0.1}, ("training", "learning_rate"), "Extra inputs are not permitted"),
+        ({"training.precision": "fp16"}, (), "fp16 needs device 'cuda'"),
+        ({"schedule.warmup_steps": 5000}, (), "warmup_steps must be smaller than training.max_steps"),
+    ],
+)
+def test_invalid_specs_name_the_field_and_the_reason(overrides, field, reason):
+    errors = errors_of(spec_dict(**overrides))
+    assert any(loc[: len(field)] == field and reason in msg for loc, msg in errors), errors

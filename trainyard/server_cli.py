@@ -1,0 +1,219 @@
+"""Server-side commands: `up` (embedded stack), `api`, `scheduler`, `worker`, `db upgrade`, `user create`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from service.settings import Settings
+
+REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+ADMIN_NAME = "admin"
+
+
+def _settings() -> Settings:
+    return Settings()
+
+
+def _configure_logging(role: str) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+
+
+def db_upgrade(args: argparse.Namespace) -> int:
+    from service.db.migrate import upgrade
+
+    upgrade(_settings().resolved_database_url)
+    print("database schema is up to date")
+    return 0
+
+
+def user_create(args: argparse.Namespace) -> int:
+    from service.db import crud
+    from service.db.session import session_factory
+
+    with session_factory(_settings().resolved_database_url)() as session:
+        if crud.user_by_name(session, args.name):
+            print(f"error: user {args.name!r} already exists", file=sys.stderr)
+            return 1
+        _, token = crud.create_user(session, args.name, is_admin=args.admin)
+    print(token)
+    return 0
+
+
+def run_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from service.api.main import create_app
+
+    _configure_logging("api")
+    uvicorn.run(create_app(_settings()), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def run_scheduler_command(args: argparse.Namespace) -> int:
+    from service.db.session import session_factory
+    from service.queue import make_celery
+    from service.scheduler import run_scheduler
+
+    _configure_logging("scheduler")
+    settings = _settings()
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    try:
+        run_scheduler(session_factory(settings.resolved_database_url), make_celery(settings), settings, stop=lambda: bool(stopping))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def run_worker_command(args: argparse.Namespace) -> int:
+    from workers.host import run_worker
+
+    _configure_logging(f"worker[{args.host_name}]")
+    try:
+        run_worker(_settings(), args.host_name, args.devices)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# --- the embedded stack ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StackInfo:
+    url: str
+    token: str
+    data_dir: Path
+
+
+def prepare_embedded(data_dir: Path) -> str:
+    """Create the data dir, migrate the database, ship the corpus, and return the admin token."""
+    from service.db import crud
+    from service.db.migrate import upgrade
+    from service.db.session import session_factory
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    settings = Settings(data_dir=data_dir)
+    settings.resolved_data_root.mkdir(parents=True, exist_ok=True)
+    for corpus in REPO_DATA.glob("*.txt"):
+        target = settings.resolved_data_root / corpus.name
+        if not target.exists():
+            shutil.copy(corpus, target)
+    upgrade(settings.resolved_database_url)
+
+    token_file = data_dir / "token"
+    with session_factory(settings.resolved_database_url)() as session:
+        token = token_file.read_text().strip() if token_file.exists() else None
+        if token is None or crud.user_by_token(session, token) is None:
+            admin = crud.user_by_name(session, ADMIN_NAME)
+            name = ADMIN_NAME if admin is None else f"{ADMIN_NAME}-{int(time.time())}"
+            _, token = crud.create_user(session, name, is_admin=True)
+            token_file.write_text(token + "\n")
+            token_file.chmod(0o600)
+    return token
+
+
+@contextlib.contextmanager
+def embedded_stack(data_dir: Path, port: int, workers: int = 1, env: dict[str, str] | None = None) -> Iterator[StackInfo]:
+    """API, scheduler and `workers` local worker hosts as child processes; stopped on exit."""
+    data_dir = data_dir.resolve()
+    token = prepare_embedded(data_dir)
+    child_env = {**os.environ, **(env or {}), "TRAINYARD_DATA_DIR": str(data_dir)}
+    log_dir = data_dir / "logs"
+    log_dir.mkdir(exist_ok=True)
+    slots = os.cpu_count() or 1
+    commands = {
+        "api": ["api", "--port", str(port)],
+        "scheduler": ["scheduler"],
+        **{f"worker-{i}": ["worker", "--host-name", f"local-{i}", "--devices", f"cpu:{slots}"] for i in range(workers)},
+    }
+    children: list[subprocess.Popen] = []
+    try:
+        for name, command in commands.items():
+            with open(log_dir / f"{name}.log", "ab") as out:
+                children.append(
+                    subprocess.Popen([sys.executable, "-m", "trainyard", *command], env=child_env, stdout=out, stderr=subprocess.STDOUT)
+                )
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, children, log_dir)
+        yield StackInfo(url=url, token=token, data_dir=data_dir)
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            try:
+                child.wait(20)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(child.poll() is not None for child in children):
+            raise RuntimeError(f"a Trainyard process exited during start-up; see the logs in {log_dir}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the API did not become healthy within {timeout:.0f} s; see the logs in {log_dir}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    with embedded_stack(Path(args.data_dir), args.port, args.workers) as stack:
+        print(f"Trainyard is up at {stack.url} (dashboard JSON: {stack.url}/v1/dashboard)")
+        print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
+        stop = []
+        signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+        try:
+            while not stop:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def add_server_commands(subparsers) -> None:
+    up = subparsers.add_parser("up", help="run API, scheduler and local workers in one command (SQLite, no servers)")
+    up.add_argument("--data-dir", default=os.environ.get("TRAINYARD_DATA_DIR", ".trainyard"))
+    up.add_argument("--port", type=int, default=8000)
+    up.add_argument("--workers", type=int, default=1, help="local worker hosts to start")
+    up.set_defaults(func=run_up)
+
+    api = subparsers.add_parser("api", help="run the REST API")
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8000)
+    api.set_defaults(func=run_api)
+
+    subparsers.add_parser("scheduler", help="run the scheduler").set_defaults(func=run_scheduler_command)
+
+    worker = subparsers.add_parser("worker", help="run a worker host")
+    worker.add_argument("--host-name", required=True, help="unique name of this host")
+    worker.add_argument("--devices", default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
+    worker.set_defaults(func=run_worker_command)
+
+    db = subparsers.add_parser("db", help="database schema")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    db_commands.add_parser("upgrade", help="migrate the schema to the latest version").set_defaults(func=db_upgrade)
+
+    user = subparsers.add_parser("user", help="users and tokens")
+    user_commands = user.add_subparsers(dest="user_command", required=True)
+    create = user_commands.add_parser("create", help="create a user and print its token")
+    create.add_argument("name")
+    create.add_argument("--admin", action="store_true")
+    create.set_defaults(func=user_create)

@@ -1,0 +1,74 @@
+"""A worker host: registers its devices, heartbeats, and runs attempts sent to its Celery queue."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from service.db import crud
+from service.db.session import session_factory
+from service.queue import RUN_ATTEMPT_TASK, host_queue, make_celery
+from service.settings import Settings
+from workers.supervisor import AttemptRunner
+
+log = logging.getLogger("trainyard.worker")
+
+
+def parse_devices(devices: str) -> tuple[str, int, dict]:
+    """`cpu:4` → 4 CPU process slots; `cuda:all` or `cuda:0,1` → those GPUs, described via torch.cuda."""
+    kind, _, which = devices.partition(":")
+    if kind == "cpu":
+        if not which.isdigit() or int(which) < 1:
+            raise ValueError(f"--devices {devices!r}: expected cpu:N with N >= 1")
+        return "cpu", int(which), {}
+    if kind == "cuda":
+        import torch  # only GPU hosts pay for importing torch here
+
+        if not torch.cuda.is_available():
+            raise ValueError("--devices cuda: no CUDA device is visible on this host")
+        indices = range(torch.cuda.device_count()) if which in ("", "all") else [int(i) for i in which.split(",")]
+        gpus = [
+            {"index": i, "name": torch.cuda.get_device_name(i), "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+            for i in indices
+        ]
+        return "cuda", len(gpus), {"gpus": gpus}
+    raise ValueError(f"--devices {devices!r}: expected cpu:N, cuda:all or cuda:0,1,…")
+
+
+def run_worker(settings: Settings, host_name: str, devices: str) -> None:
+    device, slots, info = parse_devices(devices)
+    sessions = session_factory(settings.resolved_database_url)
+    with sessions() as session:
+        crud.register_host(session, host_name, device, slots, info)
+    log.info("host %s registered with %s × %s", host_name, slots, device)
+
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(settings.heartbeat_seconds):
+            try:
+                with sessions() as session:
+                    crud.heartbeat(session, host_name)
+            except Exception:
+                log.exception("heartbeat failed; retrying")
+
+    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
+
+    app = make_celery(settings)
+    runner = AttemptRunner(settings, sessions, host_name)
+
+    @app.task(name=RUN_ATTEMPT_TASK)
+    def run_attempt(attempt_id: int) -> None:
+        runner.run(attempt_id)
+
+    # Supervising is waiting on subprocesses and the database, so threads suffice: one per slot,
+    # since the scheduler never places more attempts on a host than it has slots. Prefetch 1 with
+    # late acks: a host takes only the attempts it can start now.
+    app.worker_main(
+        [
+            "worker", "--queues", host_queue(host_name), "--pool", "threads", "--concurrency", str(slots),
+            "--prefetch-multiplier", "1",
+            "--hostname", f"{host_name}@trainyard", "--without-gossip", "--without-mingle", "--loglevel", "INFO",
+        ]
+    )
+    stop.set()

@@ -1,0 +1,235 @@
+"""Runs one attempt of a job on this host, from claim to final status.
+
+The Celery message only says "run attempt X". The supervisor claims X in the database with a
+lease (a duplicate delivery finds it claimed and does nothing), launches the training processes
+with Accelerate's launcher, and while they run: renews the lease, stops them on cancel, and
+forwards what the training loop wrote (metrics and checkpoint events in a JSONL file, stdout and
+stderr) to the database and artifact store. The events file is the worker-side buffer: if the
+database is briefly unreachable, nothing is lost, it is delivered on the next successful flush.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqlalchemy.orm import sessionmaker
+
+from api_schemas import AttemptStatus, JobSpec
+from service.artifacts import ArtifactStore
+from service.db import crud
+from service.settings import Settings
+
+log = logging.getLogger("trainyard.worker")
+
+EXIT_PREEMPTED = 75  # the training loop saved a checkpoint and exited on SIGTERM
+MAX_LOG_LINE = 4000
+REASON_LOG_LINES = 20
+
+
+def launch_command(spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, port: int) -> list[str]:
+    """`accelerate launch -m workers.training …` with the job's process count and precision."""
+    resources = spec.resources
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--num_processes", str(resources.processes_per_node),
+        "--num_machines", "1",
+        "--machine_rank", "0",
+        "--main_process_port", str(port),
+        "--mixed_precision", spec.training.precision,
+        "--dynamo_backend", "no",
+    ]
+    if resources.device == "cpu":
+        # Accelerate's own default, passed explicitly so the launcher doesn't warn about it.
+        threads = max(1, (os.cpu_count() or 1) // resources.processes_per_node)
+        command += ["--cpu", "--num_cpu_threads_per_process", str(threads)]
+    if resources.processes_per_node > 1:
+        command.append("--multi_gpu")  # Accelerate's name for "one process per device, torchrun-style"
+    command += ["-m", "workers.training", "--spec", str(run_dir / "spec.json"), "--data-root", str(data_root), "--run-dir", str(run_dir)]
+    if resume_from is not None:
+        command += ["--resume-from", str(resume_from)]
+    return command
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EventTail:
+    """Reads the complete lines appended to the training loop's events file since the last read."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = path, 0
+
+    def read(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]  # a half-written last line waits for the next read
+        self.offset += len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
+@dataclass
+class Outbox:
+    """What the attempt produced that the database has not stored yet."""
+
+    metrics: list[tuple[int, str, float]] = field(default_factory=list)
+    logs: list[tuple[int, str]] = field(default_factory=list)
+    checkpoints: list[tuple[int, Path]] = field(default_factory=list)
+    recent_logs: list[str] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.metrics or self.logs or self.checkpoints)
+
+
+class AttemptRunner:
+    def __init__(self, settings: Settings, sessions: sessionmaker, host_name: str):
+        self.settings, self.sessions, self.host_name = settings, sessions, host_name
+        self.store = ArtifactStore(settings.resolved_artifact_root)
+
+    def run(self, attempt_id: int) -> None:
+        lease_owner = f"{self.host_name}:{os.getpid()}:{time.time_ns()}"
+        with self.sessions() as session:
+            claimed = crud.claim_attempt(session, attempt_id, lease_owner, self.settings.lease_seconds)
+        if claimed is None:
+            log.info("attempt %s is not ours to run (already claimed, ended or cancelled)", attempt_id)
+            return
+        log.info("running job %s attempt %s (resume from step %s)", claimed.job_id, claimed.number, claimed.resume_step)
+        outcome, reason = self._supervise(claimed)
+        self._finish(claimed, outcome, reason)
+
+    # -- the attempt's life ----------------------------------------------------------------------
+
+    def _supervise(self, claimed: crud.ClaimedAttempt) -> tuple[AttemptStatus | None, str | None]:
+        spec = JobSpec.model_validate(claimed.spec)
+        run_dir = self.settings.resolved_work_root / f"job-{claimed.job_id}" / f"attempt-{claimed.number}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "spec.json").write_text(json.dumps(claimed.spec))
+        resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
+        command = launch_command(spec, run_dir, self.settings.resolved_data_root, resume_from, free_port())
+        env = {**os.environ, "TRAINYARD_EVENTS_FILE": str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
+
+        process = subprocess.Popen(
+            command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump_lines, args=(process.stdout, lines), daemon=True).start()
+        events = EventTail(run_dir / "events.jsonl")
+        outbox = Outbox()
+        seq = 0
+        next_sync = 0.0
+        output_done = False
+        while True:
+            exit_code = process.poll()
+            while True:  # move the training output into the outbox
+                try:
+                    line = lines.get_nowait()
+                except queue.Empty:
+                    break
+                if line is None:
+                    output_done = True
+                    break
+                outbox.logs.append((seq, line[:MAX_LOG_LINE]))
+                outbox.recent_logs = (outbox.recent_logs + [line[:MAX_LOG_LINE]])[-REASON_LOG_LINES:]
+                seq += 1
+            for event in events.read():
+                if event["type"] == "metrics":
+                    outbox.metrics += [(event["step"], name, float(value)) for name, value in event["values"].items()]
+                elif event["type"] == "checkpoint":
+                    outbox.checkpoints.append((event["step"], Path(event["path"])))
+
+            finished = exit_code is not None and output_done
+            if finished or time.monotonic() >= next_sync:
+                next_sync = time.monotonic() + self.settings.heartbeat_seconds
+                lease = self._sync(claimed, spec, outbox)
+                if lease is not None and not lease.held:
+                    _stop(process)
+                    return None, "lease lost"
+                if lease is not None and lease.cancel_requested and not finished:
+                    _stop(process)
+                    self._sync(claimed, spec, outbox)
+                    return AttemptStatus.cancelled, "cancelled by user"
+            if finished and outbox.empty():
+                break
+            time.sleep(0.1 if not finished else 1.0)
+
+        if exit_code == 0:
+            return AttemptStatus.succeeded, None
+        tail = "\n".join(outbox.recent_logs[-REASON_LOG_LINES:])
+        what = "was preempted" if exit_code == EXIT_PREEMPTED else f"exited with code {exit_code}"
+        return AttemptStatus.failed, f"training process {what}; last output:\n{tail}"
+
+    def _sync(self, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> crud.Lease | None:
+        """Deliver the outbox and renew the lease. On a database error keep everything for next time."""
+        try:
+            with self.sessions() as session:
+                if outbox.metrics:
+                    crud.record_metrics(session, claimed.job_id, claimed.attempt_id, outbox.metrics)
+                    outbox.metrics = []
+                if outbox.logs:
+                    crud.record_logs(session, claimed.job_id, claimed, outbox.logs)
+                    outbox.logs = []
+                while outbox.checkpoints:
+                    step, source = outbox.checkpoints[0]
+                    relative, sha256, size = self.store.ingest_checkpoint(source, claimed.job_id, step)
+                    stale = crud.record_checkpoint(
+                        session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last
+                    )
+                    for path in stale:
+                        self.store.delete(path)
+                    outbox.checkpoints.pop(0)
+                return crud.renew_lease(session, claimed, self.settings.lease_seconds)
+        except Exception:
+            log.exception("could not reach the database for job %s; will retry", claimed.job_id)
+            return None
+
+    def _finish(self, claimed: crud.ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
+        if outcome is None:
+            log.warning("job %s attempt %s: %s", claimed.job_id, claimed.number, reason)
+            return
+        # The outcome must reach the database: retry until it does or our lease is gone.
+        while True:
+            try:
+                with self.sessions() as session:
+                    ended = crud.finish_attempt(session, claimed, outcome, reason)
+                log.info("job %s attempt %s %s%s", claimed.job_id, claimed.number, outcome.value, "" if ended else " (too late: lease lost)")
+                return
+            except Exception:
+                log.exception("could not record the end of job %s attempt %s; retrying", claimed.job_id, claimed.number)
+                time.sleep(2)
+
+
+def _pump_lines(stream, lines: queue.Queue) -> None:
+    for raw in stream:
+        lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+    lines.put(None)
+
+
+def _stop(process: subprocess.Popen, grace_seconds: float = 15.0) -> None:
+    """SIGTERM the whole process group (launcher and ranks), then SIGKILL whatever remains."""
+    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
