@@ -25,7 +25,7 @@ def submit_job(
         resolve_dataset(settings.resolved_data_root, spec.dataset.path)
     except DatasetError as exc:
         detail = [{"loc": ["body", "dataset", "path"], "msg": str(exc), "type": "value_error"}]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_ENTITY, detail) from exc
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from exc
     return job_out(crud.create_job(session, user, spec, idempotency_key))
 
 
