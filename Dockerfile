@@ -1,0 +1,18 @@
+# One image for every role: api, scheduler, worker. CPU torch by default; for GPU workers build
+# with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or a CUDA base image).
+FROM python:3.11-slim
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY api_schemas api_schemas
+COPY service service
+COPY workers workers
+COPY trainyard trainyard
+COPY data data
+RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} .
+ENV TRAINYARD_ARTIFACT_ROOT=/var/lib/trainyard/artifacts \
+    TRAINYARD_DATA_ROOT=/var/lib/trainyard/data \
+    TRAINYARD_WORK_ROOT=/var/lib/trainyard/work
+EXPOSE 8000
+ENTRYPOINT ["trainyard"]
+CMD ["api", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,60 @@
+"""No Docker engine runs here, so the deploy files are checked for agreement with the code instead:
+they parse, name only settings that exist, and run only commands the CLI accepts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from service.settings import Settings
+from trainyard.cli import build_parser
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS_ENV = {f"TRAINYARD_{name.upper()}" for name in Settings.model_fields}
+
+
+def compose() -> dict:
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def kubernetes() -> list[dict]:
+    return [doc for doc in yaml.safe_load_all((REPO / "deploy/kubernetes/trainyard.yaml").read_text()) if doc]
+
+
+def assert_cli_accepts(args: list[str]) -> None:
+    args = [a.replace("$(NODE_NAME)", "node-1") for a in args]
+    parsed = build_parser().parse_args(args)
+    assert callable(parsed.func), args
+
+
+def test_compose_services_run_real_commands_with_real_settings():
+    services = compose()["services"]
+    assert {"postgres", "redis", "api", "scheduler", "worker-cpu", "worker-gpu"} <= set(services)
+    for name, service in services.items():
+        if service.get("image") != "trainyard:latest":
+            continue
+        assert_cli_accepts(service["command"])
+        trainyard_env = {key for key in service["environment"] if key.startswith("TRAINYARD_")}
+        assert trainyard_env <= SETTINGS_ENV, (name, trainyard_env - SETTINGS_ENV)
+    assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_kubernetes_manifests_run_real_commands_with_real_settings():
+    docs = kubernetes()
+    kinds = {doc["kind"] for doc in docs}
+    assert {"Deployment", "DaemonSet", "Secret", "ConfigMap", "PersistentVolumeClaim", "Service", "Job"} <= kinds
+    for doc in docs:
+        if doc["kind"] in ("Secret", "ConfigMap"):
+            data = doc.get("stringData") or doc.get("data")
+            assert set(data) <= SETTINGS_ENV, set(data) - SETTINGS_ENV
+        if doc["kind"] in ("Deployment", "DaemonSet", "Job"):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                assert container["image"] == "trainyard:latest"
+                assert_cli_accepts(container["args"])
+
+
+def test_dockerfile_copies_every_package_the_project_installs():
+    dockerfile = (REPO / "Dockerfile").read_text()
+    for package in ("api_schemas", "service", "workers", "trainyard", "data"):
+        assert f"COPY {package} {package}" in dockerfile
