@@ -99,14 +99,14 @@ class StackInfo:
     data_dir: Path
 
 
-def prepare_embedded(data_dir: Path) -> str:
+def prepare_embedded(settings: Settings) -> str:
     """Create the data dir, migrate the database, ship the corpus, and return the admin token."""
     from service.db import crud
     from service.db.migrate import upgrade
     from service.db.session import session_factory
 
+    data_dir = settings.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
-    settings = Settings(data_dir=data_dir)
     settings.resolved_data_root.mkdir(parents=True, exist_ok=True)
     for corpus in REPO_DATA.glob("*.txt"):
         target = settings.resolved_data_root / corpus.name
@@ -127,11 +127,21 @@ def prepare_embedded(data_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def embedded_stack(data_dir: Path, port: int, workers: int = 1, env: dict[str, str] | None = None) -> Iterator[StackInfo]:
-    """API, scheduler and `workers` local worker hosts as child processes; stopped on exit."""
+def embedded_stack(
+    data_dir: Path, port: int, workers: int = 1, database_url: str | None = None, broker_url: str | None = None
+) -> Iterator[StackInfo]:
+    """API, scheduler and `workers` local worker hosts as child processes; stopped on exit.
+
+    By default on SQLite and the SQLAlchemy broker transport in `data_dir`; given URLs, the same
+    processes run on PostgreSQL and Redis (the tests use this for the production backends)."""
     data_dir = data_dir.resolve()
-    token = prepare_embedded(data_dir)
-    child_env = {**os.environ, **(env or {}), "TRAINYARD_DATA_DIR": str(data_dir)}
+    overrides = {"TRAINYARD_DATA_DIR": str(data_dir)}
+    if database_url:
+        overrides["TRAINYARD_DATABASE_URL"] = database_url
+    if broker_url:
+        overrides["TRAINYARD_BROKER_URL"] = broker_url
+    token = prepare_embedded(Settings(data_dir=data_dir, database_url=database_url, broker_url=broker_url))
+    child_env = {**os.environ, **overrides}
     log_dir = data_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     slots = os.cpu_count() or 1
