@@ -7,43 +7,12 @@ is always complete, and a crash mid-copy leaves only a `.tmp-*` directory nobody
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 import uuid
 from pathlib import Path
 
-MODEL_FILE = "model.safetensors"
-MANIFEST_FILE = "manifest.json"
-
-
-class CorruptCheckpoint(Exception):
-    pass
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def verify_manifest(directory: Path) -> dict:
-    """Check every file listed in the manifest against its sha256 and size; returns the manifest."""
-    try:
-        manifest = json.loads((directory / MANIFEST_FILE).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError) as exc:
-        raise CorruptCheckpoint(f"{directory}: unreadable manifest ({exc})") from exc
-    if MODEL_FILE not in files:
-        raise CorruptCheckpoint(f"{directory}: manifest lists no {MODEL_FILE}")
-    for relative, expected in files.items():
-        path = directory / relative
-        if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
-            raise CorruptCheckpoint(f"{directory}: {relative} does not match its manifest")
-    return manifest
+from api_schemas.manifest import MODEL_FILE, verify_manifest
 
 
 class ArtifactStore:

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, StreamingResponse
 
 from service.api.deps import CurrentUser, SessionDep, StoreDep, not_found
-from service.artifacts import MODEL_FILE
+from api_schemas.manifest import MODEL_FILE
 from service.db import crud
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])

@@ -1,0 +1,53 @@
+"""The checkpoint manifest: written by the training loop, verified by the artifact store.
+
+A checkpoint directory holds `model.safetensors`, the full Accelerate state and a `manifest.json`
+that lists every other file with its size and sha256. Standard library only, so both sides share it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+MODEL_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+class CorruptCheckpoint(Exception):
+    pass
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(directory: Path, step: int) -> dict:
+    files = {
+        str(path.relative_to(directory)): {"sha256": sha256_file(path), "size": path.stat().st_size}
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MANIFEST_FILE
+    }
+    manifest = {"step": step, "files": files}
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def verify_manifest(directory: Path) -> dict:
+    """Check every listed file against its size and sha256; returns the manifest."""
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise CorruptCheckpoint(f"{directory}: unreadable manifest ({exc})") from exc
+    if MODEL_FILE not in files:
+        raise CorruptCheckpoint(f"{directory}: manifest lists no {MODEL_FILE}")
+    for relative, expected in files.items():
+        path = directory / relative
+        if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
+            raise CorruptCheckpoint(f"{directory}: {relative} does not match its manifest")
+    return manifest

@@ -1,0 +1,154 @@
+"""The training loop: an Accelerate loop that reads top to bottom.
+
+It knows nothing of the service: it reads a JobSpec, trains, and tells a Reporter about metrics
+and checkpoints. Run it under a Trainyard worker or a plain `accelerate launch -m workers.training`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from torch.utils.data import DataLoader
+
+from api_schemas import JobSpec
+from workers.training.checkpoint import load_trainer_state, prune_checkpoints, save_checkpoint
+from workers.training.data import TokenWindows, load_text_corpus
+from workers.training.evaluate import eval_dataloader, evaluate
+from workers.training.model import GPT
+from workers.training.reporter import Reporter
+from workers.training.schedule import make_scheduler
+
+EXIT_PREEMPTED = 75
+
+
+@dataclass
+class TrainResult:
+    step: int
+    preempted: bool
+    last_eval_loss: float | None
+
+
+def make_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
+    # As nanoGPT: weight decay on every 2-D tensor (matrices, embeddings), none on biases and norms.
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.optimizer.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if spec.optimizer.name == "sgd":
+        return torch.optim.SGD(groups, lr=spec.optimizer.lr, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=spec.optimizer.lr, betas=spec.optimizer.betas)
+
+
+def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None = None) -> TrainResult:
+    cfg = spec.training
+    accelerator = Accelerator(
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        mixed_precision=cfg.precision,
+        cpu=spec.resources.device == "cpu",
+    )
+    set_seed(cfg.seed)
+
+    # Data: fixed windows whose order depends only on (seed, epoch), so a resumed run and a run
+    # on more processes see exactly the same samples.
+    corpus = load_text_corpus(spec.dataset, data_root)
+    train_set = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed)
+    train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True)
+    eval_dl = eval_dataloader(corpus.val, spec)
+
+    # Model, optimizer, schedule: built once, prepared once.
+    model = GPT(spec.model, corpus.tokenizer.vocab_size)
+    optimizer = make_optimizer(model, spec)
+    scheduler = make_scheduler(optimizer, spec, accelerator.num_processes)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    if len(train_dl) == 0:
+        raise ValueError(f"the training split has fewer than {cfg.micro_batch_size * accelerator.num_processes} windows: use a smaller micro_batch_size or block_size")
+
+    # Resume: weights, optimizer, schedule and RNG from the Accelerate state; where the loop was
+    # from the explicit trainer state. Loaded before compiling, so no weights go into a compiled module.
+    progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from / "state"))
+        progress = load_trainer_state(resume_from)
+        accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
+    forward = torch.compile(model) if cfg.compile else model
+
+    # Preemption: SIGTERM asks for a checkpoint at the next step boundary, then exit.
+    stop_requested = []
+    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+
+    step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
+    tokens_per_micro_batch = cfg.micro_batch_size * spec.model.block_size * accelerator.num_processes
+    last_eval = None
+    preempted = False
+    model.train()
+    while step < cfg.max_steps and not preempted:
+        train_set.set_epoch(epoch)
+        loader = accelerator.skip_first_batches(train_dl, batch_in_epoch) if batch_in_epoch else train_dl
+        window_loss, window_batches, step_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
+        for inputs, targets in loader:
+            batch_in_epoch += 1
+
+            # Forward and backward; Accelerate scales the loss for accumulation and skips the
+            # gradient all-reduce until the last micro-batch of the window.
+            with accelerator.accumulate(model):
+                _, loss = forward(inputs, targets)
+                accelerator.backward(loss)
+                window_loss += loss.detach()
+                window_batches += 1
+                if accelerator.sync_gradients:
+                    lr = optimizer.param_groups[0]["lr"]
+                    # The norm before clipping; an infinite limit measures without clipping.
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm or float("inf"))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            if not accelerator.sync_gradients:
+                continue
+
+            # One optimizer step done: report it (the loss averaged over the window and processes).
+            step += 1
+            train_loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
+            step_time = time.perf_counter() - step_start
+            metrics = {
+                "train_loss": train_loss,
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "step_time_s": step_time,
+                "tokens_per_s": window_batches * tokens_per_micro_batch / step_time,
+            }
+            last_step = step >= cfg.max_steps
+            if step % cfg.eval_every == 0 or last_step:
+                metrics["eval_loss"] = last_eval = evaluate(forward, eval_dl, accelerator)
+            if accelerator.is_main_process:
+                reporter.metrics(step, metrics)
+
+            # Checkpoint on schedule, at the end, and when asked to stop.
+            preempted = _any_process(accelerator, bool(stop_requested)) and not last_step
+            if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
+                state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch}
+                path = save_checkpoint(accelerator, model, run_dir, state, spec, corpus.tokenizer)
+                if accelerator.is_main_process:
+                    reporter.checkpoint(step, path)
+                    prune_checkpoints(run_dir, spec.checkpoint.keep_last)
+            if last_step or preempted:
+                break
+            window_loss, window_batches, step_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
+        else:
+            epoch, batch_in_epoch = epoch + 1, 0
+
+    accelerator.end_training()
+    return TrainResult(step=step, preempted=preempted, last_eval_loss=last_eval)
+
+
+def _any_process(accelerator: Accelerator, flag: bool) -> bool:
+    """True if `flag` is set on any process: checkpointing is collective, so all must agree."""
+    if accelerator.num_processes == 1:
+        return flag
+    return accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), reduction="sum").item() > 0
