@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from trainyard.client_cli import add_client_commands
 from trainyard.server_cli import add_server_commands
 
 
@@ -12,12 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainyard", description="Run distributed PyTorch training jobs.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_server_commands(subparsers)
-    try:
-        from trainyard.client_cli import add_client_commands
-    except ImportError:  # the client commands are being written
-        pass
-    else:
-        add_client_commands(subparsers)
+    add_client_commands(subparsers)
     return parser
 
 

@@ -1,0 +1,249 @@
+"""Python client of the Trainyard REST API (sync, httpx), typed with the api_schemas models.
+
+    with Client() as client:             # server and token from args, env, or `trainyard up`'s token file
+        job = client.submit(spec)
+        job = client.wait(job.id)
+        client.download(client.checkpoints(job.id)[-1].id, Path("model.safetensors"))
+
+Every failure, from an HTTP error to a refused connection, is raised as `TrainyardError` with a
+message meant for people, so callers print it instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel, TypeAdapter
+
+from api_schemas import CheckpointOut, DashboardOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricsOut, WorkerOut
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+SHA256_HEADER = "X-Checkpoint-SHA256"
+
+Model = TypeVar("Model")
+
+
+class TrainyardError(Exception):
+    """A failed call, with a readable message; `status_code` is the HTTP status when there was a response."""
+
+    def __init__(self, message: str, status_code: int | None = None):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def token_file() -> Path:
+    """Where `trainyard up` (embedded mode) writes the admin token."""
+    return Path(os.environ.get("TRAINYARD_DATA_DIR", ".trainyard")) / "token"
+
+
+def _default_token() -> str | None:
+    if token := os.environ.get("TRAINYARD_TOKEN"):
+        return token
+    try:
+        return token_file().read_text().strip() or None
+    except OSError:
+        return None
+
+
+def error_message(response: httpx.Response) -> str:
+    """The server's reason for an error response; FastAPI's 422 list becomes one `loc: msg` line per problem."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):  # not JSON, or JSON that isn't an object
+        detail = response.text.strip()[:500] or None
+    status = f"HTTP {response.status_code}"
+    if isinstance(detail, list):
+        problems = "\n".join(f"  {_validation_problem(error)}" for error in detail)
+        return f"the server rejected the request ({status}):\n{problems}"
+    reason = detail if isinstance(detail, str) and detail else response.reason_phrase
+    if response.status_code == 401:
+        reason += f"; pass --token or set TRAINYARD_TOKEN (`trainyard up` writes it to {token_file()})"
+    return f"{reason} ({status})"
+
+
+def _validation_problem(error: Any) -> str:
+    if not isinstance(error, dict):
+        return str(error)
+    loc = list(error.get("loc") or [])
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]  # where in the request is implied by the call
+    where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+    message = str(error.get("msg", error)).removeprefix("Value error, ")  # pydantic's prefix for our own checks
+    return f"{where}: {message}" if where else message
+
+
+class Client:
+    def __init__(self, server: str | None = None, token: str | None = None, timeout: float = 30.0):
+        self.server = (server or os.environ.get("TRAINYARD_SERVER") or DEFAULT_SERVER).rstrip("/")
+        self.token = token or _default_token()
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- jobs --------------------------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec | dict, idempotency_key: str | None = None) -> JobOut:
+        """Submit a job. A dict is sent as is, so the server's validation (and its 422 reasons) applies."""
+        body = spec.model_dump(mode="json") if isinstance(spec, JobSpec) else spec
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return self._call(JobOut, "POST", "/v1/jobs", json=body, headers=headers)
+
+    def jobs(self, status: JobStatus | str | None = None, limit: int = 50) -> Iterator[JobOut]:
+        """All visible jobs, newest first, fetched `limit` per request as the iteration goes."""
+        params: dict[str, Any] = {"limit": limit}
+        if status is not None:
+            params["status"] = JobStatus(status).value
+        while True:
+            page = self._call(JobPage, "GET", "/v1/jobs", params=params)
+            yield from page.items
+            if page.next_cursor is None:
+                return
+            params["cursor"] = page.next_cursor
+
+    def job(self, job_id: int) -> JobOut:
+        return self._call(JobOut, "GET", f"/v1/jobs/{job_id}")
+
+    def cancel(self, job_id: int) -> JobOut:
+        return self._call(JobOut, "POST", f"/v1/jobs/{job_id}/cancel")
+
+    def wait(self, job_id: int, poll: float = 1.0, on_update: Callable[[JobOut], None] | None = None) -> JobOut:
+        """Poll the job until it reaches a final status; `on_update` sees every poll's state."""
+        while True:
+            job = self.job(job_id)
+            if on_update is not None:
+                on_update(job)
+            if job.status.is_final:
+                return job
+            time.sleep(poll)
+
+    def metrics(
+        self, job_id: int, names: Sequence[str] | None = None, from_step: int | None = None, max_points: int | None = None
+    ) -> MetricsOut:
+        params = {"names": ",".join(names) if names else None, "from_step": from_step, "max_points": max_points}
+        return self._call(MetricsOut, "GET", f"/v1/jobs/{job_id}/metrics", params=_without_none(params))
+
+    def logs(self, job_id: int, tail: int = 100) -> LogsOut:
+        return self._call(LogsOut, "GET", f"/v1/jobs/{job_id}/logs", params={"tail": tail})
+
+    def checkpoints(self, job_id: int) -> list[CheckpointOut]:
+        return self._call(list[CheckpointOut], "GET", f"/v1/jobs/{job_id}/checkpoints")
+
+    # -- cluster -----------------------------------------------------------------------------------
+
+    def dashboard(self) -> DashboardOut:
+        return self._call(DashboardOut, "GET", "/v1/dashboard")
+
+    def workers(self) -> list[WorkerOut]:
+        return self._call(list[WorkerOut], "GET", "/v1/workers")
+
+    def health(self) -> bool:
+        return self._call(dict, "GET", "/healthz").get("status") == "ok"
+
+    # -- checkpoint download -----------------------------------------------------------------------
+
+    def download(self, checkpoint_id: int, dest: Path, progress: Callable[[int, int | None], None] | None = None) -> Path:
+        """Download a checkpoint's model.safetensors to `dest`, verified against the server's sha256.
+
+        Bytes go to `dest.part` first; a `.part` left by an interrupted download is resumed with
+        a Range request. Only a complete, verified file is renamed to `dest`. `progress(done, total)`
+        is called as bytes arrive (total is None when the server doesn't say).
+        """
+        dest = Path(dest)
+        partial = dest.with_name(dest.name + ".part")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        offset = partial.stat().st_size if partial.exists() else 0
+        url = f"/v1/checkpoints/{checkpoint_id}/download"
+        try:
+            with self._stream("GET", url, headers={"Range": f"bytes={offset}-"} if offset else {}) as response:
+                expected = response.headers.get(SHA256_HEADER)
+                if not expected:
+                    raise TrainyardError(f"checkpoint {checkpoint_id}: the server sent no {SHA256_HEADER} header to verify against")
+                actual = _save_body(response, partial, progress)
+        except TrainyardError as exc:
+            if exc.status_code == 416 and offset:
+                # The .part is as long as the file or longer: it can't be resumed, so start over.
+                partial.unlink()
+                return self.download(checkpoint_id, dest, progress)
+            if exc.status_code is None and partial.exists():
+                raise TrainyardError(f"{exc}; the partial download {partial} is kept: run the download again to resume") from exc
+            raise
+
+        if actual != expected.lower():
+            partial.unlink()  # resuming a corrupt file would only reproduce the mismatch
+            raise TrainyardError(
+                f"checkpoint {checkpoint_id}: sha256 mismatch, the download is corrupt and was deleted "
+                f"(expected {expected}, got {actual})"
+            )
+        partial.replace(dest)
+        return dest
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def _call(self, model: type[Model], method: str, path: str, **kwargs) -> Model:
+        """One request; the JSON response parsed into `model` (a pydantic model, or a type like list[X])."""
+        with self._stream(method, path, **kwargs) as response:
+            response.read()
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            return model.model_validate(response.json())
+        return TypeAdapter(model).validate_python(response.json())
+
+    @contextlib.contextmanager
+    def _stream(self, method: str, path: str, **kwargs) -> Iterator[httpx.Response]:
+        """A streamed response with a success status; anything else is raised as TrainyardError."""
+        try:
+            with self._http.stream(method, path, **kwargs) as response:
+                if response.is_error:
+                    response.read()
+                    raise TrainyardError(error_message(response), status_code=response.status_code)
+                yield response
+        except httpx.ConnectError as exc:
+            raise TrainyardError(f"cannot reach Trainyard at {self.server} — is `trainyard up` running?") from exc
+        except httpx.TimeoutException as exc:
+            raise TrainyardError(f"Trainyard at {self.server} did not answer in time ({type(exc).__name__})") from exc
+        except httpx.TransportError as exc:  # e.g. the connection dropped mid-response
+            raise TrainyardError(f"the connection to Trainyard at {self.server} failed: {exc or type(exc).__name__}") from exc
+
+
+def _without_none(params: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in params.items() if value is not None}
+
+
+def _save_body(response: httpx.Response, partial: Path, progress: Callable[[int, int | None], None] | None) -> str:
+    """Write the body to `partial`, after its bytes for a 206 (the rest of the file); returns the file's sha256."""
+    resumed = response.status_code == 206  # otherwise the server sent the whole file
+    digest = hashlib.sha256()
+    done = _hash_file(partial, digest) if resumed else 0
+    total = done + int(response.headers["Content-Length"]) if "Content-Length" in response.headers else None
+    with open(partial, "ab" if resumed else "wb") as out:
+        for chunk in response.iter_bytes():  # as received: a buffered chunk would be lost if the connection drops
+            out.write(chunk)
+            digest.update(chunk)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, total)
+    return digest.hexdigest()
+
+
+def _hash_file(path: Path, digest: Any) -> int:
+    """Feed the file into `digest`; returns its size."""
+    size = 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+    return size

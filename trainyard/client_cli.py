@@ -1,0 +1,278 @@
+"""Client commands of `trainyard`: submit, ls, status, logs, cancel, checkpoints, download, dashboard, workers.
+
+Each one talks to the server through `Client`; failures print `error: <reason>` and return
+1 (2 for input the server or this command refused), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+from api_schemas import JobOut, JobStatus
+from trainyard.client import Client, TrainyardError
+from trainyard.progress import follow_job
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class SpecFileError(TrainyardError):
+    pass
+
+
+def load_spec_file(path: Path) -> dict:
+    """A job spec from a .json file, or YAML for any other name."""
+    path = Path(path)
+    is_json = path.suffix.lower() == ".json"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SpecFileError(f"cannot read {path}: {exc.strerror}") from exc
+    try:
+        spec = json.loads(text) if is_json else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:  # both parsers' messages name the line and column
+        raise SpecFileError(f"{path} is not valid {'JSON' if is_json else 'YAML'}: {exc}") from exc
+    if not isinstance(spec, dict):
+        raise SpecFileError(f"{path}: expected a mapping of spec fields at the top level, got {type(spec).__name__}")
+    return spec
+
+
+# -- output helpers ------------------------------------------------------------------------------
+
+def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
+    rows = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
+    for row in [list(headers), *rows]:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def local_time(moment: datetime | None) -> str:
+    if moment is None:
+        return "-"
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)  # the server stores UTC
+    return moment.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+
+
+def human_bytes(size: float) -> str:
+    if size < 1024:
+        return f"{size:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024:
+            break
+    return f"{size:.1f} {unit}"
+
+
+def report_outcome(job: JobOut) -> int:
+    """Exit status for a finished job; the reason goes to stderr when it did not succeed."""
+    if job.status == JobStatus.succeeded:
+        print(f"job {job.id} succeeded at step {job.step}/{job.max_steps}")
+        return 0
+    reason = f": {job.failure_reason}" if job.failure_reason else ""
+    print(f"job {job.id} {job.status.value}{reason}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def connect(args: argparse.Namespace) -> Client:
+    return Client(server=args.server, token=args.token)
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    spec = load_spec_file(args.file)
+    with connect(args) as client:
+        job = client.submit(spec)
+        print(f"submitted job {job.id} ({job.name}): {job.status.value}")
+        if not args.follow:
+            return 0
+        try:
+            job = follow_job(client, job.id)
+        except KeyboardInterrupt:
+            print(f"\nstopped following; job {job.id} keeps running (`trainyard cancel {job.id}` stops it)", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        return report_outcome(job)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        # The newest `limit` jobs: one page when it fits in the server's page size (200 at most).
+        jobs = list(itertools.islice(client.jobs(status=args.status, limit=min(args.limit, 200)), args.limit))
+    print_table(
+        ["ID", "NAME", "STATUS", "STEP", "OWNER", "CREATED"],
+        [[j.id, j.name, j.status.value, f"{j.step}/{j.max_steps}", j.owner, local_time(j.created_at)] for j in jobs],
+    )
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        job = client.job(args.id)
+    print(f"job {job.id}: {job.name} (owner {job.owner}, priority {job.priority})")
+    print(f"  status    {job.status.value}")
+    print(f"  progress  {job.step}/{job.max_steps} steps, batch {job.effective_batch_size}, restarts {job.restarts}")
+    print(f"  created   {local_time(job.created_at)}  started {local_time(job.started_at)}  finished {local_time(job.finished_at)}")
+    if job.failure_reason:
+        print("  reason    " + job.failure_reason.replace("\n", "\n" + " " * 12))  # keeps a multi-line reason indented
+    if job.attempts:
+        print()
+        print_table(
+            ["ATTEMPT", "HOST", "STATUS", "RESUMED FROM", "STARTED", "FINISHED"],
+            [
+                [a.number, a.host_name, a.status.value, "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}",
+                 local_time(a.started_at), local_time(a.finished_at)]
+                for a in job.attempts
+            ],
+        )
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        lines = client.logs(args.id, tail=args.tail).lines
+    attempt = None
+    for line in lines:
+        if line.attempt != attempt:
+            attempt = line.attempt
+            print(f"--- attempt {attempt} ---")
+        print(line.line)
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        job = client.cancel(args.id)
+    if job.status.is_final:
+        print(f"job {job.id} is {job.status.value}")
+    else:
+        print(f"cancel requested; job {job.id} is {job.status.value} until its worker stops it")
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        checkpoints = client.checkpoints(args.id)
+    print_table(
+        ["ID", "STEP", "SIZE", "SHA256", "CREATED"],
+        [[c.id, c.step, human_bytes(c.size_bytes), c.sha256[:16], local_time(c.created_at)] for c in checkpoints],
+    )
+    return 0
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    dest = Path(args.output or f"checkpoint-{args.checkpoint_id}.safetensors")
+    with connect(args) as client:
+        path = download_with_progress(client, args.checkpoint_id, dest)
+    print(f"saved {path} (sha256 verified)")
+    return 0
+
+
+def download_with_progress(client: Client, checkpoint_id: int, dest: Path) -> Path:
+    """`client.download`, with the bytes so far shown on one redrawn line when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        return client.download(checkpoint_id, dest)
+
+    def show(done: int, total: int | None) -> None:
+        of_total = f" of {human_bytes(total)}" if total else ""
+        sys.stderr.write(f"\rdownloading {human_bytes(done)}{of_total}   ")
+        sys.stderr.flush()
+
+    try:
+        return client.download(checkpoint_id, dest, progress=show)
+    finally:
+        sys.stderr.write("\n")
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        dashboard = client.dashboard()
+    print("jobs: " + ", ".join(f"{count} {status}" for status, count in dashboard.jobs_by_status.items()))
+    if dashboard.running:
+        print()
+        print_table(
+            ["ID", "NAME", "OWNER", "PROGRESS", "LOSS", "HOST"],
+            [
+                [r.id, r.name, r.owner, f"{r.step}/{r.max_steps} ({r.progress:.0%})",
+                 "-" if r.last_train_loss is None else f"{r.last_train_loss:.4f}", r.host_name or "-"]
+                for r in dashboard.running
+            ],
+        )
+    print()
+    print_workers(dashboard.workers)
+    return 0
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        print_workers(client.workers())
+    return 0
+
+
+def print_workers(workers) -> None:
+    print_table(
+        ["WORKER", "DEVICE", "BUSY/SLOTS", "ONLINE", "LAST HEARTBEAT"],
+        [[w.name, w.device, f"{w.busy_slots}/{w.slots}", "yes" if w.online else "no", local_time(w.last_heartbeat)] for w in workers],
+    )
+
+
+# -- registration --------------------------------------------------------------------------------
+
+def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """The handler, with errors printed as `error: <message>` instead of a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except TrainyardError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT if isinstance(exc, SpecFileError) or exc.status_code == 422 else EXIT_FAILED
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
+
+    return run
+
+
+def add_client_commands(subparsers) -> None:
+    # Every client command takes the connection options, so they work after the command name.
+    connection = argparse.ArgumentParser(add_help=False)
+    connection.add_argument("--server", help="API URL (default: $TRAINYARD_SERVER or http://127.0.0.1:8000)")
+    connection.add_argument("--token", help="bearer token (default: $TRAINYARD_TOKEN or the token file of `trainyard up`)")
+
+    def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        parser = subparsers.add_parser(name, help=help, parents=[connection])
+        parser.set_defaults(func=guarded(handler))
+        return parser
+
+    submit = command("submit", cmd_submit, "submit a job spec (YAML or JSON)")
+    submit.add_argument("file", type=Path, help="job spec file")
+    submit.add_argument("--follow", action="store_true", help="show progress until the job ends; exit 1 unless it succeeded")
+
+    ls = command("ls", cmd_ls, "list jobs, newest first")
+    ls.add_argument("--status", choices=[s.value for s in JobStatus])
+    ls.add_argument("--limit", type=int, default=50, help="show at most this many (default 50)")
+
+    command("status", cmd_status, "show a job and its attempts").add_argument("id", type=int)
+
+    logs = command("logs", cmd_logs, "print a job's latest log lines")
+    logs.add_argument("id", type=int)
+    logs.add_argument("--tail", type=int, default=100, help="lines to show (default 100)")
+
+    command("cancel", cmd_cancel, "cancel a job").add_argument("id", type=int)
+    command("checkpoints", cmd_checkpoints, "list a job's checkpoints").add_argument("id", type=int)
+
+    download = command("download", cmd_download, "download a checkpoint's model.safetensors, verified by sha256")
+    download.add_argument("checkpoint_id", type=int)
+    download.add_argument("-o", "--output", help="file to write (default checkpoint-<ID>.safetensors)")
+
+    command("dashboard", cmd_dashboard, "jobs by status, running jobs and workers")
+    command("workers", cmd_workers, "list worker hosts")

@@ -1,0 +1,173 @@
+"""A terminal progress bar for a training job, using nothing beyond the standard library.
+
+    running   [#########...............]  750/2000  38%  loss 1.9321  6.1k tok/s  ETA 3m25s
+
+On a terminal the line is redrawn in place; in a log file (not a TTY) a line is printed about
+every 10% and on every status change, so the log stays short.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TextIO
+
+if TYPE_CHECKING:
+    from api_schemas import JobOut
+    from trainyard.client import Client
+
+
+def format_duration(seconds: float) -> str:
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, seconds = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{seconds:02d}s"
+    return f"{seconds}s"
+
+
+def format_rate(tokens_per_sec: float) -> str:
+    for divisor, suffix in ((1e6, "M"), (1e3, "k")):
+        if tokens_per_sec >= divisor:
+            return f"{tokens_per_sec / divisor:.1f}{suffix} tok/s"
+    return f"{tokens_per_sec:.0f} tok/s"
+
+
+def format_progress(
+    step: int,
+    max_steps: int,
+    *,
+    status: str | None = None,
+    train_loss: float | None = None,
+    tokens_per_sec: float | None = None,
+    eta_seconds: float | None = None,
+    restarts: int = 0,
+    width: int = 24,
+) -> str:
+    """One line describing a job's progress; the parts not known yet are left out."""
+    fraction = min(max(step / max_steps, 0.0), 1.0) if max_steps > 0 else 0.0
+    filled = int(fraction * width)
+    parts = [f"[{'#' * filled}{'.' * (width - filled)}]", f"{step}/{max_steps}", f"{fraction:4.0%}"]
+    if status is not None:
+        parts.insert(0, f"{status:<9}")  # 9 = len("scheduled"), so the bars line up
+    if train_loss is not None:
+        parts.append(f"loss {train_loss:.4f}")
+    if tokens_per_sec is not None:
+        parts.append(format_rate(tokens_per_sec))
+    if eta_seconds is not None:
+        parts.append(f"ETA {format_duration(eta_seconds)}")
+    if restarts:
+        parts.append(f"restarts {restarts}")
+    return "  ".join(parts)
+
+
+class StepRate:
+    """Steps per second over the last `window` seconds, so the ETA follows the current speed."""
+
+    def __init__(self, window: float = 30.0):
+        self.window = window
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, step: int) -> None:
+        if self.samples and step == self.samples[-1][1]:
+            return  # only the moments the step changed tell the speed
+        if self.samples and step < self.samples[-1][1]:
+            self.samples.clear()  # a restart resumed from an earlier checkpoint
+        self.samples.append((now, step))
+        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window:
+            self.samples.popleft()
+
+    def steps_per_second(self) -> float | None:
+        if len(self.samples) < 2:
+            return None
+        (first_time, first_step), (last_time, last_step) = self.samples[0], self.samples[-1]
+        if last_time <= first_time:
+            return None
+        return (last_step - first_step) / (last_time - first_time)
+
+
+class ProgressBar:
+    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+        self.stream = stream or sys.stderr
+        self.interactive = self.stream.isatty()
+        self.clock = clock
+        self.rate = StepRate()
+        self._drawn = 0  # length of the line on screen, to blank out what a shorter line leaves
+        self._printed_decile = -1
+        self._printed_status: str | None = None
+
+    def update(
+        self,
+        status: str,
+        step: int,
+        max_steps: int,
+        train_loss: float | None = None,
+        tokens_per_step: int | None = None,
+        restarts: int = 0,
+    ) -> None:
+        if status == "running" and step > 0:  # the time spent queued and starting up is no training speed
+            self.rate.add(self.clock(), step)
+        speed = self.rate.steps_per_second()
+        line = format_progress(
+            step,
+            max_steps,
+            status=status,
+            train_loss=train_loss,
+            tokens_per_sec=speed * tokens_per_step if speed and tokens_per_step else None,
+            eta_seconds=(max_steps - step) / speed if speed and status == "running" else None,
+            restarts=restarts,
+        )
+        if self.interactive:
+            line = line[: shutil.get_terminal_size().columns - 1]  # a wrapped line can't be redrawn with \r
+            self.stream.write("\r" + line.ljust(self._drawn))
+            self._drawn = len(line)
+        else:
+            decile = int(10 * step / max_steps) if max_steps > 0 else 0
+            if decile > self._printed_decile or status != self._printed_status:
+                self.stream.write(line + "\n")
+                self._printed_decile, self._printed_status = decile, status
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.interactive and self._drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._drawn = 0
+
+
+class LatestMetric:
+    """The newest value of one of a job's metrics, fetching only the points since the last look."""
+
+    def __init__(self, client: Client, job_id: int, name: str):
+        self.client, self.job_id, self.name = client, job_id, name
+        self.value: float | None = None
+        self._checked_step = -1
+
+    def at(self, job_step: int) -> float | None:
+        if job_step > self._checked_step:
+            from_step = max(self._checked_step, 0)
+            series = self.client.metrics(self.job_id, names=[self.name], from_step=from_step).series.get(self.name)
+            if series and series.values:
+                self.value = series.values[-1]
+            self._checked_step = job_step
+        return self.value
+
+
+def follow_job(client: Client, job_id: int, stream: TextIO | None = None, poll: float = 1.0) -> JobOut:
+    """Show the job's progress until it ends; returns its final state."""
+    bar = ProgressBar(stream)
+    train_loss = LatestMetric(client, job_id, "train_loss")
+
+    def show(job: JobOut) -> None:
+        tokens_per_step = job.effective_batch_size * job.spec.model.block_size
+        bar.update(job.status.value, job.step, job.max_steps, train_loss.at(job.step), tokens_per_step, job.restarts)
+
+    try:
+        return client.wait(job_id, poll=poll, on_update=show)
+    finally:
+        bar.close()
