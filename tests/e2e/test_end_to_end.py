@@ -1,0 +1,128 @@
+"""The whole service through HTTP: API, scheduler, Celery worker, training processes, artifact store.
+
+Runs on both backend pairs: the embedded default (SQLite + Celery over the kombu SQLAlchemy
+transport) and production (PostgreSQL + Redis).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import socket
+import tarfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api_schemas import JobSpec
+from tests.helpers import tiny_spec
+from trainyard.server_cli import embedded_stack
+from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(params=["sqlite+sqla-transport", "postgres+redis"])
+def stack(request, tmp_path):
+    urls = {}
+    if request.param == "postgres+redis":
+        urls = {"database_url": request.getfixturevalue("postgres_url"), "broker_url": request.getfixturevalue("redis_url")}
+    with embedded_stack(tmp_path / "yard", free_port(), workers=1, **urls) as info:
+        client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
+        yield client, info
+        client.close()
+
+
+def wait_for(client: httpx.Client, job_id: int, statuses: set[str], timeout: float = 240) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in statuses:
+            return job
+        time.sleep(0.3)
+    raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s: {job}")
+
+
+def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(stack, tmp_path):
+    client, info = stack
+    spec = tiny_spec(**{"training.max_steps": 12, "training.eval_every": 6, "checkpoint.every_steps": 6})
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["failure_reason"]
+    assert job["step"] == 12 and job["attempts"][0]["status"] == "succeeded"
+
+    # Every optimizer step reported exactly once, every metric.
+    series = client.get(f"/v1/jobs/{job_id}/metrics").json()["series"]
+    for name in ("train_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s"):
+        assert series[name]["steps"] == list(range(1, 13)), name
+    assert series["eval_loss"]["steps"] == [6, 12]
+    assert client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "eval_loss", "from_step": 7}).json()["series"] == {
+        "eval_loss": {"steps": [12], "values": [series["eval_loss"]["values"][1]]}
+    }
+
+    # Complete checkpoints only, newest kept per keep_last.
+    checkpoints = client.get(f"/v1/jobs/{job_id}/checkpoints").json()
+    assert [c["step"] for c in checkpoints] == [6, 12]
+    latest = checkpoints[-1]
+
+    # The download is the checkpoint's weights, verified by sha256, and resumable by Range.
+    response = client.get(f"/v1/checkpoints/{latest['id']}/download")
+    assert response.status_code == 200
+    body = response.content
+    assert hashlib.sha256(body).hexdigest() == response.headers["x-checkpoint-sha256"] == latest["sha256"]
+    assert len(body) == latest["size_bytes"]
+    tail = client.get(f"/v1/checkpoints/{latest['id']}/download", headers={"Range": "bytes=1000-"})
+    assert tail.status_code == 206 and tail.content == body[1000:]
+
+    # Loaded into a fresh model of the spec, the weights reproduce the job's last eval_loss.
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(body)
+    job_spec = JobSpec.model_validate(spec)
+    corpus = load_text_corpus(job_spec.dataset, info.data_dir / "data")
+    model = load_model(job_spec, corpus.tokenizer.vocab_size, weights)
+    assert evaluate(model, eval_dataloader(corpus.val, job_spec)) == pytest.approx(series["eval_loss"]["values"][-1], abs=1e-4)
+
+    # The tar format carries the full resumable state.
+    archive = tarfile.open(fileobj=io.BytesIO(client.get(f"/v1/checkpoints/{latest['id']}/download", params={"format": "tar"}).content))
+    names = {Path(name).relative_to(Path(name).parts[0]).as_posix() for name in archive.getnames()}
+    assert {"model.safetensors", "manifest.json", "trainer_state.json", "state/optimizer.bin", "state/scheduler.bin"} <= names
+
+    # The dashboard counts it and shows the worker.
+    dashboard = client.get("/v1/dashboard").json()
+    assert dashboard["jobs_by_status"]["succeeded"] == 1
+    assert [w["name"] for w in dashboard["workers"]] == ["local-0"] and dashboard["workers"][0]["online"]
+    assert client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 5}).json()["lines"]
+
+
+def test_a_crashing_job_fails_with_the_reason_and_its_last_output(stack):
+    client, info = stack
+    (info.data_dir / "data" / "tiny.txt").write_text("too short")
+    job_id = client.post("/v1/jobs", json=tiny_spec(**{"dataset.path": "tiny.txt", "max_restarts": 1})).json()["id"]
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "failed"
+    assert [a["status"] for a in job["attempts"]] == ["failed", "failed"]  # retried once, then gave up
+    assert "exited with code 1" in job["failure_reason"]
+    assert "too few for one window" in job["failure_reason"]  # the training process's own error
+    logs = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 200}).json()["lines"]
+    assert any("too few for one window" in line["line"] for line in logs)
+
+
+def test_cancel_stops_a_running_job_and_frees_its_host(stack):
+    client, _ = stack
+    job_id = client.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 100_000, "checkpoint.every_steps": 100_000})).json()["id"]
+    deadline = time.monotonic() + 120
+    while client.get(f"/v1/jobs/{job_id}").json()["step"] < 3:
+        assert time.monotonic() < deadline, "the job never started training"
+        time.sleep(0.3)
+    client.post(f"/v1/jobs/{job_id}/cancel")
+    job = wait_for(client, job_id, {"cancelled", "failed", "succeeded"}, timeout=60)
+    assert job["status"] == "cancelled" and job["attempts"][-1]["status"] == "cancelled"
+    assert client.get("/v1/workers").json()[0]["busy_slots"] == 0
