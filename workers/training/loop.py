@@ -88,10 +88,13 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     last_eval = None
     preempted = False
     model.train()
+    # Step time is wall time between optimizer steps (nanoGPT's dt): reporting, evaluation and
+    # checkpointing are paid for by the step after them, never hidden.
+    last_step_end = time.perf_counter()
     while step < cfg.max_steps and not preempted:
         train_set.set_epoch(epoch)
         loader = accelerator.skip_first_batches(train_dl, batch_in_epoch) if batch_in_epoch else train_dl
-        window_loss, window_batches, step_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
+        window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
         for inputs, targets in loader:
             batch_in_epoch += 1
 
@@ -115,7 +118,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
             # One optimizer step done: report it (the loss averaged over the window and processes).
             step += 1
             train_loss = accelerator.reduce(window_loss / window_batches, reduction="mean").item()
-            step_time = time.perf_counter() - step_start
+            now = time.perf_counter()
+            step_time, last_step_end = now - last_step_end, now
             metrics = {
                 "train_loss": train_loss,
                 "lr": lr,
@@ -139,7 +143,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                     prune_checkpoints(run_dir, spec.checkpoint.keep_last)
             if last_step or preempted:
                 break
-            window_loss, window_batches, step_start = torch.zeros((), device=accelerator.device), 0, time.perf_counter()
+            window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
         else:
             epoch, batch_in_epoch = epoch + 1, 0
 

@@ -1,0 +1,64 @@
+"""The peer: the same model and data trained by a plain Accelerate loop, nothing else.
+
+    accelerate launch bench/plain_accelerate_loop.py --spec spec.json --data data/tinyshakespeare.txt
+
+Prints one JSON line with tokens/s measured between optimizer step `--skip` and the last step.
+"""
+
+import argparse
+import json
+import time
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+
+from api_schemas import JobSpec
+from workers.training.model import GPT
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--spec", required=True)
+parser.add_argument("--data", required=True)
+parser.add_argument("--skip", type=int, default=20, help="steps excluded from the measurement (warm-up)")
+args = parser.parse_args()
+spec = JobSpec.model_validate_json(open(args.spec).read())
+cfg = spec.training
+
+accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=cfg.precision)
+torch.manual_seed(cfg.seed)
+text = open(args.data, encoding="utf-8").read()
+chars = sorted(set(text))
+ids = {c: i for i, c in enumerate(chars)}
+tokens = torch.tensor([ids[c] for c in text[: int(len(text) * (1 - spec.dataset.val_fraction))]])
+block = spec.model.block_size
+windows = tokens[: (len(tokens) - 1) // block * block + 1]
+inputs = windows[:-1].view(-1, block)
+targets = windows[1:].view(-1, block)
+loader = DataLoader(TensorDataset(inputs, targets), batch_size=cfg.micro_batch_size, shuffle=True, drop_last=True)
+
+model = GPT(spec.model, len(chars))
+optimizer = torch.optim.AdamW(model.parameters(), lr=spec.optimizer.lr, betas=spec.optimizer.betas, weight_decay=spec.optimizer.weight_decay)
+scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.max_steps)
+model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+step, started = 0, None
+while step < cfg.max_steps:
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            _, loss = model(x, y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and cfg.grad_clip_norm:
+                accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        if accelerator.sync_gradients:
+            step += 1
+            if step == args.skip:
+                started = time.perf_counter()
+            if step >= cfg.max_steps:
+                break
+elapsed = time.perf_counter() - started
+tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * block * accelerator.num_processes
+if accelerator.is_main_process:
+    print(json.dumps({"tokens_per_s": (cfg.max_steps - args.skip) * tokens_per_step / elapsed}))
