@@ -27,4 +27,27 @@ from api_schemas.jobs import (
     TrainingConfig,
 )
 
-__all__ = [name for name in dir() if name[0].isupper()]
+__all__ = [
+    "AttemptOut",
+    "AttemptStatus",
+    "CheckpointConfig",
+    "CheckpointOut",
+    "DashboardOut",
+    "DatasetConfig",
+    "JobOut",
+    "JobPage",
+    "JobSpec",
+    "JobStatus",
+    "LogLineOut",
+    "LogsOut",
+    "MetricSeries",
+    "MetricsOut",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ResourcesConfig",
+    "RunningJobOut",
+    "ScheduleConfig",
+    "TrainingConfig",
+    "UserCreated",
+    "WorkerOut",
+]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainyard.server_cli import embedded_stack  # noqa: E402
+from workers.supervisor import free_port  # noqa: E402
 
 
 def bench_spec(steps: int) -> dict:
@@ -51,10 +51,7 @@ def run_peer(spec_file: Path, skip: int) -> float:
 
 
 def run_trainyard(spec: dict, skip: int, data_dir: Path) -> float:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with embedded_stack(data_dir, port, workers=1) as stack:
+    with embedded_stack(data_dir, free_port(), workers=1) as stack:
         client = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.token}"}, timeout=30)
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import socket
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from api_schemas import JobSpec
 from trainyard.client import Client, TrainyardError
 from trainyard.client_cli import download_with_progress, human_bytes, load_spec_file, print_table, report_outcome
 from trainyard.progress import follow_job
+from workers.supervisor import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_CHARS = 200
@@ -102,11 +102,6 @@ def wipe_data_dir(data_dir: Path) -> None:
         raise DemoError(f"{data_dir} is not a Trainyard data dir; refusing to delete it (pick another --data-dir)")
     shutil.rmtree(data_dir)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the downloaded weights ----------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import socket
 import tarfile
 import time
 from pathlib import Path
@@ -19,15 +18,11 @@ import pytest
 from api_schemas import JobSpec
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
+from workers.supervisor import free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 
 pytestmark = pytest.mark.timeout(300)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(params=["sqlite+sqla-transport", "postgres+redis"])

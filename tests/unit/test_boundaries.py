@@ -1,0 +1,28 @@
+"""Architecture boundaries, checked in a fresh interpreter so other tests' imports don't mask a leak."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def modules_after_import(module: str) -> set[str]:
+    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+    return set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout))
+
+
+@pytest.mark.parametrize("module", ["service.api.main", "service.scheduler", "trainyard.cli"])
+def test_the_service_never_imports_torch_or_accelerate(module):
+    loaded = modules_after_import(module)
+    assert "torch" not in loaded and "accelerate" not in loaded
+
+
+def test_api_schemas_import_nothing_of_the_project():
+    loaded = modules_after_import("api_schemas")
+    assert not any(name.split(".")[0] in ("service", "workers", "trainyard") for name in loaded)
+
+
+def test_the_training_loop_knows_nothing_of_the_database_or_http():
+    loaded = modules_after_import("workers.training")
+    assert not any(name.split(".")[0] in ("service", "sqlalchemy", "httpx", "fastapi", "celery") for name in loaded)
