@@ -24,7 +24,9 @@ args = parser.parse_args()
 spec = JobSpec.model_validate_json(open(args.spec).read())
 cfg = spec.training
 
-accelerator = Accelerator(gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=cfg.precision)
+accelerator = Accelerator(
+    gradient_accumulation_steps=cfg.gradient_accumulation_steps, mixed_precision=cfg.precision, cpu=spec.resources.device == "cpu"
+)
 torch.manual_seed(cfg.seed)
 text = open(args.data, encoding="utf-8").read()
 chars = sorted(set(text))
@@ -41,6 +43,12 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=spec.optimizer.lr, betas=sp
 scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=cfg.max_steps)
 model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
+def synchronize() -> None:
+    """GPU work is asynchronous: wait for it at the two ends of the measured interval only."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 step, started = 0, None
 while step < cfg.max_steps:
     for x, y in loader:
@@ -55,9 +63,11 @@ while step < cfg.max_steps:
         if accelerator.sync_gradients:
             step += 1
             if step == args.skip:
+                synchronize()
                 started = time.perf_counter()
             if step >= cfg.max_steps:
                 break
+synchronize()
 elapsed = time.perf_counter() - started
 tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * block * accelerator.num_processes
 if accelerator.is_main_process:

@@ -30,19 +30,36 @@ from trainyard.server_cli import embedded_stack  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 
 
-def bench_spec(steps: int) -> dict:
+# On a GPU, the example model is too small to load it; this one is GPT-2 small's shape.
+GPU_MODEL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024}
+GPU_BATCH = 16
+H100_BF16_PEAK_FLOPS = 989e12  # dense, SXM
+
+
+def bench_spec(steps: int, device: str, precision: str) -> dict:
     spec = json.loads((REPO / "examples" / "shakespeare-char.json").read_text())
-    spec["training"].update(max_steps=steps, eval_every=steps)
+    spec["training"].update(max_steps=steps, eval_every=steps, precision=precision)
     spec["checkpoint"] = {"every_steps": None, "keep_last": 1}
     spec["schedule"]["warmup_steps"] = 10
+    spec["resources"]["device"] = device
+    if device == "cuda":
+        spec["model"].update(GPU_MODEL)
+        spec["training"].update(micro_batch_size=GPU_BATCH, eval_batches=2)
     return spec
 
 
-def run_peer(spec_file: Path, skip: int) -> float:
-    threads = str(os.cpu_count() or 1)
+def flops_per_token(spec: dict, vocab_size: int = 65) -> float:
+    """Training FLOPs per token, as nanoGPT's estimate_mfu: 6 × parameters + attention."""
+    m = spec["model"]
+    params = 12 * m["n_layer"] * m["n_embd"] ** 2 + (vocab_size + m["block_size"]) * m["n_embd"]
+    return 6 * params + 12 * m["n_layer"] * m["block_size"] * m["n_embd"]
+
+
+def run_peer(spec: dict, spec_file: Path, skip: int) -> float:
+    device = ["--cpu", "--num_cpu_threads_per_process", str(os.cpu_count() or 1)] if spec["resources"]["device"] == "cpu" else []
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
-        "--mixed_precision", "no", "--dynamo_backend", "no", "--cpu", "--num_cpu_threads_per_process", threads,
+        "--mixed_precision", spec["training"]["precision"], "--dynamo_backend", "no", *device,
         str(REPO / "bench" / "plain_accelerate_loop.py"), "--spec", str(spec_file), "--data", str(REPO / "data" / "tinyshakespeare.txt"),
         "--skip", str(skip),
     ]
@@ -51,7 +68,8 @@ def run_peer(spec_file: Path, skip: int) -> float:
 
 
 def run_trainyard(spec: dict, skip: int, data_dir: Path) -> float:
-    with embedded_stack(data_dir, free_port(), workers=1) as stack:
+    devices = "cuda:all" if spec["resources"]["device"] == "cuda" else None
+    with embedded_stack(data_dir, free_port(), workers=1, devices=devices) as stack:
         client = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.token}"}, timeout=30)
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):
@@ -71,23 +89,41 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--skip", type=int, default=20, help="warm-up steps left out of the measurement")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["no", "bf16", "fp16"], default="no")
     args = parser.parse_args()
 
-    spec = bench_spec(args.steps)
+    spec = bench_spec(args.steps, args.device, args.precision)
     peer, trainyard = [], []
     with tempfile.TemporaryDirectory() as tmp:
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec))
         for round_ in range(args.rounds):
-            peer.append(run_peer(spec_file, args.skip))
+            peer.append(run_peer(spec, spec_file, args.skip))
             trainyard.append(run_trainyard(spec, args.skip, Path(tmp) / f"yard-{round_}"))
+    machine = f"{os.cpu_count()} CPU cores"
+    if args.device == "cuda":
+        import torch
+
+        machine = torch.cuda.get_device_name(0)
     result = {
         "benchmark": "throughput",
-        "machine": f"{os.cpu_count()} CPU cores",
+        "machine": machine,
+        "device": args.device,
+        "precision": args.precision,
+        "model": {k: spec["model"][k] for k in ("n_layer", "n_embd", "block_size")},
         "steps": args.steps,
         "peer_tokens_per_s": round(statistics.median(peer)),
         "trainyard_tokens_per_s": round(statistics.median(trainyard)),
         "ratio": round(statistics.median(trainyard) / statistics.median(peer), 3),
+        **(
+            {
+                "mfu_peer": round(statistics.median(peer) * flops_per_token(spec) / H100_BF16_PEAK_FLOPS, 3),
+                "mfu_trainyard": round(statistics.median(trainyard) * flops_per_token(spec) / H100_BF16_PEAK_FLOPS, 3),
+            }
+            if args.device == "cuda"
+            else {}
+        ),
         "rounds": {"peer": [round(x) for x in peer], "trainyard": [round(x) for x in trainyard]},
     }
     print(json.dumps(result))

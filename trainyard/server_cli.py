@@ -128,7 +128,12 @@ def prepare_embedded(settings: Settings) -> str:
 
 @contextlib.contextmanager
 def embedded_stack(
-    data_dir: Path, port: int, workers: int = 1, database_url: str | None = None, broker_url: str | None = None
+    data_dir: Path,
+    port: int,
+    workers: int = 1,
+    database_url: str | None = None,
+    broker_url: str | None = None,
+    devices: str | None = None,
 ) -> Iterator[StackInfo]:
     """API, scheduler and `workers` local worker hosts as child processes; stopped on exit.
 
@@ -144,11 +149,11 @@ def embedded_stack(
     child_env = {**os.environ, **overrides}
     log_dir = data_dir / "logs"
     log_dir.mkdir(exist_ok=True)
-    slots = os.cpu_count() or 1
+    devices = devices or f"cpu:{os.cpu_count() or 1}"
     commands = {
         "api": ["api", "--port", str(port)],
         "scheduler": ["scheduler"],
-        **{f"worker-{i}": ["worker", "--host-name", f"local-{i}", "--devices", f"cpu:{slots}"] for i in range(workers)},
+        **{f"worker-{i}": ["worker", "--host-name", f"local-{i}", "--devices", devices] for i in range(workers)},
     }
     children: list[subprocess.Popen] = []
     try:
@@ -185,7 +190,7 @@ def _wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path, tim
 
 
 def run_up(args: argparse.Namespace) -> int:
-    with embedded_stack(Path(args.data_dir), args.port, args.workers) as stack:
+    with embedded_stack(Path(args.data_dir), args.port, args.workers, devices=args.devices) as stack:
         print(f"Trainyard is up at {stack.url} (dashboard JSON: {stack.url}/v1/dashboard)")
         print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
         stop = []
@@ -203,6 +208,7 @@ def add_server_commands(subparsers) -> None:
     up.add_argument("--data-dir", default=os.environ.get("TRAINYARD_DATA_DIR", ".trainyard"))
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--workers", type=int, default=1, help="local worker hosts to start")
+    up.add_argument("--devices", help="devices of each local worker: cpu:N (default: all cores), cuda:all or cuda:0,1")
     up.set_defaults(func=run_up)
 
     api = subparsers.add_parser("api", help="run the REST API")
