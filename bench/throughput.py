@@ -63,7 +63,7 @@ def run_peer(spec: dict, spec_file: Path, skip: int) -> float:
         str(REPO / "bench" / "plain_accelerate_loop.py"), "--spec", str(spec_file), "--data", str(REPO / "data" / "tinyshakespeare.txt"),
         "--skip", str(skip),
     ]
-    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}).stdout
     return json.loads(out.strip().splitlines()[-1])["tokens_per_s"]
 
 
