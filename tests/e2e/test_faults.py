@@ -1,0 +1,82 @@
+"""Faults injected into the running stack: nothing is lost, no step is duplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load
+
+from tests.e2e.test_end_to_end import wait_for
+from tests.helpers import spec_dict
+from trainyard.server_cli import embedded_stack
+from workers.supervisor import free_port
+
+pytestmark = pytest.mark.timeout(400)
+
+
+@pytest.fixture
+def two_host_stack(tmp_path, monkeypatch):
+    # Short leases and heartbeats so a dead worker is noticed in seconds, not the production 30 s.
+    monkeypatch.setenv("TRAINYARD_LEASE_SECONDS", "4")
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
+    monkeypatch.setenv("TRAINYARD_HOST_TIMEOUT_SECONDS", "4")
+    with embedded_stack(tmp_path / "yard", free_port(), workers=2) as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            yield client
+
+
+def pids_matching(pattern: str) -> list[int]:
+    found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found if int(pid) != os.getpid()]
+
+
+def final_weights(client: httpx.Client, job_id: int) -> dict[str, torch.Tensor]:
+    latest = max(client.get(f"/v1/jobs/{job_id}/checkpoints").json(), key=lambda c: c["step"])
+    return load(client.get(f"/v1/checkpoints/{latest['id']}/download").content)
+
+
+def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_identical_weights(two_host_stack):
+    client = two_host_stack
+    spec = spec_dict(**{"training.max_steps": 300, "training.eval_every": 100, "checkpoint.every_steps": 50, "checkpoint.keep_last": 10, "max_restarts": 2})
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+
+    # Wait for a complete checkpoint, then kill -9 the worker host running the job and its training processes.
+    deadline = time.monotonic() + 180
+    while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
+        assert time.monotonic() < deadline, "no checkpoint was registered"
+        time.sleep(0.2)
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "running" and job["step"] < 300
+    host = job["attempts"][0]["host_name"]
+    victims = pids_matching(f"worker --host-name {host}") + pids_matching(f"job-{job_id}/attempt-1/")
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert job["status"] == "succeeded", job["failure_reason"]
+    first, second = job["attempts"]
+    assert first["status"] == "lost" and "stopped renewing its lease" in first["failure_reason"]
+    assert second["host_name"] != host and second["resumed_from_step"] >= 50
+
+    # The same spec run straight through, on the surviving host, is the reference.
+    reference_id = client.post("/v1/jobs", json=spec).json()["id"]
+    reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert reference["status"] == "succeeded" and len(reference["attempts"]) == 1
+
+    # Every step reported exactly once, and recomputed steps replaced their earlier values:
+    # the interrupted job's loss curve is the uninterrupted one, bit for bit.
+    series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
+    expected = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
+    assert series["train_loss"]["steps"] == list(range(1, 301))
+    assert series == expected
+
+    # And so are the final weights.
+    resumed, straight = final_weights(client, job_id), final_weights(client, reference_id)
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
