@@ -29,6 +29,7 @@ class AttemptStatus(str, Enum):
     succeeded = "succeeded"
     failed = "failed"  # the training process exited with an error
     lost = "lost"  # the worker stopped renewing its lease, or never claimed it
+    preempted = "preempted"  # its host is shutting down: it checkpointed and stopped
     cancelled = "cancelled"
 
     @property

@@ -9,6 +9,7 @@ fresh uncompiled GPT (no `_orig_mod.` prefix). Prints one JSON line.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ sys.path.insert(0, str(REPO))
 from safetensors.torch import load_file  # noqa: E402
 
 from api_schemas import JobSpec  # noqa: E402
+from api_schemas.worker_protocol import EVENTS_FILE_ENV  # noqa: E402
 from workers.training import load_model, load_text_corpus  # noqa: E402
 
 VARIANTS = {
@@ -46,7 +48,7 @@ def run(name: str, overrides: dict, tmp: Path) -> dict:
         "-m", "workers.training", "--spec", str(run_dir / "spec.json"), "--data-root", str(REPO / "data"), "--run-dir", str(run_dir),
     ]
     started = time.perf_counter()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**__import__("os").environ, "TRAINYARD_EVENTS_FILE": str(events)})
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, EVENTS_FILE_ENV: str(events)})
     seconds = time.perf_counter() - started
     if done.returncode != 0:
         return {"exit": done.returncode, "error": done.stderr[-1500:]}

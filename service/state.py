@@ -26,10 +26,13 @@ JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
 
 ATTEMPT_TRANSITIONS: dict[AttemptStatus, set[AttemptStatus]] = {
     AttemptStatus.scheduled: {AttemptStatus.running, AttemptStatus.lost, AttemptStatus.cancelled},
-    AttemptStatus.running: {AttemptStatus.succeeded, AttemptStatus.failed, AttemptStatus.lost, AttemptStatus.cancelled},
+    AttemptStatus.running: {
+        AttemptStatus.succeeded, AttemptStatus.failed, AttemptStatus.lost, AttemptStatus.preempted, AttemptStatus.cancelled,
+    },
     AttemptStatus.succeeded: set(),
     AttemptStatus.failed: set(),
     AttemptStatus.lost: set(),
+    AttemptStatus.preempted: set(),
     AttemptStatus.cancelled: set(),
 }
 
@@ -88,8 +91,9 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     """Record how an attempt ended and decide what its job does next.
 
     succeeded → job succeeded. cancelled, or any end of a job whose cancel was requested → job
-    cancelled. failed or lost → the job is queued again (it resumes from its latest complete
-    checkpoint) while restarts remain, else it fails with the attempt's reason.
+    cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
+    lost → queued again while restarts remain, else failed with the attempt's reason. A queued
+    job resumes from its latest complete checkpoint.
     """
     if not move_attempt(session, attempt, outcome, reason=reason):
         return False
@@ -97,6 +101,8 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
         return move_job(session, job, JobStatus.succeeded)
     if outcome == AttemptStatus.cancelled or job.cancel_requested:
         return move_job(session, job, JobStatus.cancelled)
+    if outcome == AttemptStatus.preempted:
+        return move_job(session, job, JobStatus.queued, reason=f"attempt {attempt.number} preempted: {reason}")
     # An attempt that never started used no restart: its host vanished before it claimed it.
     if attempt.started_at is not None:
         job.restarts += 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from celery.signals import worker_shutting_down
+
 from service.db import crud
 from service.db.session import session_factory
 from service.queue import RUN_ATTEMPT_TASK, host_queue, make_celery
@@ -60,6 +62,20 @@ def run_worker(settings: Settings, host_name: str, devices: str) -> None:
     @app.task(name=RUN_ATTEMPT_TASK)
     def run_attempt(attempt_id: int) -> None:
         runner.run(attempt_id)
+
+    # On SIGTERM Celery stops taking tasks and waits for the running ones. Leave the pool first,
+    # so requeued jobs are placed on other hosts, then make the running attempts stop soon, at a
+    # checkpoint, so they resume elsewhere with no step lost.
+    def shutting_down(**_) -> None:
+        stop.set()
+        try:
+            with sessions() as session:
+                crud.deregister_host(session, host_name)
+        except Exception:
+            log.exception("could not deregister %s; its heartbeat stops, so it goes offline anyway", host_name)
+        runner.preempt_all()
+
+    worker_shutting_down.connect(shutting_down, weak=False)
 
     # Supervising is waiting on subprocesses and the database, so threads suffice: one per slot,
     # since the scheduler never places more attempts on a host than it has slots. Prefetch 1 with

@@ -26,13 +26,13 @@ from pathlib import Path
 from sqlalchemy.orm import sessionmaker
 
 from api_schemas import AttemptStatus, JobSpec
+from api_schemas.worker_protocol import EVENTS_FILE_ENV, EXIT_PREEMPTED
 from service.artifacts import ArtifactStore
 from service.db import crud
 from service.settings import Settings
 
 log = logging.getLogger("trainyard.worker")
 
-EXIT_PREEMPTED = 75  # the training loop saved a checkpoint and exited on SIGTERM
 MAX_LOG_LINE = 4000
 REASON_LOG_LINES = 20
 
@@ -102,6 +102,11 @@ class AttemptRunner:
     def __init__(self, settings: Settings, sessions: sessionmaker, host_name: str):
         self.settings, self.sessions, self.host_name = settings, sessions, host_name
         self.store = ArtifactStore(settings.resolved_artifact_root)
+        self.shutting_down = threading.Event()
+
+    def preempt_all(self) -> None:
+        """The host is going away (SIGTERM, spot notice): every running attempt checkpoints and stops."""
+        self.shutting_down.set()
 
     def run(self, attempt_id: int) -> None:
         lease_owner = f"{self.host_name}:{os.getpid()}:{time.time_ns()}"
@@ -123,7 +128,7 @@ class AttemptRunner:
         (run_dir / "spec.json").write_text(json.dumps(claimed.spec))
         resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
         command = launch_command(spec, run_dir, self.settings.resolved_data_root, resume_from, free_port())
-        env = {**os.environ, "TRAINYARD_EVENTS_FILE": str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
 
         process = subprocess.Popen(
             command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -135,8 +140,13 @@ class AttemptRunner:
         seq = 0
         next_sync = 0.0
         output_done = False
+        preempt_sent = False
         while True:
             exit_code = process.poll()
+            if self.shutting_down.is_set() and not preempt_sent and exit_code is None:
+                # The training loop answers SIGTERM with a checkpoint at the next step, then exit 75.
+                os.killpg(process.pid, signal.SIGTERM)
+                preempt_sent = True
             while True:  # move the training output into the outbox
                 try:
                     line = lines.get_nowait()
@@ -171,9 +181,12 @@ class AttemptRunner:
 
         if exit_code == 0:
             return AttemptStatus.succeeded, None
+        # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
+        # itself), so what counts is that we asked for the stop, not the code we got back.
+        if preempt_sent or exit_code == EXIT_PREEMPTED:
+            return AttemptStatus.preempted, f"host {self.host_name} shut down; stopped at a checkpoint"
         tail = "\n".join(outbox.recent_logs[-REASON_LOG_LINES:])
-        what = "was preempted" if exit_code == EXIT_PREEMPTED else f"exited with code {exit_code}"
-        return AttemptStatus.failed, f"training process {what}; last output:\n{tail}"
+        return AttemptStatus.failed, f"training process exited with code {exit_code}; last output:\n{tail}"
 
     def _sync(self, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> crud.Lease | None:
         """Deliver the outbox and renew the lease. On a database error keep everything for next time."""
@@ -222,14 +235,16 @@ def _pump_lines(stream, lines: queue.Queue) -> None:
 
 
 def _stop(process: subprocess.Popen, grace_seconds: float = 15.0) -> None:
-    """SIGTERM the whole process group (launcher and ranks), then SIGKILL whatever remains."""
+    """SIGTERM the whole process group (launcher and ranks), then SIGKILL whatever remains.
+
+    The launcher may exit before its ranks do, so wait for the group to be empty, not for it."""
     for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
+        deadline = time.monotonic() + wait
         try:
             os.killpg(process.pid, sig)
+            while time.monotonic() < deadline:
+                process.poll()  # reap the launcher, so the group can empty
+                os.killpg(process.pid, 0)  # raises once no process of the group is left
+                time.sleep(0.1)
         except ProcessLookupError:
             return
-        try:
-            process.wait(wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue

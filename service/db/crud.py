@@ -219,6 +219,12 @@ def register_host(session: Session, name: str, device: str, slots: int, info: di
     session.commit()
 
 
+def deregister_host(session: Session, host_name: str) -> None:
+    """A host shutting down takes no more attempts (a later start registers it again)."""
+    session.execute(delete(WorkerHost).where(WorkerHost.name == host_name))
+    session.commit()
+
+
 def heartbeat(session: Session, host_name: str) -> None:
     session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow()))
     session.commit()

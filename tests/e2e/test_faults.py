@@ -41,21 +41,49 @@ def final_weights(client: httpx.Client, job_id: int) -> dict[str, torch.Tensor]:
     return load(client.get(f"/v1/checkpoints/{latest['id']}/download").content)
 
 
-def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_identical_weights(two_host_stack):
-    client = two_host_stack
-    spec = spec_dict(**{"training.max_steps": 300, "training.eval_every": 100, "checkpoint.every_steps": 50, "checkpoint.keep_last": 10, "max_restarts": 2})
-    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+def run_reference(client: httpx.Client, spec: dict) -> int:
+    """The same spec run straight through: what an interrupted job must end up identical to."""
+    reference_id = client.post("/v1/jobs", json=spec).json()["id"]
+    reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert reference["status"] == "succeeded" and len(reference["attempts"]) == 1
+    return reference_id
 
-    # Wait for a complete checkpoint, then kill -9 the worker host running the job and its training processes.
+
+def assert_same_run(client: httpx.Client, job_id: int, reference_id: int, max_steps: int) -> None:
+    """Every step reported exactly once, recomputed steps replaced their earlier values, and the
+    final weights are the uninterrupted run's, bit for bit."""
+    series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
+    expected = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
+    assert series["train_loss"]["steps"] == list(range(1, max_steps + 1))
+    assert series == expected
+    resumed, straight = final_weights(client, job_id), final_weights(client, reference_id)
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+
+
+FAULT_SPEC = spec_dict(
+    **{"training.max_steps": 300, "training.eval_every": 100, "checkpoint.every_steps": 50, "checkpoint.keep_last": 10, "max_restarts": 2}
+)
+
+
+def wait_until_training(client: httpx.Client, job_id: int) -> dict:
+    """Until the job has a complete checkpoint and is still running."""
     deadline = time.monotonic() + 180
     while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
         assert time.monotonic() < deadline, "no checkpoint was registered"
         time.sleep(0.2)
     job = client.get(f"/v1/jobs/{job_id}").json()
-    assert job["status"] == "running" and job["step"] < 300
-    host = job["attempts"][0]["host_name"]
-    victims = pids_matching(f"worker --host-name {host}") + pids_matching(f"job-{job_id}/attempt-1/")
-    for pid in victims:
+    assert job["status"] == "running" and job["step"] < FAULT_SPEC["training"]["max_steps"]
+    return job
+
+
+def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_identical_weights(two_host_stack):
+    client = two_host_stack
+    job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
+
+    # Once a checkpoint exists, kill -9 the worker host running the job and its training processes.
+    host = wait_until_training(client, job_id)["attempts"][0]["host_name"]
+    for pid in pids_matching(f"worker --host-name {host}") + pids_matching(f"job-{job_id}/attempt-1/"):
         os.kill(pid, signal.SIGKILL)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
@@ -63,20 +91,21 @@ def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_i
     first, second = job["attempts"]
     assert first["status"] == "lost" and "stopped renewing its lease" in first["failure_reason"]
     assert second["host_name"] != host and second["resumed_from_step"] >= 50
+    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
 
-    # The same spec run straight through, on the surviving host, is the reference.
-    reference_id = client.post("/v1/jobs", json=spec).json()["id"]
-    reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"}, timeout=240)
-    assert reference["status"] == "succeeded" and len(reference["attempts"]) == 1
 
-    # Every step reported exactly once, and recomputed steps replaced their earlier values:
-    # the interrupted job's loss curve is the uninterrupted one, bit for bit.
-    series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
-    expected = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
-    assert series["train_loss"]["steps"] == list(range(1, 301))
-    assert series == expected
+def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_stack):
+    client = two_host_stack
+    job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
+    host = wait_until_training(client, job_id)["attempts"][0]["host_name"]
+    [worker] = pids_matching(f"worker --host-name {host}")
+    os.kill(worker, signal.SIGTERM)
 
-    # And so are the final weights.
-    resumed, straight = final_weights(client, job_id), final_weights(client, reference_id)
-    assert resumed.keys() == straight.keys()
-    assert all(torch.equal(resumed[name], straight[name]) for name in straight)
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert job["status"] == "succeeded", job["failure_reason"]
+    first, second = job["attempts"]
+    assert first["status"] == "preempted" and job["restarts"] == 0  # a preemption uses no restart
+    assert second["host_name"] != host
+    # It stopped at a checkpoint of its own, not at the last scheduled one (every 50 steps).
+    assert second["resumed_from_step"] % 50 != 0
+    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)

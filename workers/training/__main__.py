@@ -13,7 +13,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from api_schemas import JobSpec
-from workers.training.loop import EXIT_PREEMPTED, train
+from api_schemas.worker_protocol import EXIT_PREEMPTED
+from workers.training.loop import train
 from workers.training.reporter import reporter_from_env
 
 

@@ -24,8 +24,6 @@ from workers.training.model import GPT
 from workers.training.reporter import Reporter
 from workers.training.schedule import make_scheduler
 
-EXIT_PREEMPTED = 75
-
 
 @dataclass
 class TrainResult:

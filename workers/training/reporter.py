@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-EVENTS_FILE_ENV = "TRAINYARD_EVENTS_FILE"
+from api_schemas.worker_protocol import EVENTS_FILE_ENV
 
 
 class Reporter(Protocol):
