@@ -1,0 +1,45 @@
+"""The artifact store admits only complete, verified checkpoints, and only inside its root."""
+
+from __future__ import annotations
+
+import pytest
+
+from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, write_manifest
+from service.artifacts import ArtifactStore
+
+
+def make_checkpoint(directory, step=10):
+    (directory / "state").mkdir(parents=True)
+    (directory / MODEL_FILE).write_bytes(b"weights" * 100)
+    (directory / "state" / "optimizer.bin").write_bytes(b"optimizer")
+    write_manifest(directory, step)
+    return directory
+
+
+def test_a_complete_checkpoint_is_copied_in_and_described(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    relative, sha256, size = store.ingest_checkpoint(make_checkpoint(tmp_path / "run" / "step-10"), job_id=7, step=10)
+    assert relative == "jobs/7/checkpoints/step-00000010"
+    assert (store.path(relative) / "state" / "optimizer.bin").read_bytes() == b"optimizer"
+    assert size == 700 and len(sha256) == 64
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "drop_manifest"])
+def test_a_partial_or_corrupt_checkpoint_never_enters_the_store(tmp_path, damage):
+    source = make_checkpoint(tmp_path / "run" / "step-10")
+    if damage == "truncate":  # killed while writing
+        (source / "state" / "optimizer.bin").write_bytes(b"opt")
+    elif damage == "flip":
+        (source / MODEL_FILE).write_bytes(b"X" + (source / MODEL_FILE).read_bytes()[1:])
+    else:
+        (source / "manifest.json").unlink()
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(CorruptCheckpoint):
+        store.ingest_checkpoint(source, job_id=7, step=10)
+    assert list((tmp_path / "store" / "jobs" / "7" / "checkpoints").iterdir()) == []  # no final dir, no staging left
+
+
+def test_paths_outside_the_store_are_refused(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    with pytest.raises(ValueError):
+        store.path("../../etc/passwd")
