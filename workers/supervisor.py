@@ -50,11 +50,15 @@ def launch_command(spec: JobSpec, run_dir: Path, data_root: Path, resume_from: P
         "--dynamo_backend", "no",
     ]
     if resources.device == "cpu":
-        # Accelerate's own default, passed explicitly so the launcher doesn't warn about it.
+        # Accelerate's own default thread count, passed explicitly so the launcher doesn't warn.
         threads = max(1, (os.cpu_count() or 1) // resources.processes_per_node)
-        command += ["--cpu", "--num_cpu_threads_per_process", str(threads)]
+        command += ["--num_cpu_threads_per_process", str(threads)]
     if resources.processes_per_node > 1:
-        command.append("--multi_gpu")  # Accelerate's name for "one process per device, torchrun-style"
+        # "One process per device, torchrun-style": gloo on CPU (the loop's Accelerator(cpu=True)
+        # picks it), NCCL on GPUs. Accelerate's --cpu flag would run a single process instead.
+        command.append("--multi_gpu")
+    elif resources.device == "cpu":
+        command.append("--cpu")
     command += ["-m", "workers.training", "--spec", str(run_dir / "spec.json"), "--data-root", str(data_root), "--run-dir", str(run_dir)]
     if resume_from is not None:
         command += ["--resume-from", str(resume_from)]

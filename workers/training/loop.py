@@ -102,11 +102,18 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     # checkpointing are paid for by the step after them, never hidden.
     last_step_end = time.perf_counter()
     while step < cfg.max_steps and not preempted:
-        train_set.set_epoch(epoch)
         loader = accelerator.skip_first_batches(train_dl, batch_in_epoch) if batch_in_epoch else train_dl
+        # Through the prepared loader, not the dataset: it re-applies its own epoch count to the
+        # dataset whenever it starts iterating, and a resumed run's loaders have counted less.
+        loader.set_epoch(epoch)
         window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
         for inputs, targets in loader:
             batch_in_epoch += 1
+            if window_batches == 0:
+                # Dropout draws from a seed of (seed, step), not from whatever the global RNG went
+                # through before: a resumed run builds a new dataloader iterator (which draws from
+                # the global RNG) where a straight run did not, and must still see the same masks.
+                torch.manual_seed(cfg.seed * 1_000_003 + step)
 
             # Forward and backward; Accelerate scales the loss for accumulation and skips the
             # gradient all-reduce until the last micro-batch of the window.
