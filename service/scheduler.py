@@ -37,14 +37,16 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     hosts = crud.online_hosts(session, now, settings.host_timeout_seconds)
     online = {host.name for host in hosts}
 
-    # Dispatches nobody claimed: re-send while the host is alive, give the job back otherwise.
+    # Dispatches nobody claimed: given back at once if their host went away, re-sent after a
+    # timeout if it is alive (the message may have been lost; a duplicate is harmless).
     to_dispatch: list[tuple[int, str]] = []
-    for attempt in crud.unclaimed_attempts(session, now - timedelta(seconds=settings.dispatch_timeout_seconds)):
-        if attempt.host_name in online:
+    resend_before = now - timedelta(seconds=settings.dispatch_timeout_seconds)
+    for attempt in crud.unclaimed_attempts(session):
+        if attempt.host_name not in online:
+            state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
+        elif attempt.dispatched_at < resend_before:
             attempt.dispatched_at = now
             to_dispatch.append((attempt.id, attempt.host_name))
-        else:
-            state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
 
     # Place queued jobs, best fit: the host with the fewest free slots that still fits.
     busy = crud.busy_slots_by_host(session)

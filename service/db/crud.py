@@ -359,10 +359,8 @@ def expired_leases(session: Session, now: datetime) -> list[Attempt]:
     )
 
 
-def unclaimed_attempts(session: Session, dispatched_before: datetime) -> list[Attempt]:
-    return list(
-        session.scalars(select(Attempt).where(Attempt.status == AttemptStatus.scheduled, Attempt.dispatched_at < dispatched_before))
-    )
+def unclaimed_attempts(session: Session) -> list[Attempt]:
+    return list(session.scalars(select(Attempt).where(Attempt.status == AttemptStatus.scheduled)))
 
 
 # --- dashboard ---------------------------------------------------------------------------------

@@ -132,10 +132,11 @@ def test_two_processes_of_6_train_like_one_process_of_12(data_root, tmp_path):
     run_dir.mkdir()
     (run_dir / "spec.json").write_text(spec.model_dump_json())
     events = run_dir / "events.jsonl"
-    subprocess.run(
+    done = subprocess.run(
         launch_command(spec, run_dir, data_root, None, free_port()),
-        check=True, cwd=Path(__file__).parents[2], capture_output=True, env={**os.environ, "TRAINYARD_EVENTS_FILE": str(events)},
+        check=False, cwd=Path(__file__).parents[2], capture_output=True, text=True, env={**os.environ, "TRAINYARD_EVENTS_FILE": str(events)},
     )
+    assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     two_losses = [e["values"]["train_loss"] for e in lines if e["type"] == "metrics"]
     assert two_losses == pytest.approx([single.steps[s]["train_loss"] for s in range(1, 5)], rel=1e-5)
