@@ -65,6 +65,7 @@ class TrainingConfig(_Config):
     gradient_accumulation_steps: int = Field(1, ge=1, le=4096, description="Micro-batches accumulated per optimizer step.")
     precision: Literal["no", "fp16", "bf16"] = Field("no", description="Accelerate mixed precision mode.")
     grad_clip_norm: float | None = Field(None, gt=0.0, description="Clip the global gradient norm to this value; null disables.")
+    grad_clip_value: float | None = Field(None, gt=0.0, description="Clamp each gradient element to ±this value; null disables.")
     compile: bool = Field(False, description="Wrap the model with torch.compile.")
     seed: int = Field(1337, ge=0, le=2**32 - 1, description="Seed for weights, data order and dropout.")
     eval_every: int = Field(250, ge=1, description="Evaluate every this many steps (and always at the last step).")
@@ -122,6 +123,8 @@ class JobSpec(_Config):
     def _cross_field_rules(self) -> JobSpec:
         if self.training.precision == "fp16" and self.resources.device == "cpu":
             raise ValueError("training.precision: fp16 needs device 'cuda' (use 'bf16' or 'no' on CPU)")
+        if self.training.grad_clip_norm and self.training.grad_clip_value:
+            raise ValueError("training: set grad_clip_norm or grad_clip_value, not both")
         if self.schedule.warmup_steps is not None and self.schedule.warmup_steps >= self.training.max_steps:
             raise ValueError("schedule.warmup_steps must be smaller than training.max_steps")
         if self.schedule.min_lr > self.optimizer.lr:
@@ -130,6 +133,8 @@ class JobSpec(_Config):
 
     @property
     def warmup_steps(self) -> int:
+        if self.training.grad_clip_norm and self.training.grad_clip_value:
+            raise ValueError("training: set grad_clip_norm or grad_clip_value, not both")
         if self.schedule.warmup_steps is not None:
             return self.schedule.warmup_steps
         return self.training.max_steps // 10

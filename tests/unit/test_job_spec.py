@@ -43,6 +43,7 @@ def test_default_warmup_is_ten_percent_of_steps():
         ({"training.learning_rate": 0.1}, ("training", "learning_rate"), "Extra inputs are not permitted"),
         ({"training.precision": "fp16"}, (), "fp16 needs device 'cuda'"),
         ({"schedule.warmup_steps": 5000}, (), "warmup_steps must be smaller than training.max_steps"),
+        ({"training.grad_clip_value": 0.5}, (), "set grad_clip_norm or grad_clip_value, not both"),
     ],
 )
 def test_invalid_specs_name_the_field_and_the_reason(overrides, field, reason):

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import set_seed
 from safetensors.torch import load_file
 
 from api_schemas import JobSpec
 from api_schemas.manifest import MODEL_FILE, verify_manifest
 from tests.helpers import tiny_spec
 from workers.supervisor import free_port, launch_command
-from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus, lr_at, train
+from workers.training import GPT, eval_dataloader, evaluate, load_model, load_text_corpus, lr_at, train
 
 
 class Recorder:
@@ -120,6 +121,23 @@ def test_checkpoint_is_complete_verified_and_reproduces_the_reported_eval_loss(d
 def test_grad_norm_is_measured_before_clipping(data_root, tmp_path):
     clipped = run(tiny_spec(**{"training.grad_clip_norm": 1e-3, "training.max_steps": 3}), data_root, tmp_path / "a")
     assert clipped.steps[1]["grad_norm"] > 1e-2  # the pre-clip norm, far above the limit
+
+
+def test_grad_clip_value_bounds_every_gradient_element(data_root, tmp_path):
+    # Plain SGD for one step at a constant lr: each parameter moves by lr × its (clamped) gradient.
+    spec = tiny_spec(**{
+        "optimizer.name": "sgd", "optimizer.lr": 0.1, "optimizer.weight_decay": 0.0, "schedule.name": "constant",
+        "schedule.warmup_steps": 0, "training.grad_clip_norm": None, "training.grad_clip_value": 1e-4, "training.max_steps": 1,
+    })
+    parsed = JobSpec.model_validate(spec)
+    set_seed(parsed.training.seed)  # the loop builds its model right after the same call
+    initial = GPT(parsed.model, load_text_corpus(parsed.dataset, data_root).tokenizer.vocab_size).state_dict()
+    recorder = run(spec, data_root, tmp_path / "run")
+    moved = max((weights(recorder)[name] - initial[name]).abs().max().item() for name in initial)
+    # Unclamped, the largest move would be ~lr × |grad| ≈ 1e-2; clamped it is lr × 1e-4, give or
+    # take a float32 ulp of the largest weights (LayerNorm's, near 1.0: 1.2e-7).
+    assert 0 < moved <= 0.1 * 1e-4 + 2.4e-7
+    assert recorder.steps[1]["grad_norm"] > 1e-3  # reported before clamping
 
 
 def test_two_processes_of_6_train_like_one_process_of_12(data_root, tmp_path):

@@ -6,6 +6,7 @@ and checkpoints. Run it under a Trainyard worker or a plain `accelerate launch -
 
 from __future__ import annotations
 
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -126,6 +127,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                     lr = optimizer.param_groups[0]["lr"]
                     # The norm before clipping; an infinite limit measures without clipping.
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm or float("inf"))
+                    if cfg.grad_clip_value:
+                        accelerator.clip_grad_value_(model.parameters(), cfg.grad_clip_value)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -138,7 +141,12 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
             now = time.perf_counter()
             step_time, last_step_end = now - last_step_end, now
             last_step = step >= cfg.max_steps
-            values = {"lr": lr, "step_time_s": step_time, "tokens_per_s": window_batches * tokens_per_micro_batch / step_time}
+            values = {
+                "lr": lr,
+                "step_time_s": step_time,
+                "tokens_per_s": window_batches * tokens_per_micro_batch / step_time,
+                "peak_memory_mb": _peak_memory_mb(accelerator.device),
+            }
             if step % cfg.eval_every == 0 or last_step:
                 values["eval_loss"] = last_eval = evaluate(forward, eval_dl, accelerator)
             previous = lagged.take()
@@ -171,6 +179,13 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     report(lagged.take())
     accelerator.end_training()
     return TrainResult(step=step, preempted=preempted, last_eval_loss=last_eval)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process: allocated tensors on a GPU, resident set size on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def _stop_votes(accelerator: Accelerator, stop: bool) -> torch.Tensor:
