@@ -105,9 +105,9 @@ def test_a_crashing_job_fails_with_the_reason_and_its_last_output(stack):
     assert job["status"] == "failed"
     assert [a["status"] for a in job["attempts"]] == ["failed", "failed"]  # retried once, then gave up
     assert "exited with code 1" in job["failure_reason"]
-    assert "too few for one window" in job["failure_reason"]  # the training process's own error
+    assert "too few to fill" in job["failure_reason"]  # the training process's own error
     logs = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 200}).json()["lines"]
-    assert any("too few for one window" in line["line"] for line in logs)
+    assert any("too few to fill" in line["line"] for line in logs)
 
 
 def test_cancel_stops_a_running_job_and_frees_its_host(stack):

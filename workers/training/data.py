@@ -48,19 +48,26 @@ class Tokenizer:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of block_size + 1 tokens, returned as (input, target shifted by one)."""
+    """Non-overlapping windows of block_size + 1 tokens, returned as (input, target shifted by one).
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, seed: int | None = None):
+    With a seed, each epoch is a shuffled selection of `multiple_of × k` of them, so that an epoch
+    is a whole number of optimizer steps (see the training loop)."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, seed: int | None = None, multiple_of: int = 1):
         self.tokens, self.block_size, self.seed = tokens, block_size, seed
-        self.count = (len(tokens) - 1) // block_size
+        self.total = (len(tokens) - 1) // block_size
+        self.count = self.total // multiple_of * multiple_of
         if self.count < 1:
-            raise ValueError(f"{len(tokens)} tokens are too few for one window of block_size {block_size}")
+            raise ValueError(
+                f"{len(tokens)} tokens make {self.total} windows of block_size {block_size}: too few to fill {multiple_of}"
+            )
         self.order = torch.arange(self.count)
 
     def set_epoch(self, epoch: int) -> None:
         """Shuffle for `epoch` (a no-op for an evaluation set, which has no seed)."""
         if self.seed is not None:
-            self.order = torch.randperm(self.count, generator=torch.Generator().manual_seed(self.seed + epoch))
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self.order = torch.randperm(self.total, generator=generator)[: self.count]
 
     def __len__(self) -> int:
         return self.count

@@ -12,12 +12,13 @@ from workers.training.data import TokenWindows
 
 
 def eval_dataloader(val_tokens: torch.Tensor, spec: JobSpec) -> DataLoader:
-    """The first `eval_batches × micro_batch_size` validation windows, in order.
+    """The first `eval_batches` batches of every process's micro-batch size, in order.
 
-    A fixed set of samples (not "N batches per process") makes the eval loss the same for any
-    number of processes, and lets anyone recompute it from a downloaded checkpoint."""
+    The count comes from the spec, not from the processes running: the same windows whether one
+    process with micro-batch 12 or two with 6 evaluate, and anyone can recompute the loss from a
+    downloaded checkpoint on one process."""
     windows = TokenWindows(val_tokens, spec.model.block_size)
-    count = min(len(windows), spec.training.eval_batches * spec.training.micro_batch_size)
+    count = min(len(windows), spec.training.eval_batches * spec.training.micro_batch_size * spec.world_size)
     return DataLoader(Subset(windows, range(count)), batch_size=spec.training.micro_batch_size, shuffle=False)
 
 

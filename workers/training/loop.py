@@ -9,6 +9,8 @@ from __future__ import annotations
 import resource
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +59,10 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     # Data: fixed windows whose order depends only on (seed, epoch), so a resumed run and a run
     # on more processes see exactly the same samples.
     corpus = load_text_corpus(spec.dataset, data_root)
-    train_set = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed)
+    # Each epoch holds whole optimizer steps: Accelerate ends an epoch's last accumulation window
+    # early, yet still divides its loss by the full window length, which would shrink that step.
+    samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
+    train_set = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step)
     train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True)
     eval_dl = eval_dataloader(corpus.val, spec)
 
@@ -66,8 +71,6 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     optimizer = make_optimizer(model, spec)
     scheduler = make_scheduler(optimizer, spec, accelerator.num_processes)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
-    if len(train_dl) == 0:
-        raise ValueError(f"the training split has fewer than {cfg.micro_batch_size * accelerator.num_processes} windows: use a smaller micro_batch_size or block_size")
 
     # Resume: weights, optimizer, schedule and RNG from the Accelerate state; where the loop was
     # from the explicit trainer state. Loaded before compiling, so no weights go into a compiled module.
@@ -77,10 +80,6 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
         progress = load_trainer_state(resume_from)
         accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
     forward = torch.compile(model) if cfg.compile else model
-
-    # Preemption: SIGTERM asks for a checkpoint at the next step boundary, then exit.
-    stop_requested = []
-    signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
 
     step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
     tokens_per_micro_batch = cfg.micro_batch_size * spec.model.block_size * accelerator.num_processes
@@ -98,87 +97,100 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
             reporter.metrics(read_step, metrics)
         return stop
 
-    model.train()
-    # Step time is wall time between optimizer steps (nanoGPT's dt): reporting, evaluation and
-    # checkpointing are paid for by the step after them, never hidden.
-    last_step_end = time.perf_counter()
-    while step < cfg.max_steps and not preempted:
-        loader = accelerator.skip_first_batches(train_dl, batch_in_epoch) if batch_in_epoch else train_dl
-        # Through the prepared loader, not the dataset: it re-applies its own epoch count to the
-        # dataset whenever it starts iterating, and a resumed run's loaders have counted less.
-        loader.set_epoch(epoch)
-        window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
-        for inputs, targets in loader:
-            batch_in_epoch += 1
-            if window_batches == 0:
-                # Dropout draws from a seed of (seed, step), not from whatever the global RNG went
-                # through before: a resumed run builds a new dataloader iterator (which draws from
-                # the global RNG) where a straight run did not, and must still see the same masks.
-                torch.manual_seed(cfg.seed * 1_000_003 + step)
-
-            # Forward and backward; Accelerate scales the loss for accumulation and skips the
-            # gradient all-reduce until the last micro-batch of the window.
-            with accelerator.accumulate(model):
-                _, loss = forward(inputs, targets)
-                accelerator.backward(loss)
-                window_loss += loss.detach()
-                window_batches += 1
-                if accelerator.sync_gradients:
-                    lr = optimizer.param_groups[0]["lr"]
-                    # The norm before clipping; an infinite limit measures without clipping.
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm or float("inf"))
-                    if cfg.grad_clip_value:
-                        accelerator.clip_grad_value_(model.parameters(), cfg.grad_clip_value)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            if not accelerator.sync_gradients:
-                continue
-
-            # One optimizer step done. Its scalars stay on the device until the next step is queued
-            # (see LaggedMetrics); the previous step's are reported now.
-            step += 1
-            now = time.perf_counter()
-            step_time, last_step_end = now - last_step_end, now
-            last_step = step >= cfg.max_steps
-            values = {
-                "lr": lr,
-                "step_time_s": step_time,
-                "tokens_per_s": window_batches * tokens_per_micro_batch / step_time,
-                "peak_memory_mb": _peak_memory_mb(accelerator.device),
-            }
-            if step % cfg.eval_every == 0 or last_step:
-                values["eval_loss"] = last_eval = evaluate(forward, eval_dl, accelerator)
-            previous = lagged.take()
-            lagged.put(
-                step,
-                {
-                    "train_loss": accelerator.reduce(window_loss / window_batches, reduction="mean"),
-                    "grad_norm": grad_norm,
-                    "stop_votes": _stop_votes(accelerator, bool(stop_requested)),
-                },
-                values,
-            )
-            # SIGTERM on any process, seen one step late by all of them alike: stop here.
-            preempted = report(previous) and not last_step
-
-            # Checkpoint on schedule, at the end, and when asked to stop; this step's metrics first.
-            if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
-                report(lagged.take())
-                state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch}
-                path = save_checkpoint(accelerator, model, run_dir, state, spec, corpus.tokenizer)
-                if accelerator.is_main_process:
-                    reporter.checkpoint(step, path)
-                    prune_checkpoints(run_dir, spec.checkpoint.keep_last)
-            if last_step or preempted:
-                break
+    # Preemption: SIGTERM asks for a checkpoint at the next step boundary, then exit.
+    with sigterm_requests() as stop_requested:
+        model.train()
+        # Step time is wall time between optimizer steps (nanoGPT's dt): reporting, evaluation and
+        # checkpointing are paid for by the step after them, never hidden.
+        last_step_end = time.perf_counter()
+        while step < cfg.max_steps and not preempted:
+            loader = accelerator.skip_first_batches(train_dl, batch_in_epoch) if batch_in_epoch else train_dl
+            # Through the prepared loader, not the dataset: it re-applies its own epoch count to the
+            # dataset whenever it starts iterating, and a resumed run's loaders have counted less.
+            loader.set_epoch(epoch)
             window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
-        else:
-            epoch, batch_in_epoch = epoch + 1, 0
+            for inputs, targets in loader:
+                batch_in_epoch += 1
+                if window_batches == 0:
+                    # Dropout draws from a seed of (seed, step), not from whatever the global RNG went
+                    # through before: a resumed run builds a new dataloader iterator (which draws from
+                    # the global RNG) where a straight run did not, and must still see the same masks.
+                    torch.manual_seed(cfg.seed * 1_000_003 + step)
 
-    report(lagged.take())
+                # Forward and backward; Accelerate scales the loss for accumulation and skips the
+                # gradient all-reduce until the last micro-batch of the window.
+                with accelerator.accumulate(model):
+                    _, loss = forward(inputs, targets)
+                    accelerator.backward(loss)
+                    window_loss += loss.detach()
+                    window_batches += 1
+                    if accelerator.sync_gradients:
+                        lr = optimizer.param_groups[0]["lr"]
+                        # The norm before clipping; an infinite limit measures without clipping.
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm or float("inf"))
+                        if cfg.grad_clip_value:
+                            accelerator.clip_grad_value_(model.parameters(), cfg.grad_clip_value)
+                    optimizer.step()
+                    scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if not accelerator.sync_gradients:
+                    continue
+
+                # One optimizer step done. Its scalars stay on the device until the next step is queued
+                # (see LaggedMetrics); the previous step's are reported now.
+                step += 1
+                now = time.perf_counter()
+                step_time, last_step_end = now - last_step_end, now
+                last_step = step >= cfg.max_steps
+                values = {
+                    "lr": lr,
+                    "step_time_s": step_time,
+                    "tokens_per_s": window_batches * tokens_per_micro_batch / step_time,
+                    "peak_memory_mb": _peak_memory_mb(accelerator.device),
+                }
+                if step % cfg.eval_every == 0 or last_step:
+                    values["eval_loss"] = last_eval = evaluate(forward, eval_dl, accelerator)
+                previous = lagged.take()
+                lagged.put(
+                    step,
+                    {
+                        "train_loss": accelerator.reduce(window_loss / window_batches, reduction="mean"),
+                        "grad_norm": grad_norm,
+                        "stop_votes": _stop_votes(accelerator, bool(stop_requested)),
+                    },
+                    values,
+                )
+                # SIGTERM on any process, seen one step late by all of them alike: stop here.
+                preempted = report(previous) and not last_step
+
+                # Checkpoint on schedule, at the end, and when asked to stop; this step's metrics first.
+                if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
+                    report(lagged.take())
+                    state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch}
+                    path = save_checkpoint(accelerator, model, run_dir, state, spec, corpus.tokenizer)
+                    if accelerator.is_main_process:
+                        reporter.checkpoint(step, path)
+                        prune_checkpoints(run_dir, spec.checkpoint.keep_last)
+                if last_step or preempted:
+                    break
+                window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
+            else:
+                epoch, batch_in_epoch = epoch + 1, 0
+
+        report(lagged.take())
     accelerator.end_training()
     return TrainResult(step=step, preempted=preempted, last_eval_loss=last_eval)
+
+
+@contextmanager
+def sigterm_requests() -> Iterator[list]:
+    """A list that SIGTERM appends to while inside; the previous handler is restored after."""
+    requested: list = []
+    previous = signal.signal(signal.SIGTERM, lambda *_: requested.append(True))
+    try:
+        yield requested
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _peak_memory_mb(device: torch.device) -> float:

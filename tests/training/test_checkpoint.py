@@ -1,0 +1,85 @@
+"""Checkpoints: complete, verified by their manifest, and enough to recompute the reported eval loss."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, verify_manifest
+from tests.training.support import run_training, spec_of, write_corpus
+from workers.training import GPT, eval_dataloader, evaluate, load_model, load_model_from_checkpoint, load_text_corpus
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """6 steps, a checkpoint and an evaluation every 2, keep_last 2."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    data_root = root / "data"
+    name = write_corpus(data_root)
+    spec = spec_of(**{
+        "dataset.path": name, "training.max_steps": STEPS, "training.eval_every": 2,
+        "checkpoint.every_steps": 2, "checkpoint.keep_last": 2,
+    })
+    run = run_training(spec, data_root, root / "run")
+    return spec, data_root, root / "run", run
+
+
+def test_checkpoints_are_reported_and_only_the_last_keep_last_remain(trained):
+    spec, _, run_dir, run = trained
+    assert sorted(run.checkpoints) == [2, 4, 6]
+    assert run.checkpoints[6] == run_dir / "checkpoints" / "step-00000006"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000004", "step-00000006"]
+
+
+def test_the_final_checkpoint_holds_weights_state_spec_tokenizer_and_a_manifest_of_them(trained):
+    spec, data_root, _, run = trained
+    final = run.checkpoints[STEPS]
+    assert {p.name for p in final.iterdir()} == {MODEL_FILE, "state", "trainer_state.json", "spec.json", "tokenizer.json", MANIFEST_FILE}
+    assert any((final / "state").iterdir())
+
+    manifest = verify_manifest(final)
+    assert manifest["step"] == STEPS
+    on_disk = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file() and p.name != MANIFEST_FILE}
+    assert set(manifest["files"]) == on_disk  # every file, state/ included, is listed
+
+    assert json.loads((final / "trainer_state.json").read_text()) == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS}
+    model, tokenizer, saved_spec = load_model_from_checkpoint(final)
+    assert saved_spec == spec
+    assert tokenizer.to_json() == load_text_corpus(spec.dataset, data_root).tokenizer.to_json()
+
+
+@pytest.mark.parametrize("victim", [MODEL_FILE, "state", "trainer_state.json", "spec.json", "tokenizer.json"])
+def test_one_flipped_byte_anywhere_fails_verification(trained, tmp_path, victim):
+    copy = tmp_path / "checkpoint"
+    shutil.copytree(trained[3].checkpoints[STEPS], copy)
+    verify_manifest(copy)
+    path = copy / victim
+    if path.is_dir():
+        path = max((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpoint):
+        verify_manifest(copy)
+
+
+@pytest.mark.parametrize("step", [4, STEPS])
+def test_weights_loaded_into_a_fresh_model_reproduce_the_reported_eval_loss(trained, step):
+    spec, data_root, _, run = trained
+    weights_file = run.checkpoints[step] / MODEL_FILE
+    corpus = load_text_corpus(spec.dataset, data_root)
+
+    tensors = load_file(str(weights_file))
+    assert not [name for name in tensors if "_orig_mod." in name or name.startswith("module.")]
+    assert set(tensors) == set(GPT(spec.model, corpus.tokenizer.vocab_size).state_dict())
+
+    model = load_model(spec, corpus.tokenizer.vocab_size, weights_file)  # strict load_state_dict
+    recomputed = evaluate(model, eval_dataloader(corpus.val, spec))
+    assert recomputed == pytest.approx(run.steps[step]["eval_loss"], abs=1e-4)  # measured: equal
+    assert all(t.dtype == torch.float32 for t in tensors.values())

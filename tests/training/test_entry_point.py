@@ -1,0 +1,71 @@
+"""`python -m workers.training`: JSONL events under TRAINYARD_EVENTS_FILE, exit 2 on a bad spec."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from api_schemas.manifest import verify_manifest
+from tests.helpers import tiny_spec
+from tests.training.support import REPO, entry_point, read_events, run_training, spec_of, subprocess_env
+
+STEPS = 4
+
+
+def test_entry_point_writes_one_metrics_event_per_step_and_checkpoint_events_for_verified_directories(data_root, tmp_path):
+    overrides = {"training.max_steps": STEPS, "training.eval_every": 2, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2}
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(tiny_spec(**overrides)))
+    events_file = tmp_path / "events.jsonl"
+    done = subprocess.run(
+        entry_point(spec_file, data_root, tmp_path / "run"), cwd=REPO, env=subprocess_env(events_file),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    events = read_events(events_file)
+
+    metrics = [e for e in events if e["type"] == "metrics"]
+    assert [e["step"] for e in metrics] == [1, 2, 3, 4]
+    for event in metrics:
+        assert {"train_loss", "grad_norm", "lr", "step_time_s", "tokens_per_s"} <= set(event["values"])
+        assert all(math.isfinite(v) for v in event["values"].values())
+    assert [e["step"] for e in metrics if "eval_loss" in e["values"]] == [2, 4]
+
+    checkpoints = [e for e in events if e["type"] == "checkpoint"]
+    assert [e["step"] for e in checkpoints] == [2, 4]
+    for event in checkpoints:
+        path = Path(event["path"])
+        assert path.is_absolute() and path.name == f"step-{event['step']:08d}"
+        assert verify_manifest(path)["step"] == event["step"]
+    # Every metrics event of a step comes before that step's checkpoint event.
+    order = [(e["type"], e["step"]) for e in events]
+    assert order.index(("metrics", 4)) < order.index(("checkpoint", 4))
+
+    # The same training as an in-process train() call (same thread count, same samples).
+    in_process = run_training(spec_of(**overrides), data_root, tmp_path / "in-process")
+    assert [e["values"]["train_loss"] for e in metrics] == pytest.approx(in_process.series("train_loss"), rel=1e-6)
+    eval_losses = [e["values"]["eval_loss"] for e in metrics if "eval_loss" in e["values"]]
+    assert eval_losses == pytest.approx(in_process.series("eval_loss"), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [({"training.max_steps": 0}, "training.max_steps"), ({"optimizer.lr_typo": 0.1}, "optimizer.lr_typo")],
+    ids=["out-of-range", "unknown-field"],
+)
+def test_an_invalid_spec_exits_2_naming_the_field_without_a_traceback(data_root, tmp_path, overrides, field):
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(tiny_spec(**overrides)))
+    events_file = tmp_path / "events.jsonl"
+    done = subprocess.run(
+        entry_point(spec_file, data_root, tmp_path / "run"), cwd=REPO, env=subprocess_env(events_file),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2
+    assert field in done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "run").exists() and not events_file.exists()  # nothing started
