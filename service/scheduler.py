@@ -68,6 +68,19 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     return to_dispatch
 
 
+def _send(celery: Celery, attempt_id: int, host: str) -> None:
+    """Send one dispatch, retrying once at once: a first send can race the worker declaring the
+    same queue (seen with the SQLAlchemy transport). If both fail, the pass after the dispatch
+    timeout re-sends it; one failed send never holds up the others."""
+    for last_try in (False, True):
+        try:
+            dispatch_attempt(celery, attempt_id, host)
+            return
+        except Exception:
+            if last_try:
+                log.exception("could not dispatch attempt %s to %s; it is re-sent after the dispatch timeout", attempt_id, host)
+
+
 def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, stop=lambda: False) -> None:
     """The scheduler process: one pass every `scheduler_interval_seconds` until `stop()`."""
     log.info("scheduler started")
@@ -76,7 +89,7 @@ def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, st
             with sessions() as session:
                 dispatches = schedule_pass(session, settings)
             for attempt_id, host in dispatches:
-                dispatch_attempt(celery, attempt_id, host)
+                _send(celery, attempt_id, host)
         except Exception:
             # A database or broker restart must not kill the scheduler; the next pass retries.
             log.exception("scheduler pass failed; retrying")
