@@ -16,8 +16,8 @@ from tests.training.support import REPO, entry_point, read_events, run_training,
 STEPS = 4
 
 
-def test_entry_point_writes_one_metrics_event_per_step_and_checkpoint_events_for_verified_directories(data_root, tmp_path):
-    overrides = {"training.max_steps": STEPS, "training.eval_every": 2, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2}
+def run_entry_point(tmp_path, data_root, overrides: dict) -> tuple[subprocess.CompletedProcess, object]:
+    """`python -m workers.training` on a tiny spec with `overrides`, events going to a file."""
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(tiny_spec(**overrides)))
     events_file = tmp_path / "events.jsonl"
@@ -25,6 +25,12 @@ def test_entry_point_writes_one_metrics_event_per_step_and_checkpoint_events_for
         entry_point(spec_file, data_root, tmp_path / "run"), cwd=REPO, env=subprocess_env(events_file),
         capture_output=True, text=True, timeout=300,
     )
+    return done, events_file
+
+
+def test_entry_point_writes_one_metrics_event_per_step_and_checkpoint_events_for_verified_directories(data_root, tmp_path):
+    overrides = {"training.max_steps": STEPS, "training.eval_every": 2, "checkpoint.every_steps": 2, "checkpoint.keep_last": 2}
+    done, events_file = run_entry_point(tmp_path, data_root, overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     events = read_events(events_file)
 
@@ -58,13 +64,7 @@ def test_entry_point_writes_one_metrics_event_per_step_and_checkpoint_events_for
     ids=["out-of-range", "unknown-field"],
 )
 def test_an_invalid_spec_exits_2_naming_the_field_without_a_traceback(data_root, tmp_path, overrides, field):
-    spec_file = tmp_path / "spec.json"
-    spec_file.write_text(json.dumps(tiny_spec(**overrides)))
-    events_file = tmp_path / "events.jsonl"
-    done = subprocess.run(
-        entry_point(spec_file, data_root, tmp_path / "run"), cwd=REPO, env=subprocess_env(events_file),
-        capture_output=True, text=True, timeout=300,
-    )
+    done, events_file = run_entry_point(tmp_path, data_root, overrides)
     assert done.returncode == 2
     assert field in done.stderr
     assert "Traceback" not in done.stderr + done.stdout
