@@ -1,4 +1,4 @@
-"""`python -m workers.training`: JSONL events under TRAINYARD_EVENTS_FILE, exit 2 on a bad spec."""
+"""`python -m workers.training`: JSONL events under TRAINYARD_EVENTS_FILE, exit 2 with one line on a spec that cannot run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from api_schemas.manifest import verify_manifest
 from tests.helpers import tiny_spec
-from tests.training.support import REPO, entry_point, read_events, run_training, spec_of, subprocess_env
+from tests.training.support import REPO, entry_point, read_events, run_training, spec_of, subprocess_env, write_corpus
 
 STEPS = 4
 
@@ -60,12 +60,19 @@ def test_entry_point_writes_one_metrics_event_per_step_and_checkpoint_events_for
 
 @pytest.mark.parametrize(
     "overrides, field",
-    [({"training.max_steps": 0}, "training.max_steps"), ({"optimizer.lr_typo": 0.1}, "optimizer.lr_typo")],
-    ids=["out-of-range", "unknown-field"],
+    [
+        ({"training.max_steps": 0}, "training.max_steps"),
+        ({"optimizer.lr_typo": 0.1}, "optimizer.lr_typo"),
+        ({"training.max_steps": 5, "schedule.warmup_steps": 5}, "schedule.warmup_steps"),  # a cross-field rule
+        ({"dataset.path": "absent.txt"}, "dataset.path"),  # valid JSON, but no such corpus
+        ({"dataset.path": "short.txt", "model.block_size": 4096}, "model.block_size"),  # longer than the corpus
+    ],
+    ids=["out-of-range", "unknown-field", "cross-field", "missing-corpus", "window-longer-than-corpus"],
 )
-def test_an_invalid_spec_exits_2_naming_the_field_without_a_traceback(data_root, tmp_path, overrides, field):
+def test_a_spec_that_cannot_run_exits_2_with_one_line_naming_the_field(data_root, tmp_path, overrides, field):
+    write_corpus(data_root, chars=2_000, name="short.txt")
     done, events_file = run_entry_point(tmp_path, data_root, overrides)
-    assert done.returncode == 2
-    assert field in done.stderr
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert len(done.stderr.strip().splitlines()) == 1 and field in done.stderr, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
-    assert not (tmp_path / "run").exists() and not events_file.exists()  # nothing started
+    assert read_events(events_file) == []  # no step, no checkpoint

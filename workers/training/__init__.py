@@ -2,7 +2,7 @@
 
 from api_schemas.worker_protocol import EXIT_PREEMPTED
 from workers.training.checkpoint import load_model, load_model_from_checkpoint, save_checkpoint
-from workers.training.data import Tokenizer, TokenWindows, load_text_corpus
+from workers.training.data import SpecError, Tokenizer, TokenWindows, load_text_corpus
 from workers.training.evaluate import eval_dataloader, evaluate
 from workers.training.loop import TrainResult, train
 from workers.training.model import GPT
@@ -10,7 +10,7 @@ from workers.training.reporter import ConsoleReporter, JsonlReporter, Reporter, 
 from workers.training.schedule import lr_at
 
 __all__ = [
-    "GPT", "ConsoleReporter", "EXIT_PREEMPTED", "JsonlReporter", "Reporter", "TokenWindows", "Tokenizer", "TrainResult",
-    "eval_dataloader", "evaluate", "load_model", "load_model_from_checkpoint", "load_text_corpus", "lr_at",
-    "reporter_from_env", "save_checkpoint", "train",
+    "GPT", "ConsoleReporter", "EXIT_PREEMPTED", "JsonlReporter", "Reporter", "SpecError", "TokenWindows",
+    "Tokenizer", "TrainResult", "eval_dataloader", "evaluate", "load_model", "load_model_from_checkpoint", "load_text_corpus",
+    "lr_at", "reporter_from_env", "save_checkpoint", "train",
 ]

@@ -1,7 +1,7 @@
 """Entry point: `accelerate launch -m workers.training --spec spec.json --data-root DIR --run-dir DIR [--resume-from CKPT]`.
 
-Parse → build → train → close. Exits 0 when done, 2 on a bad spec, 75 when preempted (SIGTERM)
-after saving a checkpoint.
+Parse → build → train → close. Exits 0 when done, 2 on a bad spec (one line on stderr naming the
+field), 75 when preempted (SIGTERM) after saving a checkpoint, anything else on a failure.
 """
 
 from __future__ import annotations
@@ -14,8 +14,11 @@ from pydantic import ValidationError
 
 from api_schemas import JobSpec
 from api_schemas.worker_protocol import EXIT_PREEMPTED
+from workers.training.data import SpecError
 from workers.training.loop import train
 from workers.training.reporter import reporter_from_env
+
+EXIT_BAD_SPEC = 2
 
 
 def main() -> int:
@@ -28,16 +31,30 @@ def main() -> int:
 
     try:
         spec = JobSpec.model_validate_json(args.spec.read_text())
-    except (OSError, ValidationError) as exc:
-        print(f"error: invalid job spec {args.spec}: {exc}", file=sys.stderr)
-        return 2
+    except OSError as exc:
+        return bad_spec(f"cannot read {args.spec}: {exc.strerror}")
+    except ValidationError as exc:
+        return bad_spec("; ".join(describe(error) for error in exc.errors()))
 
     reporter = reporter_from_env()
     try:
         result = train(spec, args.data_root, args.run_dir, reporter, args.resume_from)
+    except SpecError as exc:
+        return bad_spec(str(exc))
     finally:
         reporter.close()
     return EXIT_PREEMPTED if result.preempted else 0
+
+
+def describe(error: dict) -> str:
+    """`training.max_steps: Input should be …`; cross-field rules already name their fields."""
+    field = ".".join(map(str, error["loc"]))
+    return f"{field}: {error['msg']}" if field else error["msg"].removeprefix("Value error, ")
+
+
+def bad_spec(message: str) -> int:
+    print(f"error: invalid job spec: {message}", file=sys.stderr)
+    return EXIT_BAD_SPEC
 
 
 if __name__ == "__main__":

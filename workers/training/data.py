@@ -8,7 +8,6 @@ what makes exact resume and process-count equivalence hold.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,10 @@ import torch
 from torch.utils.data import Dataset
 
 from api_schemas import DatasetConfig
+
+
+class SpecError(ValueError):
+    """The spec asks for something its data cannot give: a missing corpus, more windows than it holds."""
 
 
 class Tokenizer:
@@ -58,8 +61,9 @@ class TokenWindows(Dataset):
         self.total = (len(tokens) - 1) // block_size
         self.count = self.total // multiple_of * multiple_of
         if self.count < 1:
-            raise ValueError(
-                f"{len(tokens)} tokens make {self.total} windows of block_size {block_size}: too few to fill {multiple_of}"
+            raise SpecError(
+                f"model.block_size, training.micro_batch_size: {len(tokens)} tokens make {self.total} windows of "
+                f"{block_size}, too few to fill {multiple_of}"
             )
         self.order = torch.arange(self.count)
 
@@ -90,13 +94,11 @@ def load_text_corpus(config: DatasetConfig, data_root: Path) -> TextCorpus:
     root = data_root.resolve()
     path = (root / config.path).resolve()
     if not path.is_relative_to(root):
-        raise ValueError(f"dataset.path {config.path!r} resolves outside the data root")
+        raise SpecError(f"dataset.path: {config.path!r} resolves outside the data root")
+    if not path.is_file():
+        raise SpecError(f"dataset.path: {config.path!r} is not a file under the data root")
     text = path.read_text(encoding="utf-8")
     tokenizer = Tokenizer.build(config.tokenizer, text)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     split = int(len(tokens) * (1 - config.val_fraction))
     return TextCorpus(train=tokens[:split], val=tokens[split:], tokenizer=tokenizer)
-
-
-def save_tokenizer(tokenizer: Tokenizer, path: Path) -> None:
-    path.write_text(json.dumps(tokenizer.to_json()))

@@ -1,0 +1,54 @@
+"""Tokenizers, the train/validation split and the sample order the loop depends on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from api_schemas import DatasetConfig, JobSpec
+from tests.helpers import tiny_spec
+from workers.training import SpecError, Tokenizer, TokenWindows, eval_dataloader, load_text_corpus
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
+
+
+@pytest.mark.parametrize(("kind", "text", "vocab_size"), [("char", TEXT, len(set(TEXT))), ("byte", TEXT + "é ✓", 256)])
+def test_a_tokenizer_round_trips_text_and_survives_its_json_form(kind, text, vocab_size):
+    tokenizer = Tokenizer.build(kind, text)
+    restored = Tokenizer.from_json(json.loads(json.dumps(tokenizer.to_json())))
+    ids = restored.encode(text)
+    assert restored.vocab_size == vocab_size and max(ids) < vocab_size
+    assert ids == tokenizer.encode(text) and restored.decode(ids) == text
+
+
+def test_validation_is_the_tail_of_the_corpus(tmp_path):
+    (tmp_path / "corpus.txt").write_text(TEXT * 10)
+    corpus = load_text_corpus(DatasetConfig(kind="text", path="corpus.txt", val_fraction=0.25), tmp_path)
+    assert torch.equal(torch.cat([corpus.train, corpus.val]), torch.tensor(corpus.tokenizer.encode(TEXT * 10)))
+    assert len(corpus.val) == len(TEXT) * 10 - int(len(TEXT) * 10 * 0.75)
+    with pytest.raises(SpecError, match="dataset.path"):
+        load_text_corpus(DatasetConfig(kind="text", path="absent.txt"), tmp_path)
+
+
+def test_the_training_order_is_a_permutation_fixed_by_seed_and_epoch():
+    tokens = torch.arange(161)
+    windows = TokenWindows(tokens, block_size=8, seed=7)
+
+    def order(epoch: int) -> list[int]:
+        windows.set_epoch(epoch)
+        return [int(windows[i][0][0]) // 8 for i in range(len(windows))]
+
+    assert sorted(order(0)) == list(range(20))
+    assert order(0) == order(0) and order(0) != order(1)
+    inputs, targets = windows[3]
+    assert torch.equal(targets[:-1], inputs[1:])  # targets are the inputs shifted by one token
+
+
+def test_evaluation_reads_the_first_eval_batches_of_validation_windows_in_order():
+    spec = JobSpec.model_validate(tiny_spec(**{"model.block_size": 8, "training.micro_batch_size": 3, "training.eval_batches": 2}))
+    val = torch.arange(100)
+    batches = list(eval_dataloader(val, spec))
+    assert [len(inputs) for inputs, _ in batches] == [3, 3]
+    assert [int(x[0]) for inputs, _ in batches for x in inputs] == [0, 8, 16, 24, 32, 40]
