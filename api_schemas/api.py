@@ -65,6 +65,9 @@ class JobOut(BaseModel):
     finished_at: datetime | None
     spec: JobSpec
     attempts: list[AttemptOut] = []
+    last_train_loss: float | None = Field(None, description="train_loss at the last reported step.")
+    steps_per_second: float | None = Field(None, description="Optimizer steps per second at the last reported step.")
+    eta_seconds: float | None = Field(None, description="Time left at the current rate; only while running.")
 
 
 class JobPage(BaseModel):

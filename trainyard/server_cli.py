@@ -191,7 +191,7 @@ def _wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path, tim
 
 def run_up(args: argparse.Namespace) -> int:
     with embedded_stack(Path(args.data_dir), args.port, args.workers, devices=args.devices) as stack:
-        print(f"Trainyard is up at {stack.url} (dashboard JSON: {stack.url}/v1/dashboard)")
+        print(f"Trainyard is up at {stack.url}; dashboard: {stack.url}/dashboard (log in with the admin token)")
         print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(True))

@@ -54,6 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
     app.include_router(dashboard.router)
+    app.include_router(dashboard.page_router)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
-from api_schemas import AttemptOut, CheckpointOut, JobOut, JobSpec
+from sqlalchemy.orm import Session
+
+from api_schemas import AttemptOut, CheckpointOut, JobOut, JobSpec, JobStatus
+from service.db import crud
 from service.db.models import Checkpoint, Job
 
+# The latest values the jobs table shows: last loss, and the step time its rate and ETA come from.
+PROGRESS_METRICS = ["train_loss", "step_time_s"]
 
-def job_out(job: Job) -> JobOut:
+
+def job_outs(session: Session, jobs: list[Job]) -> list[JobOut]:
+    latest = crud.latest_metrics(session, [job.id for job in jobs], PROGRESS_METRICS)
+    return [job_out(job, latest.get(job.id, {})) for job in jobs]
+
+
+def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
     spec = JobSpec.model_validate(job.spec)
+    latest = latest or {}
+    step_time = latest.get("step_time_s")
     return JobOut(
         id=job.id,
         name=job.name,
@@ -37,6 +50,9 @@ def job_out(job: Job) -> JobOut:
             )
             for a in job.attempts
         ],
+        last_train_loss=latest.get("train_loss"),
+        steps_per_second=1 / step_time if step_time else None,
+        eta_seconds=(job.max_steps - job.step) * step_time if step_time and job.status == JobStatus.running else None,
     )
 
 

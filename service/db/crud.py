@@ -381,9 +381,23 @@ def running_jobs(session: Session, user: User) -> list[Job]:
     return list(session.scalars(query))
 
 
-def last_metric(session: Session, job_id: int, name: str) -> float | None:
-    query = select(Metric.value).where(Metric.job_id == job_id, Metric.name == name).order_by(Metric.step.desc()).limit(1)
-    return session.scalar(query)
+def latest_metrics(session: Session, job_ids: list[int], names: list[str]) -> dict[int, dict[str, float]]:
+    """{job_id: {name: value at that series' last step}}, in one query for a whole page of jobs."""
+    if not job_ids:
+        return {}
+    last = (
+        select(Metric.job_id, Metric.name, func.max(Metric.step).label("step"))
+        .where(Metric.job_id.in_(job_ids), Metric.name.in_(names))
+        .group_by(Metric.job_id, Metric.name)
+        .subquery()
+    )
+    query = select(Metric.job_id, Metric.name, Metric.value).join(
+        last, (Metric.job_id == last.c.job_id) & (Metric.name == last.c.name) & (Metric.step == last.c.step)
+    )
+    latest: dict[int, dict[str, float]] = {}
+    for job_id, name, value in session.execute(query):
+        latest.setdefault(job_id, {})[name] = value
+    return latest
 
 
 def all_hosts(session: Session) -> list[WorkerHost]:

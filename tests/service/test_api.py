@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from service.api.main import create_app
 from service.db import crud
 from service.db.session import session_factory
+from service.scheduler import schedule_pass
 from service.settings import Settings
 from tests.helpers import tiny_spec
 
@@ -125,3 +126,24 @@ def test_cancelling_a_queued_job_is_immediate(api, tokens):
 def test_unknown_job_and_checkpoint_are_404(api, tokens):
     assert api.get("/v1/jobs/999999", headers=auth(tokens["alice"])).status_code == 404
     assert api.get("/v1/checkpoints/999999/download", headers=auth(tokens["alice"])).status_code == 404
+
+
+def test_a_running_job_shows_its_last_loss_rate_and_eta(api, tokens, settings):
+    job_id = api.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 100}), headers=auth(tokens["alice"])).json()["id"]
+    other_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    sessions = session_factory(settings.resolved_database_url)
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        [(attempt_id, _)] = schedule_pass(session, settings)
+        claimed = crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
+        # Out of step order on purpose: "last" means the highest step, not the newest row.
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(40, "train_loss", 2.5), (40, "step_time_s", 0.5)])
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(39, "train_loss", 9.0), (39, "step_time_s", 9.0)])
+
+    for job in [api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json(),
+                api.get("/v1/jobs", headers=auth(tokens["alice"])).json()["items"][1]]:
+        assert job["status"] == "running" and job["step"] == 40
+        assert job["last_train_loss"] == 2.5 and job["steps_per_second"] == 2.0
+        assert job["eta_seconds"] == pytest.approx(60 * 0.5)  # 60 steps left at 0.5 s each
+    queued = api.get(f"/v1/jobs/{other_id}", headers=auth(tokens["alice"])).json()
+    assert queued["last_train_loss"] is None and queued["eta_seconds"] is None

@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import APIRouter
+from fastapi.responses import FileResponse
 
 from api_schemas import DashboardOut, RunningJobOut, WorkerOut
 from service.api.deps import CurrentUser, SessionDep, SettingsDep
@@ -8,6 +11,8 @@ from service.db import crud
 from service.db.models import utcnow
 
 router = APIRouter(prefix="/v1", tags=["dashboard"])
+page_router = APIRouter()
+DASHBOARD_PAGE = Path(__file__).resolve().parents[2] / "static" / "dashboard.html"
 
 
 @router.get("/workers", response_model=list[WorkerOut])
@@ -29,6 +34,8 @@ def list_workers(session: SessionDep, _user: CurrentUser, settings: SettingsDep)
 
 @router.get("/dashboard", response_model=DashboardOut)
 def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> DashboardOut:
+    jobs = crud.running_jobs(session, user)
+    latest = crud.latest_metrics(session, [job.id for job in jobs], ["train_loss"])
     running = [
         RunningJobOut(
             id=job.id,
@@ -37,13 +44,19 @@ def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> 
             step=job.step,
             max_steps=job.max_steps,
             progress=job.step / job.max_steps,
-            last_train_loss=crud.last_metric(session, job.id, "train_loss"),
+            last_train_loss=latest.get(job.id, {}).get("train_loss"),
             host_name=job.attempts[-1].host_name if job.attempts else None,
         )
-        for job in crud.running_jobs(session, user)
+        for job in jobs
     ]
     return DashboardOut(
         jobs_by_status=crud.job_counts(session, user),
         running=running,
         workers=list_workers(session, user, settings),
     )
+
+
+@page_router.get("/dashboard", include_in_schema=False)
+def dashboard_page() -> FileResponse:
+    """The web page; it logs in with a token and reads the /v1 API like any other client."""
+    return FileResponse(DASHBOARD_PAGE, media_type="text/html")

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, status
 
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut
 from service.api.deps import CurrentUser, SessionDep, SettingsDep, VisibleJob
-from service.api.views import checkpoint_out, job_out
+from service.api.views import checkpoint_out, job_out, job_outs
 from service.datasets import DatasetError, resolve_dataset
 from service.db import crud
 
@@ -39,12 +39,12 @@ def list_jobs(
 ) -> JobPage:
     jobs = crud.list_jobs(session, user, status=status_, limit=limit, before_id=int(cursor) if cursor else None)
     next_cursor = str(jobs[-1].id) if len(jobs) == limit else None
-    return JobPage(items=[job_out(job) for job in jobs], next_cursor=next_cursor)
+    return JobPage(items=job_outs(session, jobs), next_cursor=next_cursor)
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(job: VisibleJob) -> JobOut:
-    return job_out(job)
+def get_job(job: VisibleJob, session: SessionDep) -> JobOut:
+    return job_outs(session, [job])[0]
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
