@@ -40,6 +40,7 @@ class AttemptStatus(str, Enum):
 class AttemptOut(BaseModel):
     id: int
     number: int
+    node_rank: int = Field(0, description="Which host of a multi-node job this attempt ran on; its nodes share `number`.")
     host_name: str
     status: AttemptStatus
     failure_reason: str | None

@@ -48,21 +48,24 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
             attempt.dispatched_at = now
             to_dispatch.append((attempt.id, attempt.host_name))
 
-    # Place queued jobs, best fit: the host with the fewest free slots that still fits.
+    # Place queued jobs, best fit: the hosts with the fewest free slots that still fit. A gang
+    # (nodes > 1) gets all its hosts in this one transaction or none, so two gangs can never each
+    # hold half of what they need and wait on each other forever.
     busy = crud.busy_slots_by_host(session)
     free = {host.name: host.slots - busy.get(host.name, 0) for host in hosts}
     device = {host.name: host.device for host in hosts}
     for job in crud.queued_jobs(session, limit=200):
         resources = JobSpec.model_validate(job.spec).resources
-        fitting = [h for h in free if device[h] == resources.device and free[h] >= resources.processes_per_node]
-        if not fitting:
+        fitting = sorted((h for h in free if device[h] == resources.device and free[h] >= resources.processes_per_node),
+                         key=lambda h: (free[h], h))
+        if len(fitting) < resources.nodes:
             continue
-        host = min(fitting, key=lambda h: (free[h], h))
-        attempt = crud.create_attempt(session, job, host, resources.processes_per_node, now)
-        if attempt is not None:
-            free[host] -= resources.processes_per_node
-            to_dispatch.append((attempt.id, host))
-            log.info("job %s attempt %s placed on %s", job.id, attempt.number, host)
+        attempts = crud.create_attempts(session, job, fitting[: resources.nodes], resources.processes_per_node, now)
+        for attempt in attempts:
+            free[attempt.host_name] -= resources.processes_per_node
+            to_dispatch.append((attempt.id, attempt.host_name))
+        if attempts:
+            log.info("job %s attempt %s placed on %s", job.id, attempts[0].number, ", ".join(a.host_name for a in attempts))
 
     session.commit()
     return to_dispatch

@@ -25,7 +25,7 @@ JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
 }
 
 ATTEMPT_TRANSITIONS: dict[AttemptStatus, set[AttemptStatus]] = {
-    AttemptStatus.scheduled: {AttemptStatus.running, AttemptStatus.lost, AttemptStatus.cancelled},
+    AttemptStatus.scheduled: {AttemptStatus.running, AttemptStatus.lost, AttemptStatus.cancelled, AttemptStatus.failed},
     AttemptStatus.running: {
         AttemptStatus.succeeded, AttemptStatus.failed, AttemptStatus.lost, AttemptStatus.preempted, AttemptStatus.cancelled,
     },
@@ -90,15 +90,22 @@ def move_attempt(
 def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptStatus, reason: str | None = None) -> bool:
     """Record how an attempt ended and decide what its job does next.
 
-    succeeded → job succeeded. cancelled, or any end of a job whose cancel was requested → job
-    cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
+    succeeded → job succeeded (a multi-node gang: once every node has). Any other end of one node
+    ends the rest of its gang as failed: they cannot go on without it; their workers see their
+    lease gone and stop. cancelled, or any end of a job whose cancel was requested → job cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
     lost → queued again while restarts remain, else failed with the attempt's reason. A queued
     job resumes from its latest complete checkpoint.
     """
     if not move_attempt(session, attempt, outcome, reason=reason):
         return False
+    gang = [other for other in job.attempts if other.number == attempt.number and other.id != attempt.id]
     if outcome == AttemptStatus.succeeded:
+        if any(other.status != AttemptStatus.succeeded for other in gang):
+            return True
         return move_job(session, job, JobStatus.succeeded)
+    for other in gang:
+        if not other.status.is_final:
+            move_attempt(session, other, AttemptStatus.failed, reason=f"node {attempt.node_rank} of this gang ended {outcome.value}: {reason}")
     if outcome == AttemptStatus.cancelled or job.cancel_requested:
         return move_job(session, job, JobStatus.cancelled)
     if outcome == AttemptStatus.preempted:
@@ -106,6 +113,7 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     # An attempt that never started used no restart: its host vanished before it claimed it.
     if attempt.started_at is not None:
         job.restarts += 1
+    which = f"attempt {attempt.number}" + (f" node {attempt.node_rank}" if gang else "")
     if job.restarts <= job.spec.get("max_restarts", 0):
-        return move_job(session, job, JobStatus.queued, reason=f"retrying after attempt {attempt.number}: {reason}")
-    return move_job(session, job, JobStatus.failed, reason=f"attempt {attempt.number} {outcome.value}: {reason}")
+        return move_job(session, job, JobStatus.queued, reason=f"retrying after {which}: {reason}")
+    return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}: {reason}")

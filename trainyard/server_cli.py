@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,12 +79,19 @@ def run_scheduler_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _own_address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def run_worker_command(args: argparse.Namespace) -> int:
     from workers.host import run_worker
 
     _configure_logging(f"worker[{args.host_name}]")
     try:
-        run_worker(_settings(), args.host_name, args.devices)
+        run_worker(_settings(), args.host_name, args.devices, args.address or _own_address())
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -153,7 +161,7 @@ def embedded_stack(
     commands = {
         "api": ["api", "--port", str(port)],
         "scheduler": ["scheduler"],
-        **{f"worker-{i}": ["worker", "--host-name", f"local-{i}", "--devices", devices] for i in range(workers)},
+        **{f"worker-{i}": ["worker", "--host-name", f"local-{i}", "--devices", devices, "--address", "127.0.0.1"] for i in range(workers)},
     }
     children: list[subprocess.Popen] = []
     try:
@@ -221,6 +229,7 @@ def add_server_commands(subparsers) -> None:
     worker = subparsers.add_parser("worker", help="run a worker host")
     worker.add_argument("--host-name", required=True, help="unique name of this host")
     worker.add_argument("--devices", default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
+    worker.add_argument("--address", help="where the other hosts of a multi-node job reach this one (default: this host's IP)")
     worker.set_defaults(func=run_worker_command)
 
     db = subparsers.add_parser("db", help="database schema")

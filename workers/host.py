@@ -37,11 +37,12 @@ def parse_devices(devices: str) -> tuple[str, int, dict]:
     raise ValueError(f"--devices {devices!r}: expected cpu:N, cuda:all or cuda:0,1,…")
 
 
-def run_worker(settings: Settings, host_name: str, devices: str) -> None:
+def run_worker(settings: Settings, host_name: str, devices: str, address: str) -> None:
+    """`address`: where the other hosts of a multi-node job reach this one."""
     device, slots, info = parse_devices(devices)
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
-        crud.register_host(session, host_name, device, slots, info)
+        crud.register_host(session, host_name, device, slots, info, address)
     log.info("host %s registered with %s × %s", host_name, slots, device)
 
     stop = threading.Event()
@@ -57,7 +58,7 @@ def run_worker(settings: Settings, host_name: str, devices: str) -> None:
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
 
     app = make_celery(settings)
-    runner = AttemptRunner(settings, sessions, host_name)
+    runner = AttemptRunner(settings, sessions, host_name, address)
 
     @app.task(name=RUN_ATTEMPT_TASK)
     def run_attempt(attempt_id: int) -> None:

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 from sqlalchemy.orm import sessionmaker
 
 from api_schemas import AttemptStatus, JobSpec
+from api_schemas.manifest import CorruptCheckpoint
 from api_schemas.worker_protocol import EVENTS_FILE_ENV, EXIT_PREEMPTED
 from service.artifacts import ArtifactStore
 from service.db import crud
@@ -37,15 +39,20 @@ MAX_LOG_LINE = 4000
 REASON_LOG_LINES = 20
 
 
-def launch_command(spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, port: int) -> list[str]:
-    """`accelerate launch -m workers.training …` with the job's process count and precision."""
+def launch_command(
+    spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0
+) -> list[str]:
+    """`accelerate launch -m workers.training …` with the job's process counts and precision, for
+    node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet."""
     resources = spec.resources
+    address, _, port = rendezvous.rpartition(":")
     command = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--num_processes", str(resources.processes_per_node),
-        "--num_machines", "1",
-        "--machine_rank", "0",
-        "--main_process_port", str(port),
+        "--num_processes", str(spec.world_size),
+        "--num_machines", str(resources.nodes),
+        "--machine_rank", str(node_rank),
+        "--main_process_ip", address,
+        "--main_process_port", port,
         "--mixed_precision", spec.training.precision,
         "--dynamo_backend", "no",
     ]
@@ -53,7 +60,7 @@ def launch_command(spec: JobSpec, run_dir: Path, data_root: Path, resume_from: P
         # Accelerate's own default thread count, passed explicitly so the launcher doesn't warn.
         threads = max(1, (os.cpu_count() or 1) // resources.processes_per_node)
         command += ["--num_cpu_threads_per_process", str(threads)]
-    if resources.processes_per_node > 1:
+    if spec.world_size > 1:
         # "One process per device, torchrun-style": gloo on CPU (the loop's Accelerator(cpu=True)
         # picks it), NCCL on GPUs. Accelerate's --cpu flag would run a single process instead.
         command.append("--multi_gpu")
@@ -67,7 +74,7 @@ def launch_command(spec: JobSpec, run_dir: Path, data_root: Path, resume_from: P
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))  # free on every interface: other hosts of a gang connect to it
         return s.getsockname()[1]
 
 
@@ -103,8 +110,8 @@ class Outbox:
 
 
 class AttemptRunner:
-    def __init__(self, settings: Settings, sessions: sessionmaker, host_name: str):
-        self.settings, self.sessions, self.host_name = settings, sessions, host_name
+    def __init__(self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1"):
+        self.settings, self.sessions, self.host_name, self.address = settings, sessions, host_name, address
         self.store = ArtifactStore(settings.resolved_artifact_root)
         self.shutting_down = threading.Event()
 
@@ -115,7 +122,8 @@ class AttemptRunner:
     def run(self, attempt_id: int) -> None:
         lease_owner = f"{self.host_name}:{os.getpid()}:{time.time_ns()}"
         with self.sessions() as session:
-            claimed = crud.claim_attempt(session, attempt_id, lease_owner, self.settings.lease_seconds)
+            rendezvous = f"{self.address}:{free_port()}"  # used if we are node 0
+            claimed = crud.claim_attempt(session, attempt_id, lease_owner, self.settings.lease_seconds, rendezvous)
         if claimed is None:
             log.info("attempt %s is not ours to run (already claimed, ended or cancelled)", attempt_id)
             return
@@ -127,11 +135,15 @@ class AttemptRunner:
 
     def _supervise(self, claimed: crud.ClaimedAttempt) -> tuple[AttemptStatus | None, str | None]:
         spec = JobSpec.model_validate(claimed.spec)
-        run_dir = self.settings.resolved_work_root / f"job-{claimed.job_id}" / f"attempt-{claimed.number}"
+        node = f"-node-{claimed.node_rank}" if spec.resources.nodes > 1 else ""
+        run_dir = self.settings.resolved_work_root / f"job-{claimed.job_id}" / f"attempt-{claimed.number}{node}"
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "spec.json").write_text(json.dumps(claimed.spec))
         resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
-        command = launch_command(spec, run_dir, self.settings.resolved_data_root, resume_from, free_port())
+        rendezvous = self._wait_for_node_0(claimed)
+        if rendezvous is None:
+            return AttemptStatus.failed, f"node 0 of this job did not start within {self.settings.dispatch_timeout_seconds:.0f} s"
+        command = launch_command(spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank)
         env = {**os.environ, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
 
         process = subprocess.Popen(
@@ -192,6 +204,21 @@ class AttemptRunner:
         tail = "\n".join(outbox.recent_logs[-REASON_LOG_LINES:])
         return AttemptStatus.failed, f"training process exited with code {exit_code}; last output:\n{tail}"
 
+    def _wait_for_node_0(self, claimed: crud.ClaimedAttempt) -> str | None:
+        """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a
+        gang start only then), holding our lease meanwhile. None if that takes too long."""
+        deadline = time.monotonic() + self.settings.dispatch_timeout_seconds
+        while time.monotonic() < deadline:
+            try:
+                with self.sessions() as session:
+                    rendezvous = crud.gang_rendezvous(session, claimed)
+                    if rendezvous is not None or not crud.renew_lease(session, claimed, self.settings.lease_seconds).held:
+                        return rendezvous  # None if not held: the gang ended meanwhile
+            except Exception:
+                log.exception("could not reach the database for job %s; will retry", claimed.job_id)
+            time.sleep(0.5)
+        return None
+
     def _sync(self, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> crud.Lease | None:
         """Deliver the outbox and renew the lease. On a database error keep everything for next time."""
         try:
@@ -204,13 +231,22 @@ class AttemptRunner:
                     outbox.logs = []
                 while outbox.checkpoints:
                     step, source = outbox.checkpoints[0]
-                    relative, sha256, size = self.store.ingest_checkpoint(source, claimed.job_id, step)
+                    try:
+                        if not source.is_dir():
+                            raise CorruptCheckpoint(f"{source} is gone")
+                        relative, sha256, size = self.store.ingest_checkpoint(source, claimed.job_id, step)
+                    except CorruptCheckpoint:
+                        # Retrying can't mend a missing or corrupt directory; the next checkpoint will do.
+                        log.exception("job %s: checkpoint of step %s at %s cannot be stored; skipped", claimed.job_id, step, source)
+                        outbox.checkpoints.pop(0)
+                        continue
                     stale = crud.record_checkpoint(
                         session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last
                     )
                     for path in stale:
                         self.store.delete(path)
                     outbox.checkpoints.pop(0)
+                    shutil.rmtree(source, ignore_errors=True)  # the store has it now (the loop leaves it to us)
                 return crud.renew_lease(session, claimed, self.settings.lease_seconds)
         except Exception:
             log.exception("could not reach the database for job %s; will retry", claimed.job_id)

@@ -40,6 +40,7 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
             AttemptOut(
                 id=a.id,
                 number=a.number,
+                node_rank=a.node_rank,
                 host_name=a.host_name,
                 status=a.status,
                 failure_reason=a.failure_reason,

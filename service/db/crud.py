@@ -207,15 +207,12 @@ def latest_checkpoint(session: Session, job_id: int) -> Checkpoint | None:
 
 # --- worker hosts and attempts (worker side) -------------------------------------------------
 
-def register_host(session: Session, name: str, device: str, slots: int, info: dict) -> None:
+def register_host(session: Session, name: str, device: str, slots: int, info: dict, address: str = "127.0.0.1") -> None:
     insert = _insert(session)
     now = utcnow()
-    statement = insert(WorkerHost).values(name=name, device=device, slots=slots, info=info, registered_at=now, last_heartbeat=now)
-    session.execute(
-        statement.on_conflict_do_update(
-            index_elements=["name"], set_={"device": device, "slots": slots, "info": info, "last_heartbeat": now}
-        )
-    )
+    values = {"device": device, "slots": slots, "info": info, "address": address, "last_heartbeat": now}
+    statement = insert(WorkerHost).values(name=name, registered_at=now, **values)
+    session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))
     session.commit()
 
 
@@ -234,6 +231,7 @@ def heartbeat(session: Session, host_name: str) -> None:
 class ClaimedAttempt:
     attempt_id: int
     number: int
+    node_rank: int
     job_id: int
     spec: dict
     slots: int
@@ -242,9 +240,12 @@ class ClaimedAttempt:
     resume_step: int | None
 
 
-def claim_attempt(session: Session, attempt_id: int, lease_owner: str, lease_seconds: float) -> ClaimedAttempt | None:
+def claim_attempt(
+    session: Session, attempt_id: int, lease_owner: str, lease_seconds: float, rendezvous: str | None = None
+) -> ClaimedAttempt | None:
     """Take ownership of a scheduled attempt. None if it is not ours to run: already claimed (a
-    duplicate delivery of the task), ended, or its job was cancelled meanwhile."""
+    duplicate delivery of the task), ended, or its job was cancelled meanwhile. `rendezvous` is the
+    host:port this worker's node 0 of a gang would listen on; the other nodes read it from here."""
     attempt = session.get(Attempt, attempt_id)
     if attempt is None or attempt.status != AttemptStatus.scheduled:
         session.rollback()
@@ -265,8 +266,11 @@ def claim_attempt(session: Session, attempt_id: int, lease_owner: str, lease_sec
         lease_expires_at=now + timedelta(seconds=lease_seconds),
         resume_checkpoint_id=checkpoint.id if checkpoint else None,
         resumed_from_step=checkpoint.step if checkpoint else None,
+        rendezvous=rendezvous,
     )
-    if not claimed or not state.move_job(session, job, JobStatus.running, now=now):
+    # The first node of a gang to start moves the job to running; the others find it there.
+    job_running = job.status == JobStatus.running or state.move_job(session, job, JobStatus.running, now=now)
+    if not claimed or not job_running:
         session.rollback()
         return None
     job.step = checkpoint.step if checkpoint else 0
@@ -274,6 +278,7 @@ def claim_attempt(session: Session, attempt_id: int, lease_owner: str, lease_sec
     return ClaimedAttempt(
         attempt_id=attempt.id,
         number=attempt.number,
+        node_rank=attempt.node_rank,
         job_id=job.id,
         spec=job.spec,
         slots=attempt.slots,
@@ -342,15 +347,29 @@ def queued_jobs(session: Session, limit: int) -> list[Job]:
     return list(session.scalars(query))
 
 
-def create_attempt(session: Session, job: Job, host_name: str, slots: int, now: datetime) -> Attempt | None:
-    """Place a queued job on a host: a new scheduled attempt, and the job moves to `scheduled`."""
+def create_attempts(session: Session, job: Job, host_names: list[str], slots: int, now: datetime) -> list[Attempt]:
+    """Place a queued job on its hosts, all at once (one per node, node 0 first): new scheduled
+    attempts sharing one number, and the job moves to `scheduled`. [] if the job was taken meanwhile."""
     if not state.move_job(session, job, JobStatus.scheduled, now=now):
-        return None
+        return []
     number = (session.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job.id)) or 0) + 1
-    attempt = Attempt(job_id=job.id, number=number, host_name=host_name, slots=slots, dispatched_at=now)
-    session.add(attempt)
+    attempts = [
+        Attempt(job_id=job.id, number=number, node_rank=rank, host_name=host, slots=slots, dispatched_at=now)
+        for rank, host in enumerate(host_names)
+    ]
+    session.add_all(attempts)
     session.flush()
-    return attempt
+    return attempts
+
+
+def gang_rendezvous(session: Session, claimed: ClaimedAttempt) -> str | None:
+    """host:port of node 0 of our try, once it has claimed its attempt; None until then."""
+    query = select(Attempt.rendezvous).where(
+        Attempt.job_id == claimed.job_id, Attempt.number == claimed.number, Attempt.node_rank == 0
+    )
+    rendezvous = session.scalar(query)
+    session.commit()
+    return rendezvous
 
 
 def expired_leases(session: Session, now: datetime) -> list[Attempt]:

@@ -82,12 +82,14 @@ class Attempt(Base):
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
     number: Mapped[int] = mapped_column(Integer)
+    node_rank: Mapped[int] = mapped_column(Integer, default=0, doc="Which host of a multi-node gang; attempts of one try share `number`.")
     host_name: Mapped[str] = mapped_column(String(200), index=True)
     slots: Mapped[int] = mapped_column(Integer)
     status: Mapped[AttemptStatus] = mapped_column(_status_column(AttemptStatus), default=AttemptStatus.scheduled)
     lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    rendezvous: Mapped[str | None] = mapped_column(String(200), nullable=True, doc="host:port where node 0 of a gang listens; set when it claims.")
     resume_checkpoint_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     resumed_from_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
     failure_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
@@ -98,7 +100,7 @@ class Attempt(Base):
     job: Mapped[Job] = relationship(back_populates="attempts")
 
     __table_args__ = (
-        UniqueConstraint("job_id", "number", name="uq_attempts_job_number"),
+        UniqueConstraint("job_id", "number", "node_rank", name="uq_attempts_job_number_node"),
         Index("ix_attempts_status", "status"),
     )
 
@@ -150,6 +152,7 @@ class WorkerHost(Base):
     name: Mapped[str] = mapped_column(String(200), primary_key=True)
     device: Mapped[str] = mapped_column(String(16))
     slots: Mapped[int] = mapped_column(Integer, doc="Devices (GPUs, or CPU process slots) the host offers.")
+    address: Mapped[str] = mapped_column(String(200), default="127.0.0.1", doc="Where other hosts reach it (multi-node rendezvous).")
     info: Mapped[dict] = mapped_column(JSON, default=dict)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -97,6 +97,17 @@ def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(
     assert client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 5}).json()["lines"]
 
 
+def test_a_checkpoint_every_step_is_stored_before_the_loop_moves_on(stack):
+    """The loop leaves its checkpoints to the worker, which deletes each once stored: none is pruned
+    before the worker copied it, however fast the steps."""
+    client, info = stack
+    spec = tiny_spec(**{"training.max_steps": 40, "checkpoint.every_steps": 1, "checkpoint.keep_last": 1})
+    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["failure_reason"]
+    assert [c["step"] for c in client.get(f"/v1/jobs/{job['id']}/checkpoints").json()] == [40]
+    assert list((info.data_dir / "work").rglob("step-*")) == []  # every local copy handed over and removed
+
+
 def test_a_crashing_job_fails_with_the_reason_and_its_last_output(stack):
     client, info = stack
     (info.data_dir / "data" / "tiny.txt").write_text("too short")

@@ -194,3 +194,67 @@ def test_a_new_attempt_resumes_from_the_latest_checkpoint(sessions, settings):
         second = crud.claim_attempt(session, attempt_id, "w2", 30)
         assert second.number == 2 and second.resume_step == 6 and second.resume_checkpoint_path == "ck/6"
         assert session.get(Job, job_id).step == 6
+
+
+def queue_gang(sessions, hosts: int) -> int:
+    """`hosts` one-slot CPU hosts and a queued 2-node job; returns the job's id."""
+    with sessions() as session:
+        for i in range(hosts):
+            crud.register_host(session, f"host-{i}", "cpu", 1, {}, address=f"10.0.0.{i}")
+    return queue_job(sessions, **{"resources.nodes": 2})
+
+
+def test_a_gang_gets_all_its_hosts_in_one_pass_or_none(sessions, settings):
+    first = queue_gang(sessions, hosts=3)
+    second = queue_job(sessions, **{"resources.nodes": 2})
+    with sessions() as session:
+        dispatched = schedule_pass(session, settings)
+    with sessions() as session:
+        attempts = session.get(Job, first).attempts
+        assert [(a.number, a.node_rank) for a in attempts] == [(1, 0), (1, 1)]
+        assert len({a.host_name for a in attempts}) == 2 and sorted(dispatched) == sorted((a.id, a.host_name) for a in attempts)
+        # One host is left: the second gang takes nothing rather than half of what it needs.
+        assert session.get(Job, second).status == JobStatus.queued and not session.get(Job, second).attempts
+        assert sum(crud.busy_slots_by_host(session).values()) == 2
+
+
+def test_a_gang_runs_when_every_node_claimed_and_succeeds_when_every_node_did(sessions, settings):
+    job_id = queue_gang(sessions, hosts=2)
+    with sessions() as session:
+        schedule_pass(session, settings)
+        node_0, node_1 = session.get(Job, job_id).attempts
+    with sessions() as session:
+        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+        assert crud.gang_rendezvous(session, claimed_1) is None  # node 0 has not started yet
+        claimed_0 = crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+        assert crud.gang_rendezvous(session, claimed_1) == "10.0.0.0:2222"
+        assert session.get(Job, job_id).status == JobStatus.running
+        assert crud.finish_attempt(session, claimed_0, AttemptStatus.succeeded)
+        assert session.get(Job, job_id).status == JobStatus.running  # node 1 is still finishing
+        assert crud.finish_attempt(session, claimed_1, AttemptStatus.succeeded)
+        assert session.get(Job, job_id).status == JobStatus.succeeded
+
+
+def test_one_lost_node_ends_its_whole_gang_and_requeues_the_job_once(sessions, settings):
+    job_id = queue_gang(sessions, hosts=2)
+    with sessions() as session:
+        schedule_pass(session, settings)
+        node_0, node_1 = session.get(Job, job_id).attempts
+    with sessions() as session:
+        claimed_0 = crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+        session.get(Attempt, node_1.id).lease_expires_at = utcnow() - timedelta(seconds=1)
+        session.commit()
+    with sessions() as session:
+        schedule_pass(session, settings)  # reaps node 1, and places the job again on both hosts
+    with sessions() as session:
+        job = session.get(Job, job_id)
+        first_try = [a for a in job.attempts if a.number == 1]
+        assert [a.status for a in first_try] == [AttemptStatus.failed, AttemptStatus.lost]
+        assert "node 1 of this gang ended lost" in first_try[0].failure_reason
+        assert job.restarts == 1 and job.status == JobStatus.scheduled
+        assert [(a.number, a.node_rank) for a in job.attempts if a.number == 2] == [(2, 0), (2, 1)]
+        # Node 0's worker learns it through its lease, stops its processes, and can report nothing.
+        assert not crud.renew_lease(session, claimed_0, 30).held
+        assert not crud.finish_attempt(session, claimed_0, AttemptStatus.failed, "exit code 1")
+        assert not crud.finish_attempt(session, claimed_1, AttemptStatus.failed, "exit code 1")

@@ -42,6 +42,8 @@ def micro_batches_per_epoch(spec: JobSpec, data_root: Path) -> int:
 class Collector:
     """A Reporter that keeps everything it is told, in order."""
 
+    takes_checkpoints = False
+
     metrics_log: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     checkpoints: dict[int, Path] = field(default_factory=dict)
     closed: bool = False

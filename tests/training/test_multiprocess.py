@@ -38,7 +38,7 @@ def runs(tmp_path_factory):
     events = root / "events.jsonl"
     done = subprocess.run(
         # The worker's own launch command, as it runs a 2-process CPU job (gloo).
-        launch_command(two_spec, run_dir, data_root, None, free_port()), cwd=REPO, env=subprocess_env(events),
+        launch_command(two_spec, run_dir, data_root, None, f"127.0.0.1:{free_port()}"), cwd=REPO, env=subprocess_env(events),
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -51,11 +51,15 @@ def save_checkpoint(
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
     accelerator.wait_for_everyone()
+    if accelerator.is_local_main_process and not accelerator.is_main_process:
+        # Another node of a multi-node job: only node 0's copy is kept (the RNG states written
+        # here are not needed to resume, the loop reseeds per step).
+        shutil.rmtree(staging, ignore_errors=True)
     return final if accelerator.is_main_process else None
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` local checkpoints (the worker has copied the older ones out)."""
+    """Keep the newest `keep_last` local checkpoints (run outside a worker, nobody else cleans up)."""
     for old in sorted((run_dir / "checkpoints").glob("step-*"))[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 

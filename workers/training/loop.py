@@ -170,7 +170,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                     path = save_checkpoint(accelerator, model, run_dir, state, spec, corpus.tokenizer)
                     if accelerator.is_main_process:
                         reporter.checkpoint(step, path)
-                        prune_checkpoints(run_dir, spec.checkpoint.keep_last)
+                        if not reporter.takes_checkpoints:
+                            prune_checkpoints(run_dir, spec.checkpoint.keep_last)
                 if last_step or preempted:
                     break
                 window_loss, window_batches = torch.zeros((), device=accelerator.device), 0

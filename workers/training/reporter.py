@@ -15,6 +15,10 @@ from api_schemas.worker_protocol import EVENTS_FILE_ENV
 
 
 class Reporter(Protocol):
+    # True when whoever listens takes each reported checkpoint directory over (the worker copies it
+    # to the artifact store, then deletes it); else the loop keeps only `checkpoint.keep_last`.
+    takes_checkpoints: bool
+
     def metrics(self, step: int, values: dict[str, float]) -> None: ...
 
     def checkpoint(self, step: int, path: Path) -> None: ...
@@ -24,6 +28,8 @@ class Reporter(Protocol):
 
 class JsonlReporter:
     """One JSON object per line, flushed per line so the worker sees each step as it ends."""
+
+    takes_checkpoints = True
 
     def __init__(self, path: Path):
         self._file = open(path, "a", encoding="utf-8")
@@ -43,6 +49,8 @@ class JsonlReporter:
 
 
 class ConsoleReporter:
+    takes_checkpoints = False
+
     def __init__(self, every: int = 10):
         self.every = every
 

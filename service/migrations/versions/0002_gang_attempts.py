@@ -1,0 +1,33 @@
+"""multi-node gang attempts: one attempt row per node of a try, and host addresses for rendezvous
+
+Revision ID: 0002
+Revises: 0001
+"""
+from alembic import op
+import sqlalchemy as sa
+
+
+revision = '0002'
+down_revision = '0001'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('attempts', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('node_rank', sa.Integer(), nullable=False, server_default='0'))
+        batch_op.add_column(sa.Column('rendezvous', sa.String(length=200), nullable=True))
+        batch_op.drop_constraint('uq_attempts_job_number', type_='unique')
+        batch_op.create_unique_constraint('uq_attempts_job_number_node', ['job_id', 'number', 'node_rank'])
+    with op.batch_alter_table('worker_hosts', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('address', sa.String(length=200), nullable=False, server_default='127.0.0.1'))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table('worker_hosts', schema=None) as batch_op:
+        batch_op.drop_column('address')
+    with op.batch_alter_table('attempts', schema=None) as batch_op:
+        batch_op.drop_constraint('uq_attempts_job_number_node', type_='unique')
+        batch_op.create_unique_constraint('uq_attempts_job_number', ['job_id', 'number'])
+        batch_op.drop_column('rendezvous')
+        batch_op.drop_column('node_rank')

@@ -1,0 +1,49 @@
+"""A 2-node job across two worker hosts of the running stack (separate worker processes, each its
+own host, meeting over gloo at node 0's address) trains like the same job as 1 node × 2 processes."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_faults import final_weights
+from tests.helpers import tiny_spec
+from trainyard.server_cli import embedded_stack
+from workers.supervisor import free_port
+
+pytestmark = pytest.mark.timeout(400)
+
+STEPS = 30
+
+
+def test_a_two_node_job_trains_like_one_node_with_two_processes(tmp_path):
+    base = {"training.max_steps": STEPS, "training.eval_every": 10, "checkpoint.every_steps": 10, "checkpoint.keep_last": 1}
+    two_nodes = tiny_spec(**{**base, "name": "two-nodes", "resources.nodes": 2, "resources.processes_per_node": 1})
+    one_node = tiny_spec(**{**base, "name": "one-node", "resources.nodes": 1, "resources.processes_per_node": 2})
+    with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:2") as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            gang_id = client.post("/v1/jobs", json=two_nodes).json()["id"]
+            gang = wait_for(client, gang_id, {"succeeded", "failed", "cancelled"})
+            assert gang["status"] == "succeeded", gang["failure_reason"]
+            assert sorted((a["node_rank"], a["host_name"]) for a in gang["attempts"]) == [(0, "local-0"), (1, "local-1")] or \
+                sorted((a["node_rank"], a["host_name"]) for a in gang["attempts"]) == [(0, "local-1"), (1, "local-0")]
+            assert {a["status"] for a in gang["attempts"]} == {"succeeded"} and gang["effective_batch_size"] == 8
+
+            single_id = client.post("/v1/jobs", json=one_node).json()["id"]
+            single = wait_for(client, single_id, {"succeeded", "failed", "cancelled"})
+            assert single["status"] == "succeeded", single["failure_reason"]
+
+            # Same samples, same world size: the same losses and the same weights.
+            names = {"names": "train_loss,eval_loss,lr"}
+            gang_series = client.get(f"/v1/jobs/{gang_id}/metrics", params=names).json()["series"]
+            single_series = client.get(f"/v1/jobs/{single_id}/metrics", params=names).json()["series"]
+            assert gang_series["train_loss"]["steps"] == list(range(1, STEPS + 1))
+            for name in ["train_loss", "eval_loss", "lr"]:
+                assert gang_series[name]["steps"] == single_series[name]["steps"]
+                assert gang_series[name]["values"] == pytest.approx(single_series[name]["values"], rel=1e-5)
+            gang_weights, single_weights = final_weights(client, gang_id), final_weights(client, single_id)
+            assert gang_weights.keys() == single_weights.keys()
+            for name in gang_weights:
+                torch.testing.assert_close(gang_weights[name], single_weights[name], rtol=1e-5, atol=1e-6)
