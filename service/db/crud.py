@@ -365,9 +365,10 @@ def unclaimed_attempts(session: Session) -> list[Attempt]:
 
 # --- dashboard ---------------------------------------------------------------------------------
 
-def job_counts(session: Session, user: User) -> dict[str, int]:
+def job_counts(session: Session, user: User | None) -> dict[str, int]:
+    """Jobs per status, every status present: `user`'s, or everyone's for an admin or for None (the service's own view)."""
     query = select(Job.status, func.count()).group_by(Job.status)
-    if not user.is_admin:
+    if user is not None and not user.is_admin:
         query = query.where(Job.owner_id == user.id)
     counts = {status.value: 0 for status in JobStatus}
     counts.update({JobStatus(status).value: n for status, n in session.execute(query)})
@@ -388,3 +389,32 @@ def last_metric(session: Session, job_id: int, name: str) -> float | None:
 
 def all_hosts(session: Session) -> list[WorkerHost]:
     return list(session.scalars(select(WorkerHost).order_by(WorkerHost.name)))
+
+
+# --- monitoring (GET /metrics) -----------------------------------------------------------------
+# Read at scrape time: the API may run as several processes, so only the database knows the totals.
+
+def running_attempt_count(session: Session) -> int:
+    return session.scalar(select(func.count()).select_from(Attempt).where(Attempt.status == AttemptStatus.running))
+
+
+def queue_waits(session: Session) -> list[float]:
+    """Seconds from submission to the first attempt starting, for every job that has started."""
+    rows = session.execute(select(Job.created_at, Job.started_at).where(Job.started_at.is_not(None)))
+    return [(started - created).total_seconds() for created, started in rows]
+
+
+def dispatch_latencies(session: Session) -> list[float]:
+    """Seconds from placing an attempt on a host to its worker claiming it, for every attempt that started."""
+    rows = session.execute(select(Attempt.created_at, Attempt.started_at).where(Attempt.started_at.is_not(None)))
+    return [(started - created).total_seconds() for created, started in rows]
+
+
+def metric_point_count(session: Session) -> int:
+    """Points stored; only grows, since a recomputed point replaces its row and metrics are never deleted."""
+    return session.scalar(select(func.count()).select_from(Metric))
+
+
+def checkpoint_bytes(session: Session) -> int:
+    """Bytes of model.safetensors over the checkpoints kept (retention deletes older ones)."""
+    return session.scalar(select(func.coalesce(func.sum(Checkpoint.size_bytes), 0)))

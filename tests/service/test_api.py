@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from api_schemas import AttemptStatus, JobStatus
 
 from service.api.main import create_app
 from service.db import crud
+from service.db.models import WorkerHost, utcnow
 from service.db.session import session_factory
 from service.settings import Settings
-from tests.helpers import tiny_spec
+from tests.helpers import job_spec, tiny_spec
 
 
 @pytest.fixture
@@ -125,3 +131,64 @@ def test_cancelling_a_queued_job_is_immediate(api, tokens):
 def test_unknown_job_and_checkpoint_are_404(api, tokens):
     assert api.get("/v1/jobs/999999", headers=auth(tokens["alice"])).status_code == 404
     assert api.get("/v1/checkpoints/999999/download", headers=auth(tokens["alice"])).status_code == 404
+
+
+def prometheus_samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, its labels): value} of a Prometheus text exposition, parsed by the reference parser."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_endpoint_reports_the_whole_service_from_the_database(api, tokens, settings):
+    sessions = session_factory(settings.resolved_database_url)
+    with sessions() as session:
+        alice, bob = crud.user_by_name(session, "alice"), crud.user_by_name(session, "bob")
+        running, finished = crud.create_job(session, alice, job_spec()), crud.create_job(session, bob, job_spec())
+        crud.create_job(session, alice, job_spec())
+        crud.create_job(session, bob, job_spec())
+        crud.request_cancel(session, crud.create_job(session, bob, job_spec()))
+        crud.register_host(session, "host-a", "cpu", 2, {})
+        crud.register_host(session, "host-b", "cpu", 2, {})
+        claimed = {}
+        for job in (running, finished):
+            attempt_id = crud.create_attempt(session, job, "host-a", 1, utcnow()).id
+            session.commit()
+            claimed[job] = crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
+        crud.finish_attempt(session, claimed[finished], AttemptStatus.succeeded)
+        # Known waits: queued 20 s and 400 s; claimed 0.3 s and 3 s after placement.
+        for job, queued_for, unclaimed_for in ((running, 20, 0.3), (finished, 400, 3.0)):
+            job.created_at = job.started_at - timedelta(seconds=queued_for)
+            job.attempts[0].created_at = job.attempts[0].started_at - timedelta(seconds=unclaimed_for)
+        session.get(WorkerHost, "host-b").last_heartbeat = utcnow() - timedelta(seconds=120)
+        session.commit()
+        crud.record_metrics(session, running.id, running.attempts[0].id, [(1, "train_loss", 4.0), (1, "lr", 0.1), (2, "train_loss", 3.0)])
+        for step, size in ((6, 1000), (12, 2500)):
+            crud.record_checkpoint(session, running.id, running.attempts[0].id, step, f"ck/{step}", "0" * 64, size, keep_last=2)
+
+    response = api.get("/metrics")  # no token: Prometheus scrapes unauthenticated
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert "alice" not in response.text and "bob" not in response.text
+    samples = prometheus_samples(response.text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, frozenset(labels.items()))]
+
+    assert {status: value("trainyard_jobs", status=status) for status in JobStatus} == {
+        JobStatus.queued: 2, JobStatus.scheduled: 0, JobStatus.running: 1,
+        JobStatus.succeeded: 1, JobStatus.failed: 0, JobStatus.cancelled: 1,
+    }
+    assert value("trainyard_attempts_running") == 1
+    wait = "trainyard_job_queue_wait_seconds"
+    assert [value(f"{wait}_bucket", le=le) for le in ("15.0", "30.0", "300.0", "900.0", "+Inf")] == [0, 1, 1, 2, 2]
+    assert value(f"{wait}_count") == 2 and value(f"{wait}_sum") == pytest.approx(420)
+    dispatch = "trainyard_attempt_dispatch_latency_seconds"
+    assert [value(f"{dispatch}_bucket", le=le) for le in ("0.25", "0.5", "2.5", "5.0", "+Inf")] == [0, 1, 1, 2, 2]
+    assert value(f"{dispatch}_sum") == pytest.approx(3.3)
+    assert value("trainyard_metric_points_total") == 3
+    assert value("trainyard_checkpoint_bytes") == 3500
+    assert value("trainyard_worker_host_up", host="host-a") == 1 and value("trainyard_worker_host_up", host="host-b") == 0
+    assert value("trainyard_worker_host_heartbeat_age_seconds", host="host-a") < 60
+    assert 120 <= value("trainyard_worker_host_heartbeat_age_seconds", host="host-b") < 180
