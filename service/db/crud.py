@@ -10,9 +10,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session
 
-from api_schemas import AttemptStatus, JobSpec, JobStatus
+from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
 from service import state
-from service.db.models import Attempt, Checkpoint, Job, LogLine, Metric, User, WorkerHost, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogLine, Metric, User, WorkerHost, utcnow
 
 ACTIVE_ATTEMPT = (AttemptStatus.scheduled, AttemptStatus.running)
 
@@ -67,6 +67,8 @@ def create_job(session: Session, owner: User, spec: JobSpec, idempotency_key: st
         idempotency_key=idempotency_key,
     )
     session.add(job)
+    session.flush()
+    state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
     session.commit()
     return job
 
@@ -119,6 +121,10 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     session.execute(statement)
     last_step = max(s for s, _, _ in points)
     session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
+    by_step: dict[int, dict[str, float]] = {}
+    for step, name, value in points:
+        by_step.setdefault(step, {})[name] = value
+    state.append_events(session, job_id, [(JobEventType.metrics, {"step": s, "values": v}) for s, v in sorted(by_step.items())])
     session.commit()
 
 
@@ -170,6 +176,18 @@ def log_tail(session: Session, job_id: int, tail: int) -> list[LogLine]:
     return list(reversed(session.scalars(query).all()))
 
 
+# --- job events --------------------------------------------------------------------------------
+
+def job_events_after(session: Session, job_id: int, after_seq: int, limit: int) -> list[JobEvent]:
+    """The job's events numbered after `after_seq`, oldest first."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after_seq).order_by(JobEvent.seq).limit(limit)
+    return list(session.scalars(query))
+
+
+def job_status(session: Session, job_id: int) -> JobStatus:
+    return JobStatus(session.scalar(select(Job.status).where(Job.id == job_id)))
+
+
 # --- checkpoints -------------------------------------------------------------------------------
 
 def record_checkpoint(
@@ -177,11 +195,15 @@ def record_checkpoint(
 ) -> list[str]:
     """Register a complete checkpoint, then drop the oldest beyond `keep_last`; returns their paths to delete."""
     insert = _insert(session)
-    session.execute(
+    checkpoint_id = session.scalar(
         insert(Checkpoint)
         .values(job_id=job_id, attempt_id=attempt_id, step=step, path=path, sha256=sha256, size_bytes=size_bytes, created_at=utcnow())
         .on_conflict_do_nothing(index_elements=["job_id", "step"])
+        .returning(Checkpoint.id)
     )
+    if checkpoint_id is not None:  # None: a re-sent checkpoint, already recorded
+        data = {"checkpoint_id": checkpoint_id, "step": step, "sha256": sha256, "size_bytes": size_bytes}
+        state.append_events(session, job_id, [(JobEventType.checkpoint, data)])
     newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())).all()
     stale = newest_first[keep_last:]
     if stale:
