@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from api_schemas import AttemptOut, CheckpointOut, JobOut, JobSpec
-from service.db.models import Checkpoint, Job
+from api_schemas import AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec
+from service.db.models import Checkpoint, Job, JobEvent
 
 
 def job_out(job: Job) -> JobOut:
@@ -49,3 +49,7 @@ def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
         size_bytes=checkpoint.size_bytes,
         created_at=checkpoint.created_at,
     )
+
+
+def job_event_out(event: JobEvent) -> JobEventOut:
+    return JobEventOut(id=event.seq, type=event.type, at=event.created_at, data=event.data)
