@@ -16,9 +16,8 @@ from service.api.main import create_app
 from service.db import crud
 from service.db.models import WorkerHost, utcnow
 from service.db.session import session_factory
-from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import job_spec, tiny_spec
+from tests.helpers import finish_job, job_spec, start_job, tiny_spec
 
 
 @pytest.fixture
@@ -217,21 +216,6 @@ def read_events(api, token: str, job_id: int, last_event_id: int | None = None) 
     response = api.get(f"/v1/jobs/{job_id}/events", params={"follow": "false"}, headers=headers)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream"), response.text
     return list(sse_messages(response.text.splitlines()))
-
-
-def start_job(settings, job_id: int) -> crud.ClaimedAttempt:
-    with session_factory(settings.resolved_database_url)() as session:
-        crud.register_host(session, "host-a", "cpu", 1, {})
-        [(attempt_id, _)] = schedule_pass(session, settings)
-        return crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
-
-
-def finish_job(settings, claimed: crud.ClaimedAttempt) -> None:
-    """A checkpoint, the last metrics, success."""
-    with session_factory(settings.resolved_database_url)() as session:
-        crud.record_checkpoint(session, claimed.job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, 10, keep_last=2)
-        crud.record_metrics(session, claimed.job_id, claimed.attempt_id, [(12, "train_loss", 2.0)])
-        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
 
 
 END = {"event": "end", "data": "{}"}
