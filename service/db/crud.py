@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -121,9 +122,9 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     session.execute(statement)
     last_step = max(s for s, _, _ in points)
     session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
-    by_step: dict[int, dict[str, float]] = {}
+    by_step: dict[int, dict[str, float | None]] = {}
     for step, name, value in points:
-        by_step.setdefault(step, {})[name] = value
+        by_step.setdefault(step, {})[name] = value if math.isfinite(value) else None  # JSON has no NaN or infinity
     state.append_events(session, job_id, [(JobEventType.metrics, {"step": s, "values": v}) for s, v in sorted(by_step.items())])
     session.commit()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -265,3 +266,15 @@ def test_concurrent_writers_number_a_jobs_events_without_gaps(sessions, settings
 def test_migrations_build_exactly_the_tables_of_the_models(database_url):
     with session_factory(database_url)().connection() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+
+
+
+def test_a_diverged_metric_is_logged_as_null_which_json_can_hold(postgres_url, tmp_path):
+    # PostgreSQL only: SQLite stores NaN as NULL, so there the metrics row itself is refused.
+    sessions = session_factory(postgres_url)
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, Settings(data_dir=tmp_path, database_url=postgres_url))
+    with sessions() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", float("nan")), (1, "grad_norm", float("inf"))])
+        assert job_events(session, job_id)[-1] == (4, "metrics", {"step": 1, "values": {"train_loss": None, "grad_norm": None}})
+        assert math.isnan(session.get(Metric, (job_id, "train_loss", 1)).value)
