@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import Enum
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -102,6 +103,21 @@ class CheckpointOut(BaseModel):
     sha256: str = Field(description="sha256 of model.safetensors.")
     size_bytes: int = Field(description="Size of model.safetensors.")
     created_at: datetime
+
+
+class JobEventType(str, Enum):
+    status = "status"  # data: {"status", "reason"}
+    metrics = "metrics"  # data: {"step", "values": {name: value}}, the points of one step as they were recorded
+    checkpoint = "checkpoint"  # data: {"checkpoint_id", "step", "sha256", "size_bytes"}
+
+
+class JobEventOut(BaseModel):
+    """One event of GET /v1/jobs/{id}/events, sent as the `data` of an SSE message of the same id and type."""
+
+    id: int = Field(description="1, 2, 3… per job, in commit order; send the last one seen as Last-Event-ID to resume.")
+    type: JobEventType
+    at: datetime
+    data: dict[str, Any]
 
 
 class WorkerOut(BaseModel):

@@ -3,17 +3,20 @@
 Every change is a compare-and-set: `UPDATE … WHERE id = :id AND status = :current`. If another
 process (a second scheduler, a duplicate task delivery, the lease reaper) moved the row first, the
 update matches nothing and the caller learns it lost the race instead of overwriting a newer state.
+
+A job's status change is appended to its event log (`append_events`, which metrics and checkpoints
+use too) in the same transaction, so the log holds exactly the changes that committed.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import update
+from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
-from api_schemas import AttemptStatus, JobStatus
-from service.db.models import Attempt, Job, utcnow
+from api_schemas import AttemptStatus, JobEventType, JobStatus
+from service.db.models import Attempt, Job, JobEvent, utcnow
 
 JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
     JobStatus.queued: {JobStatus.scheduled, JobStatus.cancelled, JobStatus.failed},
@@ -69,7 +72,10 @@ def move_job(session: Session, job: Job, to: JobStatus, *, reason: str | None = 
         values["finished_at"] = now
     if reason is not None:
         values["failure_reason"] = reason
-    return _compare_and_set(session, job, to, JOB_TRANSITIONS, values)
+    if not _compare_and_set(session, job, to, JOB_TRANSITIONS, values):
+        return False
+    append_events(session, job.id, [status_event(to, reason)], now=now)
+    return True
 
 
 def move_attempt(
@@ -92,7 +98,8 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
 
     succeeded → job succeeded (a multi-node gang: once every node has). Any other end of one node
     ends the rest of its gang as failed: they cannot go on without it; their workers see their
-    lease gone and stop. cancelled, or any end of a job whose cancel was requested → job cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
+    lease gone and stop. cancelled, or any end of a job whose cancel was requested → job
+    cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
     lost → queued again while restarts remain, else failed with the attempt's reason. A queued
     job resumes from its latest complete checkpoint.
     """
@@ -117,3 +124,24 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     if job.restarts <= job.spec.get("max_restarts", 0):
         return move_job(session, job, JobStatus.queued, reason=f"retrying after {which}: {reason}")
     return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}: {reason}")
+
+
+def status_event(status: JobStatus, reason: str | None = None) -> tuple[JobEventType, dict]:
+    return JobEventType.status, {"status": status.value, "reason": reason}
+
+
+def append_events(session: Session, job_id: int, events: list[tuple[JobEventType, dict]], *, now: datetime | None = None) -> None:
+    """Append (type, data) events to the job's log, numbered on from its `last_event_seq`.
+
+    The counter's UPDATE locks the job row until this transaction ends, so a concurrent writer
+    numbers its events after ours and commits after us: seq stays gapless and in commit order.
+    """
+    if not events:
+        return
+    last = session.execute(
+        update(Job).where(Job.id == job_id).values(last_event_seq=Job.last_event_seq + len(events)).returning(Job.last_event_seq),
+        execution_options={"synchronize_session": False},
+    ).scalar_one()
+    first, at = last - len(events) + 1, now or utcnow()
+    rows = [{"job_id": job_id, "seq": first + i, "type": kind, "data": data, "created_at": at} for i, (kind, data) in enumerate(events)]
+    session.execute(insert(JobEvent), rows)

@@ -6,7 +6,11 @@ import copy
 import json
 from pathlib import Path
 
-from api_schemas import JobSpec
+from api_schemas import AttemptStatus, JobSpec
+from service.db import crud
+from service.db.session import session_factory
+from service.scheduler import schedule_pass
+from service.settings import Settings
 
 EXAMPLE_SPEC = json.loads((Path(__file__).resolve().parent.parent / "examples" / "shakespeare-char.json").read_text())
 
@@ -35,3 +39,19 @@ def tiny_spec(**overrides) -> dict:
 
 def job_spec(**overrides) -> JobSpec:
     return JobSpec.model_validate(tiny_spec(**overrides))
+
+
+def start_job(settings: Settings, job_id: int) -> crud.ClaimedAttempt:
+    """Place the (only) queued job on a one-slot host and claim it, as the scheduler and a worker would."""
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        [(attempt_id, _)] = schedule_pass(session, settings)
+        return crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
+
+
+def finish_job(settings: Settings, claimed: crud.ClaimedAttempt) -> None:
+    """Report a checkpoint at step 12, the last metrics, then success."""
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.record_checkpoint(session, claimed.job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, 10, keep_last=2)
+        crud.record_metrics(session, claimed.job_id, claimed.attempt_id, [(12, "train_loss", 2.0)])
+        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)

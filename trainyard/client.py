@@ -2,7 +2,8 @@
 
     with Client() as client:             # server and token from args, env, or `trainyard up`'s token file
         job = client.submit(spec)
-        job = client.wait(job.id)
+        for event in client.events(job.id):  # or job = client.wait(job.id)
+            print(event.type, event.data)
         client.download(client.checkpoints(job.id)[-1].id, Path("model.safetensors"))
 
 Every failure, from an HTTP error to a refused connection, is raised as `TrainyardError` with a
@@ -22,7 +23,7 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from api_schemas import CheckpointOut, DashboardOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricsOut, WorkerOut
+from api_schemas import CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricsOut, WorkerOut
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 SHA256_HEADER = "X-Checkpoint-SHA256"
@@ -131,6 +132,33 @@ class Client:
                 return job
             time.sleep(poll)
 
+    def events(self, job_id: int, last_event_id: int | None = None, retries: int = 5, retry_seconds: float = 1.0) -> Iterator[JobEventOut]:
+        """The job's events (status changes, metrics per step, checkpoints) as they happen, until it is final.
+
+        A dropped connection is resumed with Last-Event-ID, so no event is missed or repeated; give
+        up after `retries` failures in a row. `last_event_id` starts after an event seen earlier.
+        """
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
+            try:
+                with self._stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
+                    for message in sse_messages(response.iter_lines()):
+                        if message.get("event") == "end":
+                            return
+                        event = JobEventOut.model_validate_json(message["data"])
+                        last_event_id, failures = event.id, 0
+                        yield event
+                error = TrainyardError(f"the event stream of job {job_id} ended before the job did")
+            except TrainyardError as exc:
+                if exc.status_code is not None:
+                    raise  # the server answered with an error (404, 401): asking again would only repeat it
+                error = exc
+            failures += 1
+            if failures > retries:
+                raise error
+            time.sleep(retry_seconds)
+
     def metrics(
         self, job_id: int, names: Sequence[str] | None = None, from_step: int | None = None, max_points: int | None = None
     ) -> MetricsOut:
@@ -217,6 +245,20 @@ class Client:
             raise TrainyardError(f"Trainyard at {self.server} did not answer in time ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:  # e.g. the connection dropped mid-response
             raise TrainyardError(f"the connection to Trainyard at {self.server} failed: {exc or type(exc).__name__}") from exc
+
+
+def sse_messages(lines: Iterator[str]) -> Iterator[dict[str, str]]:
+    """Server-Sent Events messages as {field: value}; comments (heartbeats) are skipped."""
+    message: dict[str, str] = {}
+    for line in lines:
+        if line.startswith(":"):
+            continue
+        if line:
+            field, _, value = line.partition(":")
+            message[field] = value.removeprefix(" ")
+        elif message:
+            yield message
+            message = {}
 
 
 def _without_none(params: dict[str, Any]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from service.api.routes import checkpoints, dashboard, jobs
+from service.api.routes import checkpoints, dashboard, jobs, monitoring
 from service.settings import Settings, get_settings
 
 
@@ -55,6 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(checkpoints.router)
     app.include_router(dashboard.router)
     app.include_router(dashboard.page_router)
+    app.include_router(monitoring.router)
 
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from api_schemas import AttemptOut, CheckpointOut, JobOut, JobSpec, JobStatus
+from api_schemas import AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus
 from service.db import crud
-from service.db.models import Checkpoint, Job
+from service.db.models import Checkpoint, Job, JobEvent
 
 # The latest values the jobs table shows: last loss, and the step time its rate and ETA come from.
 PROGRESS_METRICS = ["train_loss", "step_time_s"]
@@ -66,3 +66,7 @@ def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
         size_bytes=checkpoint.size_bytes,
         created_at=checkpoint.created_at,
     )
+
+
+def job_event_out(event: JobEvent) -> JobEventOut:
+    return JobEventOut(id=event.seq, type=event.type, at=event.created_at, data=event.data)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -10,9 +11,9 @@ from datetime import datetime, timedelta
 from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.orm import Session
 
-from api_schemas import AttemptStatus, JobSpec, JobStatus
+from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
 from service import state
-from service.db.models import Attempt, Checkpoint, Job, LogLine, Metric, User, WorkerHost, utcnow
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogLine, Metric, User, WorkerHost, utcnow
 
 ACTIVE_ATTEMPT = (AttemptStatus.scheduled, AttemptStatus.running)
 
@@ -67,6 +68,8 @@ def create_job(session: Session, owner: User, spec: JobSpec, idempotency_key: st
         idempotency_key=idempotency_key,
     )
     session.add(job)
+    session.flush()
+    state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
     session.commit()
     return job
 
@@ -119,6 +122,10 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     session.execute(statement)
     last_step = max(s for s, _, _ in points)
     session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
+    by_step: dict[int, dict[str, float | None]] = {}
+    for step, name, value in points:
+        by_step.setdefault(step, {})[name] = value if math.isfinite(value) else None  # JSON has no NaN or infinity
+    state.append_events(session, job_id, [(JobEventType.metrics, {"step": s, "values": v}) for s, v in sorted(by_step.items())])
     session.commit()
 
 
@@ -170,6 +177,18 @@ def log_tail(session: Session, job_id: int, tail: int) -> list[LogLine]:
     return list(reversed(session.scalars(query).all()))
 
 
+# --- job events --------------------------------------------------------------------------------
+
+def job_events_after(session: Session, job_id: int, after_seq: int, limit: int) -> list[JobEvent]:
+    """The job's events numbered after `after_seq`, oldest first."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after_seq).order_by(JobEvent.seq).limit(limit)
+    return list(session.scalars(query))
+
+
+def job_status(session: Session, job_id: int) -> JobStatus:
+    return JobStatus(session.scalar(select(Job.status).where(Job.id == job_id)))
+
+
 # --- checkpoints -------------------------------------------------------------------------------
 
 def record_checkpoint(
@@ -177,11 +196,15 @@ def record_checkpoint(
 ) -> list[str]:
     """Register a complete checkpoint, then drop the oldest beyond `keep_last`; returns their paths to delete."""
     insert = _insert(session)
-    session.execute(
+    checkpoint_id = session.scalar(
         insert(Checkpoint)
         .values(job_id=job_id, attempt_id=attempt_id, step=step, path=path, sha256=sha256, size_bytes=size_bytes, created_at=utcnow())
         .on_conflict_do_nothing(index_elements=["job_id", "step"])
+        .returning(Checkpoint.id)
     )
+    if checkpoint_id is not None:  # None: a re-sent checkpoint, already recorded
+        data = {"checkpoint_id": checkpoint_id, "step": step, "sha256": sha256, "size_bytes": size_bytes}
+        state.append_events(session, job_id, [(JobEventType.checkpoint, data)])
     newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())).all()
     stale = newest_first[keep_last:]
     if stale:
@@ -384,9 +407,10 @@ def unclaimed_attempts(session: Session) -> list[Attempt]:
 
 # --- dashboard ---------------------------------------------------------------------------------
 
-def job_counts(session: Session, user: User) -> dict[str, int]:
+def job_counts(session: Session, user: User | None) -> dict[str, int]:
+    """Jobs per status, every status present: `user`'s, or everyone's for an admin or for None (the service's own view)."""
     query = select(Job.status, func.count()).group_by(Job.status)
-    if not user.is_admin:
+    if user is not None and not user.is_admin:
         query = query.where(Job.owner_id == user.id)
     counts = {status.value: 0 for status in JobStatus}
     counts.update({JobStatus(status).value: n for status, n in session.execute(query)})
@@ -421,3 +445,32 @@ def latest_metrics(session: Session, job_ids: list[int], names: list[str]) -> di
 
 def all_hosts(session: Session) -> list[WorkerHost]:
     return list(session.scalars(select(WorkerHost).order_by(WorkerHost.name)))
+
+
+# --- monitoring (GET /metrics) -----------------------------------------------------------------
+# Read at scrape time: the API may run as several processes, so only the database knows the totals.
+
+def running_attempt_count(session: Session) -> int:
+    return session.scalar(select(func.count()).select_from(Attempt).where(Attempt.status == AttemptStatus.running))
+
+
+def queue_waits(session: Session) -> list[float]:
+    """Seconds from submission to the first attempt starting, for every job that has started."""
+    rows = session.execute(select(Job.created_at, Job.started_at).where(Job.started_at.is_not(None)))
+    return [(started - created).total_seconds() for created, started in rows]
+
+
+def dispatch_latencies(session: Session) -> list[float]:
+    """Seconds from placing an attempt on a host to its worker claiming it, for every attempt that started."""
+    rows = session.execute(select(Attempt.created_at, Attempt.started_at).where(Attempt.started_at.is_not(None)))
+    return [(started - created).total_seconds() for created, started in rows]
+
+
+def metric_point_count(session: Session) -> int:
+    """Points stored; only grows, since a recomputed point replaces its row and metrics are never deleted."""
+    return session.scalar(select(func.count()).select_from(Metric))
+
+
+def checkpoint_bytes(session: Session) -> int:
+    """Bytes of model.safetensors over the checkpoints kept (retention deletes older ones)."""
+    return session.scalar(select(func.coalesce(func.sum(Checkpoint.size_bytes), 0)))

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from sqlalchemy import JSON, TypeDecorator, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from api_schemas import AttemptStatus, JobStatus
+from api_schemas import AttemptStatus, JobEventType, JobStatus
 
 
 def utcnow() -> datetime:
@@ -30,7 +30,7 @@ class UTCDateTime(TypeDecorator):
         return value
 
 
-def _status_column(enum_type):
+def _enum_column(enum_type):
     # Stored as the plain value string (no native enum type to migrate), loaded back as the enum.
     return Enum(enum_type, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
 
@@ -54,7 +54,7 @@ class Job(Base):
     owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
     name: Mapped[str] = mapped_column(String(100))
     spec: Mapped[dict] = mapped_column(JSON)
-    status: Mapped[JobStatus] = mapped_column(_status_column(JobStatus), default=JobStatus.queued)
+    status: Mapped[JobStatus] = mapped_column(_enum_column(JobStatus), default=JobStatus.queued)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     max_steps: Mapped[int] = mapped_column(Integer)
     step: Mapped[int] = mapped_column(Integer, default=0)
@@ -65,6 +65,7 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    last_event_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0", doc="seq of the job's newest JobEvent.")
 
     owner: Mapped[User] = relationship(lazy="joined")
     attempts: Mapped[list[Attempt]] = relationship(back_populates="job", order_by="Attempt.number", lazy="selectin")
@@ -85,7 +86,7 @@ class Attempt(Base):
     node_rank: Mapped[int] = mapped_column(Integer, default=0, doc="Which host of a multi-node gang; attempts of one try share `number`.")
     host_name: Mapped[str] = mapped_column(String(200), index=True)
     slots: Mapped[int] = mapped_column(Integer)
-    status: Mapped[AttemptStatus] = mapped_column(_status_column(AttemptStatus), default=AttemptStatus.scheduled)
+    status: Mapped[AttemptStatus] = mapped_column(_enum_column(AttemptStatus), default=AttemptStatus.scheduled)
     lease_owner: Mapped[str | None] = mapped_column(String(200), nullable=True)
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -145,6 +146,22 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
     __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+
+class JobEvent(Base):
+    """A job's log of what happened to it: status changes, metric points by step, checkpoints.
+
+    `seq` numbers a job's events 1, 2, 3… with no gaps, in commit order: writers take it from the
+    job row's `last_event_seq`, and that row's lock makes a second writer wait for the first to
+    commit. So a reader that sees event n has seen every event before it, and can resume after n.
+    """
+
+    __tablename__ = "job_events"
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    type: Mapped[JobEventType] = mapped_column(_enum_column(JobEventType))
+    data: Mapped[dict] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class WorkerHost(Base):

@@ -11,7 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated
@@ -99,19 +99,24 @@ def _break_off(first_bytes: bytes) -> Iterator[bytes]:
     raise ConnectionAbortedError("the fake API drops the connection mid-download")  # uvicorn closes it
 
 
-@contextmanager
-def serve(state: FakeState) -> Iterator[str]:
+def serve(state: FakeState) -> AbstractContextManager[str]:
     """Run the fake API on a free port; yields its URL."""
+    return serve_app(build_app(state))
+
+
+@contextmanager
+def serve_app(app) -> Iterator[str]:
+    """Run an ASGI app with uvicorn on a free port; yields its URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(build_app(state), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the fake API did not start")
+            raise RuntimeError("the server did not start")
         time.sleep(0.01)
     try:
         yield f"http://127.0.0.1:{port}"

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+
 import pytest
 from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from api_schemas import AttemptStatus, JobStatus
 
 from service.api.main import create_app
 from service.db import crud
+from service.db.models import WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import tiny_spec
+from tests.helpers import finish_job, job_spec, start_job, tiny_spec
 
 
 @pytest.fixture
@@ -39,7 +47,7 @@ def auth(token: str) -> dict[str, str]:
 
 def test_every_v1_route_needs_a_valid_token(api):
     for method, path in [("get", "/v1/jobs"), ("post", "/v1/jobs"), ("get", "/v1/jobs/1"), ("get", "/v1/dashboard"),
-                         ("get", "/v1/checkpoints/1/download"), ("get", "/v1/workers")]:
+                         ("get", "/v1/checkpoints/1/download"), ("get", "/v1/workers"), ("get", "/v1/jobs/1/events")]:
         assert api.request(method, path).status_code == 401
         assert api.request(method, path, headers=auth("not-a-token")).status_code == 401
     assert api.get("/healthz").json() == {"status": "ok"}
@@ -55,7 +63,7 @@ def test_submit_returns_a_queued_job(api, tokens):
 
 def test_other_users_get_404_for_a_job_and_everything_under_it(api, tokens):
     job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
-    for path in ["", "/metrics", "/logs", "/checkpoints"]:
+    for path in ["", "/metrics", "/logs", "/checkpoints", "/events?follow=false"]:
         assert api.get(f"/v1/jobs/{job_id}{path}", headers=auth(tokens["bob"])).status_code == 404
         assert api.get(f"/v1/jobs/{job_id}{path}", headers=auth(tokens["alice"])).status_code == 200
         assert api.get(f"/v1/jobs/{job_id}{path}", headers=auth(tokens["root"])).status_code == 200
@@ -147,3 +155,129 @@ def test_a_running_job_shows_its_last_loss_rate_and_eta(api, tokens, settings):
         assert job["eta_seconds"] == pytest.approx(60 * 0.5)  # 60 steps left at 0.5 s each
     queued = api.get(f"/v1/jobs/{other_id}", headers=auth(tokens["alice"])).json()
     assert queued["last_train_loss"] is None and queued["eta_seconds"] is None
+
+
+def prometheus_samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """{(sample name, its labels): value} of a Prometheus text exposition, parsed by the reference parser."""
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_endpoint_reports_the_whole_service_from_the_database(api, tokens, settings):
+    sessions = session_factory(settings.resolved_database_url)
+    with sessions() as session:
+        alice, bob = crud.user_by_name(session, "alice"), crud.user_by_name(session, "bob")
+        running, finished = crud.create_job(session, alice, job_spec()), crud.create_job(session, bob, job_spec())
+        crud.create_job(session, alice, job_spec())
+        crud.create_job(session, bob, job_spec())
+        crud.request_cancel(session, crud.create_job(session, bob, job_spec()))
+        crud.register_host(session, "host-a", "cpu", 2, {})
+        crud.register_host(session, "host-b", "cpu", 2, {})
+        claimed = {}
+        for job in (running, finished):
+            attempt_id = crud.create_attempts(session, job, ["host-a"], 1, utcnow())[0].id
+            session.commit()
+            claimed[job] = crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
+        crud.finish_attempt(session, claimed[finished], AttemptStatus.succeeded)
+        # Known waits: queued 20 s and 400 s; claimed 0.3 s and 3 s after placement.
+        for job, queued_for, unclaimed_for in ((running, 20, 0.3), (finished, 400, 3.0)):
+            job.created_at = job.started_at - timedelta(seconds=queued_for)
+            job.attempts[0].created_at = job.attempts[0].started_at - timedelta(seconds=unclaimed_for)
+        session.get(WorkerHost, "host-b").last_heartbeat = utcnow() - timedelta(seconds=120)
+        session.commit()
+        crud.record_metrics(session, running.id, running.attempts[0].id, [(1, "train_loss", 4.0), (1, "lr", 0.1), (2, "train_loss", 3.0)])
+        for step, size in ((6, 1000), (12, 2500)):
+            crud.record_checkpoint(session, running.id, running.attempts[0].id, step, f"ck/{step}", "0" * 64, size, keep_last=2)
+
+    response = api.get("/metrics")  # no token: Prometheus scrapes unauthenticated
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert "alice" not in response.text and "bob" not in response.text
+    samples = prometheus_samples(response.text)
+
+    def value(name: str, **labels: str) -> float:
+        return samples[(name, frozenset(labels.items()))]
+
+    assert {status: value("trainyard_jobs", status=status) for status in JobStatus} == {
+        JobStatus.queued: 2, JobStatus.scheduled: 0, JobStatus.running: 1,
+        JobStatus.succeeded: 1, JobStatus.failed: 0, JobStatus.cancelled: 1,
+    }
+    assert value("trainyard_attempts_running") == 1
+    wait = "trainyard_job_queue_wait_seconds"
+    assert [value(f"{wait}_bucket", le=le) for le in ("15.0", "30.0", "300.0", "900.0", "+Inf")] == [0, 1, 1, 2, 2]
+    assert value(f"{wait}_count") == 2 and value(f"{wait}_sum") == pytest.approx(420)
+    dispatch = "trainyard_attempt_dispatch_latency_seconds"
+    assert [value(f"{dispatch}_bucket", le=le) for le in ("0.25", "0.5", "2.5", "5.0", "+Inf")] == [0, 1, 1, 2, 2]
+    assert value(f"{dispatch}_sum") == pytest.approx(3.3)
+    assert value("trainyard_metric_points_total") == 3
+    assert value("trainyard_checkpoint_bytes") == 3500
+    assert value("trainyard_worker_host_up", host="host-a") == 1 and value("trainyard_worker_host_up", host="host-b") == 0
+    assert value("trainyard_worker_host_heartbeat_age_seconds", host="host-a") < 60
+    assert 120 <= value("trainyard_worker_host_heartbeat_age_seconds", host="host-b") < 180
+
+
+def sse_messages(lines: Iterable[str]) -> Iterator[dict[str, str]]:
+    """Server-Sent Events as {field: value} per message; a comment line (a heartbeat) as {"comment": text}."""
+    message: dict[str, str] = {}
+    for line in lines:
+        if line.startswith(":"):
+            yield {"comment": line[1:].strip()}
+        elif line:
+            field, _, value = line.partition(":")
+            message[field] = value.removeprefix(" ")
+        elif message:
+            yield message
+            message = {}
+
+
+def read_events(api, token: str, job_id: int, last_event_id: int | None = None) -> list[dict[str, str]]:
+    """One read of the events there are now (follow=false)."""
+    headers = {**auth(token), **({"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {})}
+    response = api.get(f"/v1/jobs/{job_id}/events", params={"follow": "false"}, headers=headers)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream"), response.text
+    return list(sse_messages(response.text.splitlines()))
+
+
+END = {"event": "end", "data": "{}"}
+
+
+def test_job_events_resume_after_last_event_id_with_no_gaps_or_duplicates(api, tokens, settings):
+    job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    claimed = start_job(settings, job_id)
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (1, "lr", 0.1)])
+
+    first = read_events(api, tokens["alice"], job_id)  # the job is running: no `end` yet
+    assert [m["id"] for m in first] == ["1", "2", "3", "4"]
+    finish_job(settings, claimed)
+    second = read_events(api, tokens["alice"], job_id, last_event_id=4)
+    assert [m.get("id") for m in second] == ["5", "6", "7", None] and second[-1] == END
+
+    everything = read_events(api, tokens["alice"], job_id)
+    assert first + second == everything
+    events = [json.loads(m["data"]) for m in everything[:-1]]
+    assert [m["event"] for m in everything[:-1]] == [e["type"] for e in events]
+    assert [(e["id"], e["type"], e["data"].get("status") or e["data"].get("step")) for e in events] == [
+        (1, "status", "queued"), (2, "status", "scheduled"), (3, "status", "running"), (4, "metrics", 1),
+        (5, "checkpoint", 12), (6, "metrics", 12), (7, "status", "succeeded"),
+    ]
+    for after in range(len(everything)):
+        assert read_events(api, tokens["alice"], job_id, last_event_id=after) == everything[after:]
+    assert read_events(api, tokens["alice"], job_id, last_event_id=10**6) == [END]
+    response = api.get(f"/v1/jobs/{job_id}/events", headers={**auth(tokens["alice"]), "Last-Event-ID": "x"})
+    assert response.status_code == 422
+
+
+@pytest.mark.timeout(60)
+def test_a_followed_event_stream_sends_heartbeats_then_each_event_as_it_commits_and_ends_with_the_job(tokens, settings):
+    fast = TestClient(create_app(settings.model_copy(update={"events_poll_seconds": 0.05, "events_heartbeat_seconds": 0.2})))
+    job_id = fast.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    received = []
+    with fast.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth(tokens["alice"])) as response:
+        for message in sse_messages(response.iter_lines()):
+            received.append(message.get("event") or message["comment"])
+            if received == ["status", "keep-alive"]:  # idle and kept alive: now the job runs, while we listen
+                finish_job(settings, start_job(settings, job_id))
+    assert [m for m in received if m != "keep-alive"] == ["status", "status", "status", "checkpoint", "metrics", "status", "end"]

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobStatus
 from service import state
 from service.db import crud
-from service.db.models import Attempt, Job, Metric, utcnow
+from service.db.models import Attempt, Base, Job, Metric, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
@@ -258,3 +262,83 @@ def test_one_lost_node_ends_its_whole_gang_and_requeues_the_job_once(sessions, s
         assert not crud.renew_lease(session, claimed_0, 30).held
         assert not crud.finish_attempt(session, claimed_0, AttemptStatus.failed, "exit code 1")
         assert not crud.finish_attempt(session, claimed_1, AttemptStatus.failed, "exit code 1")
+
+
+def job_events(session, job_id: int) -> list[tuple[int, str, dict]]:
+    return [(e.seq, e.type.value, e.data) for e in crud.job_events_after(session, job_id, 0, limit=1000)]
+
+
+def test_status_changes_metrics_and_checkpoints_are_logged_as_numbered_job_events(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "train_loss", 3.0), (1, "lr", 0.1)])
+        for _ in range(2):  # the second is a re-send of the same checkpoint: not a new event
+            crud.record_checkpoint(session, job_id, claimed.attempt_id, 2, "ck/2", "a" * 64, 10, keep_last=2)
+        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+        assert job_events(session, job_id) == [
+            (1, "status", {"status": "queued", "reason": None}),
+            (2, "status", {"status": "scheduled", "reason": None}),
+            (3, "status", {"status": "running", "reason": None}),
+            (4, "metrics", {"step": 1, "values": {"train_loss": 4.0, "lr": 0.1}}),
+            (5, "metrics", {"step": 2, "values": {"train_loss": 3.0}}),
+            (6, "checkpoint", {"checkpoint_id": checkpoint_id, "step": 2, "sha256": "a" * 64, "size_bytes": 10}),
+            (7, "status", {"status": "succeeded", "reason": None}),
+        ]
+        assert [event.seq for event in crud.job_events_after(session, job_id, 5, limit=1)] == [6]
+
+
+def test_a_transition_that_loses_the_race_logs_no_event(sessions):
+    job_id = queue_job(sessions)
+    with sessions() as session:
+        stale = session.get(Job, job_id)  # read while still queued
+        session.commit()
+        with sessions() as other:
+            crud.request_cancel(other, other.get(Job, job_id))
+        assert not state.move_job(session, stale, JobStatus.scheduled)
+        session.commit()
+        assert job_events(session, job_id) == [
+            (1, "status", {"status": "queued", "reason": None}),
+            (2, "status", {"status": "cancelled", "reason": "cancelled by user"}),
+        ]
+
+
+def test_concurrent_writers_number_a_jobs_events_without_gaps(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    barrier = threading.Barrier(2)
+
+    def write(name: str) -> None:
+        barrier.wait()
+        with sessions() as session:
+            for step in range(15):
+                crud.record_metrics(session, job_id, claimed.attempt_id, [(step, name, 1.0)])
+
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(write, "a"), pool.submit(write, "b")]:
+            done.result()
+    with sessions() as session:
+        events = job_events(session, job_id)
+        assert [seq for seq, _, _ in events] == list(range(1, 34))  # queued, scheduled, running, 30 metrics
+        assert sorted((data["step"], *data["values"]) for _, kind, data in events if kind == "metrics") == sorted(
+            (step, name) for step in range(15) for name in "ab"
+        )
+        assert session.get(Job, job_id).last_event_seq == 33
+
+
+def test_migrations_build_exactly_the_tables_of_the_models(database_url):
+    with session_factory(database_url)().connection() as connection:
+        assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+
+
+
+def test_a_diverged_metric_is_logged_as_null_which_json_can_hold(postgres_url, tmp_path):
+    # PostgreSQL only: SQLite stores NaN as NULL, so there the metrics row itself is refused.
+    sessions = session_factory(postgres_url)
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, Settings(data_dir=tmp_path, database_url=postgres_url))
+    with sessions() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", float("nan")), (1, "grad_norm", float("inf"))])
+        assert job_events(session, job_id)[-1] == (4, "metrics", {"step": 1, "values": {"train_loss": None, "grad_norm": None}})
+        assert math.isnan(session.get(Metric, (job_id, "train_loss", 1)).value)

@@ -3,12 +3,15 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Header, HTTPException, Query, status
+from fastapi.responses import StreamingResponse
 
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut
 from service.api.deps import CurrentUser, SessionDep, SettingsDep, VisibleJob
+from service.api.events import job_event_stream
 from service.api.views import checkpoint_out, job_out, job_outs
 from service.datasets import DatasetError, resolve_dataset
 from service.db import crud
+from service.db.session import session_factory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -76,3 +79,27 @@ def get_logs(job: VisibleJob, session: SessionDep, settings: SettingsDep, tail: 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
 def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]:
     return [checkpoint_out(c) for c in crud.list_checkpoints(session, job.id)]
+
+
+@router.get("/{job_id}/events", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
+def stream_events(
+    job: VisibleJob,
+    session: SessionDep,
+    settings: SettingsDep,
+    follow: Annotated[bool, Query(description="false: send the events there are now, then end.")] = True,
+    last_event_id: Annotated[int | None, Header(ge=0, description="Resume after this event id.")] = None,
+) -> StreamingResponse:
+    """Status changes, metric points and checkpoints as Server-Sent Events, until the job is final."""
+    # The stream polls with short sessions of its own. The request's session would otherwise stay
+    # open until the stream ends, holding a connection (and, on SQLite, the write lock).
+    session.close()
+    stream = job_event_stream(
+        session_factory(settings.resolved_database_url),
+        job.id,
+        after=last_event_id or 0,
+        follow=follow,
+        poll_seconds=settings.events_poll_seconds,
+        heartbeat_seconds=settings.events_heartbeat_seconds,
+    )
+    # no-cache and X-Accel-Buffering: proxies must pass each message on as it comes.
+    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
