@@ -79,7 +79,7 @@ class JobPage(BaseModel):
 
 class MetricSeries(BaseModel):
     steps: list[int]
-    values: list[float]
+    values: list[float | None] = Field(description="null where the value was NaN or infinite (a diverged run).")
 
 
 class MetricsOut(BaseModel):

@@ -109,9 +109,13 @@ def request_cancel(session: Session, job: Job) -> Job:
 # --- metrics and logs --------------------------------------------------------------------------
 
 def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[tuple[int, str, float]]) -> None:
-    """Store (step, name, value) points. Idempotent: a re-sent or recomputed point replaces the old one."""
+    """Store (step, name, value) points. Idempotent: a re-sent or recomputed point replaces the old one.
+
+    A NaN or infinite value (a diverged run) is stored as NULL: SQLite can't hold NaN, JSON can't
+    carry it, and the run must still report every other point rather than fail on that one."""
     if not points:
         return
+    points = [(step, name, value if math.isfinite(value) else None) for step, name, value in points]
     insert = _insert(session)
     rows = [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points]
     statement = insert(Metric).values(rows)
@@ -124,20 +128,20 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
     by_step: dict[int, dict[str, float | None]] = {}
     for step, name, value in points:
-        by_step.setdefault(step, {})[name] = value if math.isfinite(value) else None  # JSON has no NaN or infinity
+        by_step.setdefault(step, {})[name] = value
     state.append_events(session, job_id, [(JobEventType.metrics, {"step": s, "values": v}) for s, v in sorted(by_step.items())])
     session.commit()
 
 
 def metric_series(
     session: Session, job_id: int, names: list[str] | None, from_step: int | None, max_points: int
-) -> dict[str, tuple[list[int], list[float]]]:
+) -> dict[str, tuple[list[int], list[float | None]]]:
     query = select(Metric.name, Metric.step, Metric.value).where(Metric.job_id == job_id).order_by(Metric.name, Metric.step)
     if names:
         query = query.where(Metric.name.in_(names))
     if from_step is not None:
         query = query.where(Metric.step >= from_step)
-    series: dict[str, tuple[list[int], list[float]]] = {}
+    series: dict[str, tuple[list[int], list[float | None]]] = {}
     for name, step, value in session.execute(query):
         steps, values = series.setdefault(name, ([], []))
         steps.append(step)
@@ -145,7 +149,7 @@ def metric_series(
     return {name: _downsample(steps, values, max_points) for name, (steps, values) in series.items()}
 
 
-def _downsample(steps: list[int], values: list[float], max_points: int) -> tuple[list[int], list[float]]:
+def _downsample(steps: list[int], values: list[float | None], max_points: int) -> tuple[list[int], list[float | None]]:
     """Keep each bucket's min, max and last point, so spikes survive (an average would hide them)."""
     if len(steps) <= max_points:
         return steps, values
@@ -154,7 +158,11 @@ def _downsample(steps: list[int], values: list[float], max_points: int) -> tuple
     keep: set[int] = set()
     for start in range(0, len(steps), size):
         chunk = range(start, min(start + size, len(steps)))
-        keep.update((min(chunk, key=values.__getitem__), max(chunk, key=values.__getitem__), chunk[-1]))
+        finite = [i for i in chunk if values[i] is not None]
+        if finite:
+            keep.update((min(finite, key=values.__getitem__), max(finite, key=values.__getitem__)))
+        # The first NaN of a bucket is the worst spike of all: never downsampled away.
+        keep.update([next((i for i in chunk if values[i] is None), chunk[-1]), chunk[-1]])
     kept = sorted(keep)
     return [steps[i] for i in kept], [values[i] for i in kept]
 

@@ -113,7 +113,7 @@ class Metric(Base):
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
-    value: Mapped[float] = mapped_column(Float)
+    value: Mapped[float | None] = mapped_column(Float, nullable=True, doc="NULL for a NaN or infinite value.")
     attempt_id: Mapped[int] = mapped_column(BigId)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -333,12 +332,20 @@ def test_migrations_build_exactly_the_tables_of_the_models(database_url):
 
 
 
-def test_a_diverged_metric_is_logged_as_null_which_json_can_hold(postgres_url, tmp_path):
-    # PostgreSQL only: SQLite stores NaN as NULL, so there the metrics row itself is refused.
-    sessions = session_factory(postgres_url)
+def test_a_nan_or_infinite_metric_is_stored_as_null_and_the_rest_of_the_batch_with_it(sessions, settings):
     job_id = queue_job(sessions)
-    claimed = place_and_claim(sessions, Settings(data_dir=tmp_path, database_url=postgres_url))
+    claimed = place_and_claim(sessions, settings)
+    points = [(1, "train_loss", 3.0), (2, "train_loss", float("nan")), (3, "train_loss", float("inf")), (3, "lr", 0.1)]
     with sessions() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", float("nan")), (1, "grad_norm", float("inf"))])
-        assert job_events(session, job_id)[-1] == (4, "metrics", {"step": 1, "values": {"train_loss": None, "grad_norm": None}})
-        assert math.isnan(session.get(Metric, (job_id, "train_loss", 1)).value)
+        crud.record_metrics(session, job_id, claimed.attempt_id, points)
+        series = crud.metric_series(session, job_id, None, None, max_points=1000)
+        assert series == {"lr": ([3], [0.1]), "train_loss": ([1, 2, 3], [3.0, None, None])}
+        assert job_events(session, job_id)[-2:] == [
+            (5, "metrics", {"step": 2, "values": {"train_loss": None}}),
+            (6, "metrics", {"step": 3, "values": {"train_loss": None, "lr": 0.1}}),
+        ]
+        assert session.get(Job, job_id).step == 3
+        # Downsampled, the divergence is still there.
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(s, "train_loss", 1.0) for s in range(4, 100)])
+        steps, values = crud.metric_series(session, job_id, ["train_loss"], None, max_points=6)["train_loss"]
+        assert 2 in steps and values[steps.index(2)] is None and steps[-1] == 99

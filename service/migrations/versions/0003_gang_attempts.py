@@ -1,4 +1,5 @@
-"""multi-node gang attempts: one attempt row per node of a try, and host addresses for rendezvous
+"""multi-node gang attempts: one attempt row per node of a try, and host addresses for rendezvous;
+metric values nullable (NaN and infinity are stored as NULL)
 
 Revision ID: 0003
 Revises: 0002
@@ -21,9 +22,13 @@ def upgrade() -> None:
         batch_op.create_unique_constraint('uq_attempts_job_number_node', ['job_id', 'number', 'node_rank'])
     with op.batch_alter_table('worker_hosts', schema=None) as batch_op:
         batch_op.add_column(sa.Column('address', sa.String(length=200), nullable=False, server_default='127.0.0.1'))
+    with op.batch_alter_table('metrics', schema=None) as batch_op:
+        batch_op.alter_column('value', existing_type=sa.Float(), nullable=True)
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('metrics', schema=None) as batch_op:
+        batch_op.alter_column('value', existing_type=sa.Float(), nullable=False)
     with op.batch_alter_table('worker_hosts', schema=None) as batch_op:
         batch_op.drop_column('address')
     with op.batch_alter_table('attempts', schema=None) as batch_op:
