@@ -62,6 +62,7 @@ class JobOut(BaseModel):
     effective_batch_size: int
     restarts: int = Field(description="Attempts that ended without success so far.")
     failure_reason: str | None
+    waiting_reason: str | None = Field(None, description="While queued: what the scheduler waits for.")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -98,6 +98,13 @@ class ResourcesConfig(_Config):
     nodes: int = Field(1, ge=1, le=1024, description="Hosts the job runs on.")
     processes_per_node: int = Field(1, ge=1, le=64, description="Training processes (devices) per host.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Device kind each process uses.")
+    min_gpu_memory_gb: float | None = Field(None, gt=0, description="Only GPUs with at least this much memory (cuda only).")
+
+    @model_validator(mode="after")
+    def _gpu_memory_needs_cuda(self) -> ResourcesConfig:
+        if self.min_gpu_memory_gb is not None and self.device != "cuda":
+            raise ValueError("resources.min_gpu_memory_gb needs device 'cuda'")
+        return self
 
 
 class CheckpointConfig(_Config):

@@ -18,6 +18,7 @@ from api_schemas import AttemptStatus, JobSpec
 from service import state
 from service.db import crud
 from service.db.models import utcnow
+from service.placement import HostRoom, waiting_reason
 from service.queue import dispatch_attempt
 from service.settings import Settings
 
@@ -48,21 +49,21 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
             attempt.dispatched_at = now
             to_dispatch.append((attempt.id, attempt.host_name))
 
-    # Place queued jobs, best fit: the hosts with the fewest free slots that still fit. A gang
-    # (nodes > 1) gets all its hosts in this one transaction or none, so two gangs can never each
-    # hold half of what they need and wait on each other forever.
-    busy = crud.busy_slots_by_host(session)
-    free = {host.name: host.slots - busy.get(host.name, 0) for host in hosts}
-    device = {host.name: host.device for host in hosts}
+    # Place queued jobs, best fit: the hosts with the least room that still fit. A gang (nodes > 1)
+    # gets all its hosts in this one transaction or none, so two gangs can never each hold half of
+    # what they need and wait on each other forever.
+    busy_slots, busy_gpus = crud.busy_slots_by_host(session), crud.busy_gpus_by_host(session)
+    room = {host.name: HostRoom.of(host, busy_slots, busy_gpus) for host in hosts}
     for job in crud.queued_jobs(session, limit=200):
         resources = JobSpec.model_validate(job.spec).resources
-        fitting = sorted((h for h in free if device[h] == resources.device and free[h] >= resources.processes_per_node),
-                         key=lambda h: (free[h], h))
-        if len(fitting) < resources.nodes:
+        offers = {name: devices for name, r in room.items() if (devices := r.offer(resources)) is not None}
+        if len(offers) < resources.nodes:
+            crud.set_waiting_reason(job, waiting_reason(resources, len(offers)))
             continue
-        attempts = crud.create_attempts(session, job, fitting[: resources.nodes], resources.processes_per_node, now)
+        chosen = sorted(offers, key=lambda name: (room[name].size(resources), name))[: resources.nodes]
+        attempts = crud.create_attempts(session, job, [(name, offers[name]) for name in chosen], resources.processes_per_node, now)
         for attempt in attempts:
-            free[attempt.host_name] -= resources.processes_per_node
+            room[attempt.host_name].take(resources.processes_per_node, attempt.device_ids)
             to_dispatch.append((attempt.id, attempt.host_name))
         if attempts:
             log.info("job %s attempt %s placed on %s", job.id, attempts[0].number, ", ".join(a.host_name for a in attempts))

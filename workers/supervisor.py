@@ -145,6 +145,9 @@ class AttemptRunner:
             return AttemptStatus.failed, f"node 0 of this job did not start within {self.settings.dispatch_timeout_seconds:.0f} s"
         command = launch_command(spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank)
         env = {**os.environ, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
+        if claimed.device_ids:
+            # Only the GPUs reserved for this attempt: another job on this host has the others.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, claimed.device_ids))
 
         process = subprocess.Popen(
             command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True

@@ -32,6 +32,7 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
         effective_batch_size=spec.effective_batch_size,
         restarts=job.restarts,
         failure_reason=job.failure_reason,
+        waiting_reason=job.waiting_reason if job.status == JobStatus.queued else None,
         created_at=job.created_at,
         started_at=job.started_at,
         finished_at=job.finished_at,

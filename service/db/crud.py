@@ -266,6 +266,7 @@ class ClaimedAttempt:
     job_id: int
     spec: dict
     slots: int
+    device_ids: list[int] | None
     lease_owner: str
     resume_checkpoint_path: str | None
     resume_step: int | None
@@ -313,6 +314,7 @@ def claim_attempt(
         job_id=job.id,
         spec=job.spec,
         slots=attempt.slots,
+        device_ids=attempt.device_ids,
         lease_owner=lease_owner,
         resume_checkpoint_path=checkpoint.path if checkpoint else None,
         resume_step=checkpoint.step if checkpoint else None,
@@ -366,6 +368,19 @@ def busy_slots_by_host(session: Session) -> dict[str, int]:
     return {host: int(busy) for host, busy in session.execute(query)}
 
 
+def busy_gpus_by_host(session: Session) -> dict[str, set[int]]:
+    query = select(Attempt.host_name, Attempt.device_ids).where(Attempt.status.in_(ACTIVE_ATTEMPT), Attempt.device_ids.is_not(None))
+    busy: dict[str, set[int]] = {}
+    for host, device_ids in session.execute(query):
+        busy.setdefault(host, set()).update(device_ids or [])
+    return busy
+
+
+def set_waiting_reason(job: Job, reason: str) -> None:
+    if job.waiting_reason != reason:  # most passes change nothing: write only what did
+        job.waiting_reason = reason
+
+
 def queued_jobs(session: Session, limit: int) -> list[Job]:
     """Highest priority first, oldest first within a priority; rows locked by another scheduler are skipped."""
     query = (
@@ -378,15 +393,19 @@ def queued_jobs(session: Session, limit: int) -> list[Job]:
     return list(session.scalars(query))
 
 
-def create_attempts(session: Session, job: Job, host_names: list[str], slots: int, now: datetime) -> list[Attempt]:
-    """Place a queued job on its hosts, all at once (one per node, node 0 first): new scheduled
-    attempts sharing one number, and the job moves to `scheduled`. [] if the job was taken meanwhile."""
+def create_attempts(
+    session: Session, job: Job, placements: list[tuple[str, list[int] | None]], slots: int, now: datetime
+) -> list[Attempt]:
+    """Place a queued job on its hosts, all at once (one per node, node 0 first), each with the GPU
+    indices reserved for it there (None or [] on CPU): new scheduled attempts sharing one number,
+    and the job moves to `scheduled`. [] if the job was taken meanwhile."""
     if not state.move_job(session, job, JobStatus.scheduled, now=now):
         return []
+    job.waiting_reason = None
     number = (session.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job.id)) or 0) + 1
     attempts = [
-        Attempt(job_id=job.id, number=number, node_rank=rank, host_name=host, slots=slots, dispatched_at=now)
-        for rank, host in enumerate(host_names)
+        Attempt(job_id=job.id, number=number, node_rank=rank, host_name=host, slots=slots, device_ids=gpus or None, dispatched_at=now)
+        for rank, (host, gpus) in enumerate(placements)
     ]
     session.add_all(attempts)
     session.flush()

@@ -178,7 +178,7 @@ def test_metrics_endpoint_reports_the_whole_service_from_the_database(api, token
         crud.register_host(session, "host-b", "cpu", 2, {})
         claimed = {}
         for job in (running, finished):
-            attempt_id = crud.create_attempts(session, job, ["host-a"], 1, utcnow())[0].id
+            attempt_id = crud.create_attempts(session, job, [("host-a", None)], 1, utcnow())[0].id
             session.commit()
             claimed[job] = crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
         crud.finish_attempt(session, claimed[finished], AttemptStatus.succeeded)
@@ -281,3 +281,22 @@ def test_a_followed_event_stream_sends_heartbeats_then_each_event_as_it_commits_
             if received == ["status", "keep-alive"]:  # idle and kept alive: now the job runs, while we listen
                 finish_job(settings, start_job(settings, job_id))
     assert [m for m in received if m != "keep-alive"] == ["status", "status", "status", "checkpoint", "metrics", "status", "end"]
+
+
+def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api, tokens, settings):
+    cuda_job = tiny_spec(**{"resources.device": "cuda"})
+    # No host registered yet: hosts may still join, so the job is accepted and waits.
+    queued = api.post("/v1/jobs", json=cuda_job, headers=auth(tokens["alice"])).json()
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.register_host(session, "cpu-box", "cpu", 2, {})
+        schedule_pass(session, settings)
+    assert api.get(f"/v1/jobs/{queued['id']}", headers=auth(tokens["alice"])).json()["waiting_reason"] == (
+        "waiting for a host with 1 free GPUs (0 now)"
+    )
+    response = api.post("/v1/jobs", json=cuda_job, headers=auth(tokens["alice"]))
+    assert response.status_code == 422
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "resources"] and "cpu-box (2 cpu)" in error["msg"]
+    gang = tiny_spec(**{"resources.nodes": 2})
+    assert api.post("/v1/jobs", json=gang, headers=auth(tokens["alice"])).status_code == 422  # one host, two nodes
+    assert api.post("/v1/jobs", json=tiny_spec(**{"resources.processes_per_node": 2}), headers=auth(tokens["alice"])).status_code == 201

@@ -349,3 +349,32 @@ def test_a_nan_or_infinite_metric_is_stored_as_null_and_the_rest_of_the_batch_wi
         crud.record_metrics(session, job_id, claimed.attempt_id, [(s, "train_loss", 1.0) for s in range(4, 100)])
         steps, values = crud.metric_series(session, job_id, ["train_loss"], None, max_points=6)["train_loss"]
         assert 2 in steps and values[steps.index(2)] is None and steps[-1] == 99
+
+
+def gpu_host(session, name: str, gpus: int, memory_gb: float) -> None:
+    info = {"gpus": [{"index": i, "name": "H100", "memory_gb": memory_gb} for i in range(gpus)]}
+    crud.register_host(session, name, "cuda", gpus, info)
+
+
+def test_jobs_sharing_a_gpu_host_get_disjoint_gpus_and_a_job_that_must_wait_says_why(sessions, settings):
+    with sessions() as session:
+        gpu_host(session, "big", gpus=4, memory_gb=80)
+        gpu_host(session, "small", gpus=2, memory_gb=24)
+    cuda = {"resources.device": "cuda", "resources.processes_per_node": 2}
+    jobs = [queue_job(sessions, **cuda) for _ in range(3)]
+    roomy = queue_job(sessions, **{"resources.device": "cuda", "resources.min_gpu_memory_gb": 40})
+    with sessions() as session:
+        schedule_pass(session, settings)
+    with sessions() as session:
+        placed = [(session.get(Job, j).attempts[0].host_name, session.get(Job, j).attempts[0].device_ids) for j in jobs]
+        # Best fit fills the small host first, then the big one in two disjoint halves.
+        assert placed == [("small", [0, 1]), ("big", [0, 1]), ("big", [2, 3])]
+        waiting = session.get(Job, roomy)
+        assert waiting.status == JobStatus.queued and not waiting.attempts
+        assert waiting.waiting_reason == "waiting for a host with 1 free GPUs of at least 40 GB (0 now)"
+        claimed = crud.claim_attempt(session, session.get(Job, jobs[2]).attempts[0].id, "w", 30)
+        assert claimed.device_ids == [2, 3]  # what the worker puts in CUDA_VISIBLE_DEVICES
+        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+    with sessions() as session:
+        schedule_pass(session, settings)  # two of the big host's GPUs are free again
+        assert session.get(Job, roomy).attempts[0].device_ids == [2] and session.get(Job, roomy).waiting_reason is None

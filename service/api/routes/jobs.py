@@ -11,6 +11,7 @@ from service.api.events import job_event_stream
 from service.api.views import checkpoint_out, job_out, job_outs
 from service.datasets import DatasetError, resolve_dataset
 from service.db import crud
+from service.placement import never_fits
 from service.db.session import session_factory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -29,6 +30,9 @@ def submit_job(
     except DatasetError as exc:
         detail = [{"loc": ["body", "dataset", "path"], "msg": str(exc), "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from exc
+    if reason := never_fits(spec.resources, crud.all_hosts(session)):
+        detail = [{"loc": ["body", "resources"], "msg": reason, "type": "value_error"}]
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
     return job_out(crud.create_job(session, user, spec, idempotency_key))
 
 
