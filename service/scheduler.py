@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from api_schemas import AttemptStatus, JobSpec
 from service import state
 from service.db import crud
-from service.db.models import utcnow
+from service.db.models import Job, utcnow
 from service.placement import HostRoom, waiting_reason
 from service.queue import dispatch_attempt
 from service.settings import Settings
@@ -51,14 +51,25 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
 
     # Place queued jobs, best fit: the hosts with the least room that still fit. A gang (nodes > 1)
     # gets all its hosts in this one transaction or none, so two gangs can never each hold half of
-    # what they need and wait on each other forever.
+    # what they need and wait on each other forever. Order: priority, raised the longer a job has
+    # waited (aging, so a low priority is never starved), then first come first served.
     busy_slots, busy_gpus = crud.busy_slots_by_host(session), crud.busy_gpus_by_host(session)
     room = {host.name: HostRoom.of(host, busy_slots, busy_gpus) for host in hosts}
-    for job in crud.queued_jobs(session, limit=200):
+    idle = {host.name: HostRoom.of(host, {}, {}) for host in hosts}
+    reserved: set[str] = set()
+    for job in queue_order(crud.queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
         resources = JobSpec.model_validate(job.spec).resources
-        offers = {name: devices for name, r in room.items() if (devices := r.offer(resources)) is not None}
+        offers = {name: devices for name, r in room.items() if name not in reserved and (devices := r.offer(resources)) is not None}
         if len(offers) < resources.nodes:
-            crud.set_waiting_reason(job, waiting_reason(resources, len(offers)))
+            reason = waiting_reason(resources, len(offers))
+            # The first job that must wait gets hosts held for it: nothing behind it starts there,
+            # so jobs that fit elsewhere go on (backfill) without ever delaying its start.
+            could_ever = [name for name in idle if name not in reserved and idle[name].offer(resources) is not None]
+            if not reserved and len(could_ever) >= resources.nodes:
+                held = sorted(could_ever, key=lambda name: (-room[name].size(resources), name))[: resources.nodes]
+                reserved.update(held)
+                reason += f"; {', '.join(held)} held for it"
+            crud.set_waiting_reason(job, reason)
             continue
         chosen = sorted(offers, key=lambda name: (room[name].size(resources), name))[: resources.nodes]
         attempts = crud.create_attempts(session, job, [(name, offers[name]) for name in chosen], resources.processes_per_node, now)
@@ -70,6 +81,11 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
 
     session.commit()
     return to_dispatch
+
+
+def queue_order(jobs: list[Job], now: datetime, aging_seconds: float) -> list[Job]:
+    """Highest effective priority first: a job gains one point per `aging_seconds` queued."""
+    return sorted(jobs, key=lambda job: (-(job.priority + (now - job.created_at).total_seconds() / aging_seconds), job.id))
 
 
 def _send(celery: Celery, attempt_id: int, host: str) -> None:

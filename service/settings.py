@@ -24,6 +24,7 @@ class Settings(BaseSettings):
     host_timeout_seconds: float = Field(30.0, gt=0, description="A host silent for this long gets no new attempts.")
     dispatch_timeout_seconds: float = Field(60.0, gt=0, description="A scheduled attempt not claimed for this long is dispatched again.")
     scheduler_interval_seconds: float = Field(0.5, gt=0, description="Pause between scheduler passes.")
+    priority_aging_seconds: float = Field(600.0, gt=0, description="A queued job gains one priority point per this many seconds waited.")
 
     max_request_bytes: int = Field(1_000_000, gt=0, description="Largest accepted request body.")
     log_tail_max: int = Field(1000, gt=0, description="Most log lines one /logs request returns.")

@@ -371,10 +371,45 @@ def test_jobs_sharing_a_gpu_host_get_disjoint_gpus_and_a_job_that_must_wait_says
         assert placed == [("small", [0, 1]), ("big", [0, 1]), ("big", [2, 3])]
         waiting = session.get(Job, roomy)
         assert waiting.status == JobStatus.queued and not waiting.attempts
-        assert waiting.waiting_reason == "waiting for a host with 1 free GPUs of at least 40 GB (0 now)"
+        assert waiting.waiting_reason == "waiting for a host with 1 free GPUs of at least 40 GB (0 now); big held for it"
         claimed = crud.claim_attempt(session, session.get(Job, jobs[2]).attempts[0].id, "w", 30)
         assert claimed.device_ids == [2, 3]  # what the worker puts in CUDA_VISIBLE_DEVICES
         crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
     with sessions() as session:
         schedule_pass(session, settings)  # two of the big host's GPUs are free again
         assert session.get(Job, roomy).attempts[0].device_ids == [2] and session.get(Job, roomy).waiting_reason is None
+
+
+def test_a_long_wait_outranks_a_higher_priority(sessions, settings):
+    old_low = queue_job(sessions, priority=0)
+    new_high = queue_job(sessions, priority=5)
+    with sessions() as session:
+        session.get(Job, old_low).created_at = utcnow() - timedelta(seconds=6 * settings.priority_aging_seconds)
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        schedule_pass(session, settings)
+        assert session.get(Job, old_low).status == JobStatus.scheduled  # 0 + 6 points of waiting > 5
+        assert session.get(Job, new_high).status == JobStatus.queued
+
+
+def test_the_first_blocked_job_gets_hosts_held_and_smaller_jobs_backfill_only_elsewhere(sessions, settings):
+    with sessions() as session:
+        crud.register_host(session, "wide", "cpu", 2, {})
+        crud.register_host(session, "narrow", "cpu", 1, {})
+    running = [queue_job(sessions, priority=9) for _ in range(2)]
+    with sessions() as session:
+        schedule_pass(session, settings)  # best fit: one on "narrow", one on "wide" (1 slot left there)
+        on_wide = next(j for j in running if session.get(Job, j).attempts[0].host_name == "wide")
+    head = queue_job(sessions, priority=5, **{"resources.processes_per_node": 2})
+    small = queue_job(sessions, priority=0)
+    with sessions() as session:
+        schedule_pass(session, settings)
+        # The small job would fit in wide's free slot, but that would delay the head job: held.
+        assert session.get(Job, head).waiting_reason.endswith("wide held for it")
+        assert session.get(Job, small).status == JobStatus.queued
+        crud.register_host(session, "spare", "cpu", 1, {})
+        schedule_pass(session, settings)
+        assert session.get(Job, small).attempts[0].host_name == "spare"  # backfilled where no one waits
+        claimed = crud.claim_attempt(session, session.get(Job, on_wide).attempts[0].id, "w", 30)
+        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+        schedule_pass(session, settings)
+        assert session.get(Job, head).attempts[0].host_name == "wide"
