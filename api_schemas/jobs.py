@@ -125,6 +125,9 @@ class JobSpec(_Config):
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first.")
     max_restarts: int = Field(3, ge=0, le=100, description="Retries after a failed or lost attempt.")
+    preemptible: bool = Field(
+        False, description="May be stopped for a higher-priority job: it checkpoints, goes back to the queue and resumes from there."
+    )
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from api_schemas import ResourcesConfig
-from service.db.models import WorkerHost
+from service.db.models import Attempt, WorkerHost
 
 
 @dataclass
@@ -19,13 +19,14 @@ class HostRoom:
     device: str
     free_slots: int
     free_gpus: dict[int, float] = field(default_factory=dict)
+    gpus: dict[int, float] = field(default_factory=dict)  # all of them, free or not
 
     @classmethod
     def of(cls, host: WorkerHost, busy_slots: dict[str, int], busy_gpus: dict[str, set[int]]) -> HostRoom:
         gpus = {gpu["index"]: gpu["memory_gb"] for gpu in (host.info or {}).get("gpus", [])}
         busy = busy_gpus.get(host.name, set())
         free_gpus = {index: memory for index, memory in gpus.items() if index not in busy}
-        return cls(host.device, host.slots - busy_slots.get(host.name, 0), free_gpus)
+        return cls(host.device, host.slots - busy_slots.get(host.name, 0), free_gpus, gpus)
 
     def offer(self, resources: ResourcesConfig) -> list[int] | None:
         """The GPU indices (cuda) or [] (cpu) one node of the job would get here now; None if it doesn't fit."""
@@ -43,6 +44,40 @@ class HostRoom:
         self.free_slots -= slots
         for index in gpus or []:
             self.free_gpus.pop(index, None)
+
+    def give_back(self, slots: int, gpus: list[int] | None) -> None:
+        self.free_slots += slots
+        self.free_gpus.update({index: self.gpus[index] for index in gpus or [] if index in self.gpus})
+
+
+@dataclass
+class PreemptionPlan:
+    hosts: list[str]
+    victims: list[Attempt]  # not yet asked to stop
+
+
+def preemption_plan(resources: ResourcesConfig, priority: int, rooms: dict[str, HostRoom], running: list[Attempt]) -> PreemptionPlan | None:
+    """The hosts where stopping the fewest preemptible attempts of lower priority makes room for the
+    job (attempts already asked to stop count as gone, at no cost); None if no such plan exists."""
+    options: list[tuple[int, str, list[Attempt]]] = []
+    for name, room in rooms.items():
+        trial = HostRoom(room.device, room.free_slots, dict(room.free_gpus), room.gpus)
+        on_host = sorted((a for a in running if a.host_name == name), key=lambda a: (not a.preempt_requested, a.job.priority, -a.id))
+        victims: list[Attempt] = []
+        for attempt in on_host:
+            if trial.offer(resources) is not None:
+                break
+            if not attempt.preempt_requested:
+                if attempt.job.priority >= priority:
+                    break
+                victims.append(attempt)
+            trial.give_back(attempt.slots, attempt.device_ids)
+        if trial.offer(resources) is not None:
+            options.append((len(victims), name, victims))
+    if len(options) < resources.nodes:
+        return None
+    chosen = sorted(options, key=lambda option: (option[0], option[1]))[: resources.nodes]
+    return PreemptionPlan(hosts=[name for _, name, _ in chosen], victims=[a for _, _, victims in chosen for a in victims])
 
 
 def waiting_reason(resources: ResourcesConfig, fitting_now: int) -> str:

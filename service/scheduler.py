@@ -18,7 +18,7 @@ from api_schemas import AttemptStatus, JobSpec
 from service import state
 from service.db import crud
 from service.db.models import Job, utcnow
-from service.placement import HostRoom, waiting_reason
+from service.placement import HostRoom, preemption_plan, waiting_reason
 from service.queue import dispatch_attempt
 from service.settings import Settings
 
@@ -57,6 +57,7 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     room = {host.name: HostRoom.of(host, busy_slots, busy_gpus) for host in hosts}
     idle = {host.name: HostRoom.of(host, {}, {}) for host in hosts}
     reserved: set[str] = set()
+    preemptible = crud.preemptible_attempts(session)
     for job in queue_order(crud.queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
         resources = JobSpec.model_validate(job.spec).resources
         offers = {name: devices for name, r in room.items() if name not in reserved and (devices := r.offer(resources)) is not None}
@@ -66,9 +67,17 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
             # so jobs that fit elsewhere go on (backfill) without ever delaying its start.
             could_ever = [name for name in idle if name not in reserved and idle[name].offer(resources) is not None]
             if not reserved and len(could_ever) >= resources.nodes:
-                held = sorted(could_ever, key=lambda name: (-room[name].size(resources), name))[: resources.nodes]
+                # Sooner still if stopping lower-priority preemptible jobs (at a checkpoint) makes room.
+                plan = preemption_plan(resources, job.priority, {name: room[name] for name in could_ever}, preemptible)
+                if plan is not None:
+                    held = plan.hosts
+                    for victim in plan.victims:
+                        crud.request_preemption(victim)
+                        log.info("preempting job %s on %s for job %s", victim.job_id, victim.host_name, job.id)
+                else:
+                    held = sorted(could_ever, key=lambda name: (-room[name].size(resources), name))[: resources.nodes]
                 reserved.update(held)
-                reason += f"; {', '.join(held)} held for it"
+                reason += f"; {', '.join(held)} held for it" + (" (preempting lower priorities)" if plan else "")
             crud.set_waiting_reason(job, reason)
             continue
         chosen = sorted(offers, key=lambda name: (room[name].size(resources), name))[: resources.nodes]

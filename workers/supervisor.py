@@ -159,13 +159,11 @@ class AttemptRunner:
         seq = 0
         next_sync = 0.0
         output_done = False
-        preempt_sent = False
+        preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
         while True:
             exit_code = process.poll()
-            if self.shutting_down.is_set() and not preempt_sent and exit_code is None:
-                # The training loop answers SIGTERM with a checkpoint at the next step, then exit 75.
-                os.killpg(process.pid, signal.SIGTERM)
-                preempt_sent = True
+            if self.shutting_down.is_set() and preempted_because is None and exit_code is None:
+                preempted_because = self._preempt(process, f"host {self.host_name} shut down")
             while True:  # move the training output into the outbox
                 try:
                     line = lines.get_nowait()
@@ -194,6 +192,8 @@ class AttemptRunner:
                     _stop(process)
                     self._sync(claimed, spec, outbox)
                     return AttemptStatus.cancelled, "cancelled by user"
+                if lease is not None and lease.preempt_requested and preempted_because is None and exit_code is None:
+                    preempted_because = self._preempt(process, "preempted for a higher-priority job")
             if finished and outbox.empty():
                 break
             time.sleep(0.1 if not finished else 1.0)
@@ -202,10 +202,16 @@ class AttemptRunner:
             return AttemptStatus.succeeded, None
         # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
         # itself), so what counts is that we asked for the stop, not the code we got back.
-        if preempt_sent or exit_code == EXIT_PREEMPTED:
-            return AttemptStatus.preempted, f"host {self.host_name} shut down; stopped at a checkpoint"
+        if preempted_because or exit_code == EXIT_PREEMPTED:
+            return AttemptStatus.preempted, f"{preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         tail = "\n".join(outbox.recent_logs[-REASON_LOG_LINES:])
         return AttemptStatus.failed, f"training process exited with code {exit_code}; last output:\n{tail}"
+
+    @staticmethod
+    def _preempt(process: subprocess.Popen, reason: str) -> str:
+        """The training loop answers SIGTERM with a checkpoint at the next step, then exits."""
+        os.killpg(process.pid, signal.SIGTERM)
+        return reason
 
     def _wait_for_node_0(self, claimed: crud.ClaimedAttempt) -> str | None:
         """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a

@@ -325,6 +325,7 @@ def claim_attempt(
 class Lease:
     held: bool
     cancel_requested: bool
+    preempt_requested: bool = False
 
 
 def renew_lease(session: Session, attempt: ClaimedAttempt, lease_seconds: float) -> Lease:
@@ -335,8 +336,12 @@ def renew_lease(session: Session, attempt: ClaimedAttempt, lease_seconds: float)
         .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
     )
     cancel = bool(session.scalar(select(Job.cancel_requested).where(Job.id == attempt.job_id)))
+    # Any node of a gang asked to stop stops the whole gang (its training processes vote together).
+    preempt = bool(session.scalar(select(func.count()).where(
+        Attempt.job_id == attempt.job_id, Attempt.number == attempt.number, Attempt.preempt_requested.is_(True)
+    )))
     session.commit()
-    return Lease(held=result.rowcount == 1, cancel_requested=cancel)
+    return Lease(held=result.rowcount == 1, cancel_requested=cancel, preempt_requested=preempt)
 
 
 def finish_attempt(session: Session, claimed: ClaimedAttempt, outcome: AttemptStatus, reason: str | None = None) -> bool:
@@ -374,6 +379,17 @@ def busy_gpus_by_host(session: Session) -> dict[str, set[int]]:
     for host, device_ids in session.execute(query):
         busy.setdefault(host, set()).update(device_ids or [])
     return busy
+
+
+def preemptible_attempts(session: Session) -> list[Attempt]:
+    """Running attempts of preemptible jobs, including those already asked to stop."""
+    query = select(Attempt).where(Attempt.status == AttemptStatus.running)
+    return [attempt for attempt in session.scalars(query) if attempt.job.spec.get("preemptible")]
+
+
+def request_preemption(attempt: Attempt) -> None:
+    """Its worker sees this at the next lease renewal and stops it at a checkpoint."""
+    attempt.preempt_requested = True
 
 
 def set_waiting_reason(job: Job, reason: str) -> None:

@@ -92,6 +92,7 @@ class Attempt(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     rendezvous: Mapped[str | None] = mapped_column(String(200), nullable=True, doc="host:port where node 0 of a gang listens; set when it claims.")
+    preempt_requested: Mapped[bool] = mapped_column(Boolean, default=False, doc="The scheduler wants its host back for a higher priority.")
     device_ids: Mapped[list | None] = mapped_column(JSON, nullable=True, doc="GPU indices on its host reserved for it (CUDA_VISIBLE_DEVICES); None on CPU.")
     resume_checkpoint_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     resumed_from_step: Mapped[int | None] = mapped_column(Integer, nullable=True)

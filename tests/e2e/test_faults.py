@@ -109,3 +109,31 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_sta
     # It stopped at a checkpoint of its own, not at the last scheduled one (every 50 steps).
     assert second["resumed_from_step"] % 50 != 0
     assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
+
+
+@pytest.fixture
+def one_slot_stack(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINYARD_LEASE_SECONDS", "4")
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
+    with embedded_stack(tmp_path / "yard", free_port(), workers=1, devices="cpu:1") as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            yield client
+
+
+def test_a_preemptible_job_makes_way_for_a_higher_priority_one_and_resumes_with_no_step_lost(one_slot_stack):
+    client = one_slot_stack
+    spot_spec = {**FAULT_SPEC, "preemptible": True}
+    spot_id = client.post("/v1/jobs", json=spot_spec).json()["id"]
+    wait_until_training(client, spot_id)
+    urgent_id = client.post("/v1/jobs", json=spec_dict(**{"name": "urgent", "priority": 10, "training.max_steps": 20, "schedule.warmup_steps": 2})).json()["id"]
+
+    urgent = wait_for(client, urgent_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert urgent["status"] == "succeeded", urgent["failure_reason"]
+    spot = wait_for(client, spot_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert spot["status"] == "succeeded", spot["failure_reason"]
+    first, second = spot["attempts"]
+    assert first["status"] == "preempted" and "higher-priority" in first["failure_reason"] and spot["restarts"] == 0
+    # The urgent job ran in between, on the one slot the spot job gave back.
+    assert first["finished_at"] <= urgent["attempts"][0]["started_at"] and urgent["finished_at"] <= second["started_at"]
+    assert second["resumed_from_step"] % 50 != 0  # its own checkpoint at the stop, not the last periodic one
+    assert_same_run(client, spot_id, run_reference(client, FAULT_SPEC), 300)

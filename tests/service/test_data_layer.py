@@ -413,3 +413,31 @@ def test_the_first_blocked_job_gets_hosts_held_and_smaller_jobs_backfill_only_el
         crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
         schedule_pass(session, settings)
         assert session.get(Job, head).attempts[0].host_name == "wide"
+
+
+def test_a_higher_priority_job_preempts_only_a_lower_priority_preemptible_one(sessions, settings):
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        crud.register_host(session, "host-b", "cpu", 1, {})
+    steady = queue_job(sessions, priority=0)  # not preemptible
+    spot = queue_job(sessions, priority=0, preemptible=True)
+    with sessions() as session:
+        schedule_pass(session, settings)
+        claims = {job: crud.claim_attempt(session, session.get(Job, job).attempts[0].id, f"w{job}", 30) for job in (steady, spot)}
+    peer = queue_job(sessions, priority=0)  # same priority: waits, preempts nothing
+    with sessions() as session:
+        schedule_pass(session, settings)
+        assert not crud.renew_lease(session, claims[spot], 30).preempt_requested
+    urgent = queue_job(sessions, priority=10)
+    with sessions() as session:
+        schedule_pass(session, settings)
+        schedule_pass(session, settings)  # asked once; a second pass waits for it
+        assert crud.renew_lease(session, claims[spot], 30).preempt_requested
+        assert not crud.renew_lease(session, claims[steady], 30).preempt_requested
+        assert "preempting lower priorities" in session.get(Job, urgent).waiting_reason
+        # The worker stops it at a checkpoint: back to the queue, no restart used.
+        crud.finish_attempt(session, claims[spot], AttemptStatus.preempted, "preempted for a higher-priority job")
+        schedule_pass(session, settings)
+        assert session.get(Job, urgent).attempts[0].host_name == session.get(Job, spot).attempts[0].host_name
+        assert session.get(Job, spot).status == JobStatus.queued and session.get(Job, spot).restarts == 0
+        assert session.get(Job, peer).status == JobStatus.queued
