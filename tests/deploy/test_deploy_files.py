@@ -23,7 +23,7 @@ def kubernetes() -> list[dict]:
 
 
 def assert_cli_accepts(args: list[str]) -> None:
-    args = [a.replace("$(NODE_NAME)", "node-1") for a in args]
+    args = [a.replace("$(NODE_NAME)", "node-1").replace("$(POD_IP)", "10.0.0.7") for a in args]
     parsed = build_parser().parse_args(args)
     assert callable(parsed.func), args
 
