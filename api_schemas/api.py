@@ -11,6 +11,12 @@ from pydantic import BaseModel, Field
 from api_schemas.jobs import JobSpec
 
 
+class ErrorOut(BaseModel):
+    """Every error response: a message, or for 422 the list of bad fields with their reasons."""
+
+    detail: str | list[dict[str, Any]]
+
+
 class JobStatus(str, Enum):
     queued = "queued"
     scheduled = "scheduled"

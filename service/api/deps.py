@@ -5,15 +5,21 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, status
+from fastapi import Depends, HTTPException, Path, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from api_schemas import ErrorOut
 from service.artifacts import ArtifactStore
 from service.db import crud
 from service.db.models import Job, User
 from service.db.session import session_factory
 from service.settings import Settings
+
+
+# Error responses for the OpenAPI schema, so clients (and schemathesis) know every status a route gives.
+NEEDS_TOKEN = {401: {"model": ErrorOut, "description": "Missing or invalid bearer token."}}
+MAY_BE_MISSING = {404: {"model": ErrorOut, "description": "No such item, or not yours."}}
 
 
 def get_settings(request: Request) -> Settings:
@@ -54,7 +60,11 @@ def not_found(what: str) -> HTTPException:
     return HTTPException(status.HTTP_404_NOT_FOUND, f"{what} not found")
 
 
-def get_visible_job(job_id: int, session: SessionDep, user: CurrentUser) -> Job:
+# A row id in the path: the database's BIGINT range, so an absurd id is a 422, not an overflow.
+RowId = Annotated[int, Path(ge=1, le=2**63 - 1)]
+
+
+def get_visible_job(job_id: RowId, session: SessionDep, user: CurrentUser) -> Job:
     """The path's job, if the caller may see it. Others get the same 404 as for a missing job."""
     job = crud.job_visible_to(session, user, job_id)
     if job is None:

@@ -9,16 +9,16 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, StreamingResponse
 
-from service.api.deps import CurrentUser, SessionDep, StoreDep, not_found
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, StoreDep, not_found
 from api_schemas.manifest import MODEL_FILE
 from service.db import crud
 
-router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"])
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
 
 
 @router.get("/{checkpoint_id}/download", response_model=None)
 def download_checkpoint(
-    checkpoint_id: int,
+    checkpoint_id: RowId,
     session: SessionDep,
     user: CurrentUser,
     store: StoreDep,

@@ -6,11 +6,11 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from api_schemas import DashboardOut, RunningJobOut, WorkerOut
-from service.api.deps import CurrentUser, SessionDep, SettingsDep
+from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep
 from service.db import crud
 from service.db.models import utcnow
 
-router = APIRouter(prefix="/v1", tags=["dashboard"])
+router = APIRouter(prefix="/v1", tags=["dashboard"], responses=NEEDS_TOKEN)
 page_router = APIRouter()
 DASHBOARD_PAGE = Path(__file__).resolve().parents[2] / "static" / "dashboard.html"
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut
-from service.api.deps import CurrentUser, SessionDep, SettingsDep, VisibleJob
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep, VisibleJob
 from service.api.events import job_event_stream
 from service.api.views import checkpoint_out, job_out, job_outs
 from service.datasets import DatasetError, resolve_dataset
@@ -14,7 +14,7 @@ from service.db import crud
 from service.placement import never_fits
 from service.db.session import session_factory
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=JobOut)
