@@ -101,6 +101,7 @@ class LogLineOut(BaseModel):
 
 class LogsOut(BaseModel):
     lines: list[LogLineOut]
+    next_cursor: str = Field(description="Pass as `cursor` to read the lines written after these (a follow loop).")
 
 
 class CheckpointOut(BaseModel):

@@ -23,9 +23,12 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel, TypeAdapter
 
-from api_schemas import CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricsOut, WorkerOut
+from api_schemas import (
+    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, WorkerOut,
+)
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
+FOLLOW_PAGE = 500  # log lines per read while following
 SHA256_HEADER = "X-Checkpoint-SHA256"
 
 Model = TypeVar("Model")
@@ -165,8 +168,23 @@ class Client:
         params = {"names": ",".join(names) if names else None, "from_step": from_step, "max_points": max_points}
         return self._call(MetricsOut, "GET", f"/v1/jobs/{job_id}/metrics", params=_without_none(params))
 
-    def logs(self, job_id: int, tail: int = 100) -> LogsOut:
-        return self._call(LogsOut, "GET", f"/v1/jobs/{job_id}/logs", params={"tail": tail})
+    def logs(self, job_id: int, tail: int = 100, cursor: str | None = None) -> LogsOut:
+        """The last `tail` lines; with `cursor` (a previous read's `next_cursor`), up to `tail` lines after it."""
+        return self._call(LogsOut, "GET", f"/v1/jobs/{job_id}/logs", params=_without_none({"tail": tail, "cursor": cursor}))
+
+    def follow_logs(self, job_id: int, tail: int = 100, poll_seconds: float = 1.0) -> Iterator[LogLineOut]:
+        """The last `tail` lines, then every new line as it is stored, until the job has ended."""
+        page, ended = self.logs(job_id, tail=tail), False
+        while True:
+            yield from page.lines
+            if len(page.lines) < FOLLOW_PAGE:  # caught up
+                if ended:
+                    return
+                # Seen final before the next read, so that read still gets the last lines stored.
+                ended = self.job(job_id).status.is_final
+                if not ended:
+                    time.sleep(poll_seconds)
+            page = self.logs(job_id, tail=FOLLOW_PAGE, cursor=page.next_cursor)
 
     def checkpoints(self, job_id: int) -> list[CheckpointOut]:
         return self._call(list[CheckpointOut], "GET", f"/v1/jobs/{job_id}/checkpoints")

@@ -139,13 +139,13 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        lines = client.logs(args.id, tail=args.tail).lines
-    attempt = None
-    for line in lines:
-        if line.attempt != attempt:
-            attempt = line.attempt
-            print(f"--- attempt {attempt} ---")
-        print(line.line)
+        lines = client.follow_logs(args.id, tail=args.tail) if args.follow else client.logs(args.id, tail=args.tail).lines
+        attempt = None
+        for line in lines:
+            if line.attempt != attempt:
+                attempt = line.attempt
+                print(f"--- attempt {attempt} ---")
+            print(line.line, flush=True)
     return 0
 
 
@@ -266,6 +266,7 @@ def add_client_commands(subparsers) -> None:
     logs = command("logs", cmd_logs, "print a job's latest log lines")
     logs.add_argument("id", type=int)
     logs.add_argument("--tail", type=int, default=100, help="lines to show (default 100)")
+    logs.add_argument("-f", "--follow", action="store_true", help="then print new lines as they come, until the job ends")
 
     command("cancel", cmd_cancel, "cancel a job").add_argument("id", type=int)
     command("checkpoints", cmd_checkpoints, "list a job's checkpoints").add_argument("id", type=int)

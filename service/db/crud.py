@@ -185,6 +185,12 @@ def log_tail(session: Session, job_id: int, tail: int) -> list[LogLine]:
     return list(reversed(session.scalars(query).all()))
 
 
+def log_lines_after(session: Session, job_id: int, after_id: int, limit: int) -> list[LogLine]:
+    """At most `limit` lines stored after line `after_id`, oldest first: one bounded page."""
+    query = select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after_id).order_by(LogLine.id).limit(limit)
+    return list(session.scalars(query))
+
+
 # --- job events --------------------------------------------------------------------------------
 
 def job_events_after(session: Session, job_id: int, after_seq: int, limit: int) -> list[JobEvent]:

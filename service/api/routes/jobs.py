@@ -75,9 +75,17 @@ def get_metrics(
 
 
 @router.get("/{job_id}/logs", response_model=LogsOut)
-def get_logs(job: VisibleJob, session: SessionDep, settings: SettingsDep, tail: Annotated[int, Query(ge=1)] = 100) -> LogsOut:
-    lines = crud.log_tail(session, job.id, min(tail, settings.log_tail_max))
-    return LogsOut(lines=[LogLineOut(attempt=line.attempt_number, seq=line.seq, line=line.line) for line in lines])
+def get_logs(
+    job: VisibleJob,
+    session: SessionDep,
+    settings: SettingsDep,
+    tail: Annotated[int, Query(ge=1, description="The last N lines (without `cursor`), or the page size (with it).")] = 100,
+    cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of a previous read: the lines after it.")] = None,
+) -> LogsOut:
+    limit = min(tail, settings.log_tail_max)
+    lines = crud.log_lines_after(session, job.id, int(cursor), limit) if cursor else crud.log_tail(session, job.id, limit)
+    next_cursor = str(lines[-1].id) if lines else (cursor or "0")
+    return LogsOut(lines=[LogLineOut(attempt=line.attempt_number, seq=line.seq, line=line.line) for line in lines], next_cursor=next_cursor)
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])

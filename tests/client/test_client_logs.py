@@ -1,0 +1,50 @@
+"""Following a job's logs (Client.follow_logs, `trainyard logs -f`) against the real API app."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import trainyard.client
+from service.api.main import create_app
+from service.db import crud
+from service.db.session import session_factory
+from service.settings import Settings
+from tests.client.fake_server import serve_app
+from tests.helpers import finish_job, job_spec, start_job
+from trainyard.client import Client
+
+
+@pytest.fixture
+def settings(sqlite_url, tmp_path) -> Settings:
+    return Settings(data_dir=tmp_path, database_url=sqlite_url)
+
+
+@pytest.mark.timeout(60)
+def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_the_job_ends(settings, monkeypatch):
+    monkeypatch.setattr(trainyard.client, "FOLLOW_PAGE", 3)  # small pages, so paging is exercised
+    with session_factory(settings.resolved_database_url)() as session:
+        user, token = crud.create_user(session, "alice")
+        job_id = crud.create_job(session, user, job_spec()).id
+    claimed = start_job(settings, job_id)
+
+    def write(lines: range) -> None:
+        with session_factory(settings.resolved_database_url)() as session:
+            crud.record_logs(session, job_id, claimed, [(i, f"line {i}") for i in lines])
+
+    write(range(0, 5))
+    with serve_app(create_app(settings)) as url, Client(url, token) as client, ThreadPoolExecutor(1) as background:
+        followed = background.submit(lambda: [line.line for line in client.follow_logs(job_id, tail=2, poll_seconds=0.05)])
+        time.sleep(0.3)
+        write(range(5, 12))  # more than a page while following
+        write(range(5, 8))  # a re-sent batch is stored once
+        time.sleep(0.3)
+        write(range(12, 14))
+        finish_job(settings, claimed)
+        assert followed.result(timeout=30) == [f"line {i}" for i in range(3, 14)]  # the last 2, then all new ones
+
+        page = client.logs(job_id, tail=4)
+        assert [line.line for line in page.lines] == [f"line {i}" for i in range(10, 14)]
+        assert client.logs(job_id, tail=4, cursor=page.next_cursor).lines == []
