@@ -128,11 +128,24 @@ class JobEventOut(BaseModel):
     data: dict[str, Any]
 
 
+class HostAttemptOut(BaseModel):
+    """What occupies part of a host."""
+
+    job_id: int | None = Field(description="null when the job is another user's.")
+    node_rank: int
+    slots: int
+    gpus: list[int] | None = Field(description="GPU indices reserved for it; null on CPU.")
+    status: AttemptStatus
+
+
 class WorkerOut(BaseModel):
     name: str
+    address: str
     device: str
     slots: int
     busy_slots: int
+    gpus: list[dict[str, Any]] = Field(description="For cuda hosts: index, name and memory_gb of each GPU.")
+    attempts: list[HostAttemptOut] = Field(description="Attempts placed or running here now.")
     online: bool
     last_heartbeat: datetime
 

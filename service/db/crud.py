@@ -374,6 +374,10 @@ def online_hosts(session: Session, now: datetime, host_timeout: float) -> list[W
     return list(session.scalars(select(WorkerHost).where(WorkerHost.last_heartbeat >= cutoff).order_by(WorkerHost.name)))
 
 
+def active_attempts(session: Session) -> list[Attempt]:
+    return list(session.scalars(select(Attempt).where(Attempt.status.in_(ACTIVE_ATTEMPT)).order_by(Attempt.id)))
+
+
 def busy_slots_by_host(session: Session) -> dict[str, int]:
     query = select(Attempt.host_name, func.sum(Attempt.slots)).where(Attempt.status.in_(ACTIVE_ATTEMPT)).group_by(Attempt.host_name)
     return {host: int(busy) for host, busy in session.execute(query)}

@@ -300,3 +300,23 @@ def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api
     gang = tiny_spec(**{"resources.nodes": 2})
     assert api.post("/v1/jobs", json=gang, headers=auth(tokens["alice"])).status_code == 422  # one host, two nodes
     assert api.post("/v1/jobs", json=tiny_spec(**{"resources.processes_per_node": 2}), headers=auth(tokens["alice"])).status_code == 201
+
+
+def test_workers_show_their_gpus_and_what_runs_on_them_naming_only_your_own_jobs(api, tokens, settings):
+    cuda_job = tiny_spec(**{"resources.device": "cuda", "resources.processes_per_node": 2})
+    gpus = [{"index": i, "name": "H100", "memory_gb": 79.6} for i in range(4)]
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.register_host(session, "gpu-1", "cuda", 4, {"gpus": gpus}, address="10.1.2.3")
+    job_id = api.post("/v1/jobs", json=cuda_job, headers=auth(tokens["alice"])).json()["id"]
+    with session_factory(settings.resolved_database_url)() as session:
+        schedule_pass(session, settings)
+
+    def worker_as(user: str) -> dict:
+        [worker] = api.get("/v1/workers", headers=auth(tokens[user])).json()
+        return worker
+
+    alice_view = worker_as("alice")
+    assert alice_view["address"] == "10.1.2.3" and alice_view["gpus"] == gpus and alice_view["busy_slots"] == 2
+    assert alice_view["attempts"] == [{"job_id": job_id, "node_rank": 0, "slots": 2, "gpus": [0, 1], "status": "scheduled"}]
+    assert worker_as("bob")["attempts"][0]["job_id"] is None and worker_as("bob")["attempts"][0]["gpus"] == [0, 1]
+    assert worker_as("root")["attempts"][0]["job_id"] == job_id

@@ -5,7 +5,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from api_schemas import DashboardOut, RunningJobOut, WorkerOut
+from api_schemas import DashboardOut, HostAttemptOut, RunningJobOut, WorkerOut
 from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep
 from service.db import crud
 from service.db.models import utcnow
@@ -16,15 +16,26 @@ DASHBOARD_PAGE = Path(__file__).resolve().parents[2] / "static" / "dashboard.htm
 
 
 @router.get("/workers", response_model=list[WorkerOut])
-def list_workers(session: SessionDep, _user: CurrentUser, settings: SettingsDep) -> list[WorkerOut]:
-    busy = crud.busy_slots_by_host(session)
+def list_workers(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> list[WorkerOut]:
     online = {host.name for host in crud.online_hosts(session, utcnow(), settings.host_timeout_seconds)}
+    by_host: dict[str, list[HostAttemptOut]] = {}
+    for attempt in crud.active_attempts(session):
+        mine = user.is_admin or attempt.job.owner_id == user.id
+        by_host.setdefault(attempt.host_name, []).append(
+            HostAttemptOut(
+                job_id=attempt.job_id if mine else None, node_rank=attempt.node_rank, slots=attempt.slots,
+                gpus=attempt.device_ids, status=attempt.status,
+            )
+        )
     return [
         WorkerOut(
             name=host.name,
+            address=host.address,
             device=host.device,
             slots=host.slots,
-            busy_slots=busy.get(host.name, 0),
+            busy_slots=sum(a.slots for a in by_host.get(host.name, [])),
+            gpus=(host.info or {}).get("gpus", []),
+            attempts=by_host.get(host.name, []),
             online=host.name in online,
             last_heartbeat=host.last_heartbeat,
         )
