@@ -18,6 +18,7 @@ from api_schemas import AttemptStatus, JobSpec
 from service import state
 from service.db import crud
 from service.db.models import Job, utcnow
+from service.logs import job_fields
 from service.placement import HostRoom, preemption_plan, waiting_reason
 from service.queue import dispatch_attempt
 from service.settings import Settings
@@ -33,7 +34,7 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     # Attempts whose worker stopped renewing the lease: the worker (or its host) is gone.
     for attempt in crud.expired_leases(session, now):
         state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"worker on host {attempt.host_name} stopped renewing its lease")
-        log.warning("attempt %s of job %s lost (lease expired)", attempt.id, attempt.job_id)
+        log.warning("attempt %s of job %s lost (lease expired)", attempt.id, attempt.job_id, extra=job_fields(attempt.job_id, attempt.id))
 
     hosts = crud.online_hosts(session, now, settings.host_timeout_seconds)
     online = {host.name for host in hosts}
@@ -73,7 +74,7 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
                     held = plan.hosts
                     for victim in plan.victims:
                         crud.request_preemption(victim)
-                        log.info("preempting job %s on %s for job %s", victim.job_id, victim.host_name, job.id)
+                        log.info("preempting job %s on %s for job %s", victim.job_id, victim.host_name, job.id, extra=job_fields(victim.job_id, victim.id))
                 else:
                     held = sorted(could_ever, key=lambda name: (-room[name].size(resources), name))[: resources.nodes]
                 reserved.update(held)
@@ -86,7 +87,8 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
             room[attempt.host_name].take(resources.processes_per_node, attempt.device_ids)
             to_dispatch.append((attempt.id, attempt.host_name))
         if attempts:
-            log.info("job %s attempt %s placed on %s", job.id, attempts[0].number, ", ".join(a.host_name for a in attempts))
+            hosts = ", ".join(a.host_name for a in attempts)
+            log.info("job %s attempt %s placed on %s", job.id, attempts[0].number, hosts, extra=job_fields(job.id, attempts[0].id, host=hosts))
 
     session.commit()
     return to_dispatch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,6 +26,8 @@ class Settings(BaseSettings):
     dispatch_timeout_seconds: float = Field(60.0, gt=0, description="A scheduled attempt not claimed for this long is dispatched again.")
     scheduler_interval_seconds: float = Field(0.5, gt=0, description="Pause between scheduler passes.")
     priority_aging_seconds: float = Field(600.0, gt=0, description="A queued job gains one priority point per this many seconds waited.")
+
+    log_format: Literal["text", "json"] = Field("text", description="`json`: one object per line with job_id and attempt_id fields.")
 
     max_request_bytes: int = Field(1_000_000, gt=0, description="Largest accepted request body.")
     log_tail_max: int = Field(1000, gt=0, description="Most log lines one /logs request returns.")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import shutil
 import signal
@@ -29,7 +28,9 @@ def _settings() -> Settings:
 
 
 def _configure_logging(role: str) -> None:
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    from service.logs import configure_logging
+
+    configure_logging(role, _settings().log_format)
 
 
 def db_upgrade(args: argparse.Namespace) -> int:

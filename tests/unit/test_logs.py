@@ -1,0 +1,35 @@
+"""JSON logs carry job and attempt ids as fields a log collector can filter on."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from service.logs import JsonFormatter, job_fields
+
+
+def test_a_json_log_line_carries_the_job_and_attempt_ids_as_fields():
+    record = logging.LogRecord("trainyard.worker", logging.WARNING, __file__, 1, "job %s attempt %s: %s", (7, 2, "lease lost"), None)
+    for name, value in job_fields(7, 31, node_rank=1).items():
+        setattr(record, name, value)
+    line = json.loads(JsonFormatter("worker[gpu-1]").format(record))
+    assert line["message"] == "job 7 attempt 2: lease lost" and line["level"] == "WARNING" and line["role"] == "worker[gpu-1]"
+    assert (line["job_id"], line["attempt_id"], line["node_rank"]) == (7, 31, 1)
+    assert "host" not in line  # fields not given are left out, not null
+
+
+def test_the_scheduler_logs_a_placement_with_the_job_id_as_a_field(caplog, sqlite_url, tmp_path):
+    from service.db import crud
+    from service.db.session import session_factory
+    from service.scheduler import schedule_pass
+    from service.settings import Settings
+    from tests.helpers import job_spec
+
+    settings = Settings(data_dir=tmp_path, database_url=sqlite_url)
+    with session_factory(sqlite_url)() as session:
+        job = crud.create_job(session, crud.create_user(session, "alice")[0], job_spec())
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        with caplog.at_level(logging.INFO, logger="trainyard.scheduler"):
+            schedule_pass(session, settings)
+    [placed] = [r for r in caplog.records if "placed on" in r.getMessage()]
+    assert placed.job_id == job.id and placed.host == "host-a" and placed.attempt_id is not None
