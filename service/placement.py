@@ -96,4 +96,6 @@ def never_fits(resources: ResourcesConfig, hosts: list[WorkerHost]) -> str | Non
     if able >= resources.nodes:
         return None
     kinds = ", ".join(sorted(f"{host.name} ({host.slots} {host.device})" for host in hosts))
-    return f"no {resources.nodes} registered hosts could ever run it ({able} could); registered: {kinds}"
+    if resources.nodes == 1:
+        return f"no registered host could ever run it; registered: {kinds}"
+    return f"it needs {resources.nodes} hosts that could run a node, {able} registered could; registered: {kinds}"
