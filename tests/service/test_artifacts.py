@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import tarfile
+
 import pytest
 
 from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, write_manifest
@@ -43,3 +46,19 @@ def test_paths_outside_the_store_are_refused(tmp_path):
     store = ArtifactStore(tmp_path / "store")
     with pytest.raises(ValueError):
         store.path("../../etc/passwd")
+
+
+def test_a_tar_download_under_way_survives_retention_deleting_its_checkpoint(tmp_path):
+    from service.api.routes.checkpoints import _open_files, _stream_tar
+
+    store = ArtifactStore(tmp_path / "store")
+    relative, _, _ = store.ingest_checkpoint(make_checkpoint(tmp_path / "run" / "step-10"), job_id=7, step=10)
+    files = _open_files(store.path(relative))  # what the download route does before it answers
+    stream = _stream_tar(files, "job7-step10")
+    first = next(stream)
+    store.delete(relative)  # keep_last pruned it meanwhile
+    assert not store.path(relative).exists()
+    archive = tarfile.open(fileobj=io.BytesIO(first + b"".join(stream)))
+    contents = {member.name: archive.extractfile(member).read() for member in archive.getmembers()}
+    assert contents["job7-step10/model.safetensors"] == b"weights" * 100
+    assert contents["job7-step10/state/optimizer.bin"] == b"optimizer" and "job7-step10/manifest.json" in contents

@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, BinaryIO, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, StreamingResponse
@@ -33,7 +34,7 @@ def download_checkpoint(
     name = f"job{checkpoint.job_id}-step{checkpoint.step}"
     if format == "tar":
         return StreamingResponse(
-            _stream_tar(directory, name),
+            _stream_tar(_open_files(directory), name),
             media_type="application/x-tar",
             headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
         )
@@ -64,11 +65,26 @@ class _Chunks(io.RawIOBase):
         self.pending.clear()
 
 
-def _stream_tar(directory: Path, top: str) -> Iterator[bytes]:
+def _open_files(directory: Path) -> list[tuple[str, BinaryIO]]:
+    """Every file of the checkpoint, opened now: retention may delete the directory while the tar
+    streams, and open files stay readable after that."""
+    return [
+        (path.relative_to(directory).as_posix(), open(path, "rb"))
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and not path.is_symlink()
+    ]
+
+
+def _stream_tar(files: list[tuple[str, BinaryIO]], top: str) -> Iterator[bytes]:
     out = _Chunks()
-    with tarfile.open(fileobj=out, mode="w|") as tar:
-        for path in sorted(directory.rglob("*")):
-            if path.is_file() and not path.is_symlink():
-                tar.add(path, arcname=f"{top}/{path.relative_to(directory)}", recursive=False)
+    try:
+        with tarfile.open(fileobj=out, mode="w|") as tar:
+            for name, file in files:
+                info = tarfile.TarInfo(f"{top}/{name}")
+                info.size, info.mode = os.fstat(file.fileno()).st_size, 0o644
+                tar.addfile(info, file)
                 yield from out.drain()
-    yield from out.drain()
+        yield from out.drain()
+    finally:
+        for _, file in files:
+            file.close()
