@@ -59,7 +59,7 @@ def run_demo(args: argparse.Namespace) -> int:
     port = args.port or free_port()
     print(f"starting Trainyard (API, scheduler, 1 worker) in {args.data_dir} …")
     with embedded_stack(args.data_dir, port, workers=1) as stack, Client(stack.url, stack.token) as client:
-        print(f"API up at {stack.url}")
+        print(f"API up at {stack.url}; watch it live at {stack.url}/dashboard (token: {stack.data_dir / 'token'})")
         job = client.submit(spec)
         print(f"submitted job {job.id} ({job.name}): {job.max_steps} steps of {job.effective_batch_size} × {job.spec.model.block_size} tokens")
         job = follow_job(client, job.id)
