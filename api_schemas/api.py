@@ -95,6 +95,7 @@ class MetricsOut(BaseModel):
 
 class LogLineOut(BaseModel):
     attempt: int
+    rank: int | None = Field(None, description="Global rank of the process that printed it; null for the launcher's own output.")
     seq: int
     line: str
 

@@ -168,13 +168,15 @@ class Client:
         params = {"names": ",".join(names) if names else None, "from_step": from_step, "max_points": max_points}
         return self._call(MetricsOut, "GET", f"/v1/jobs/{job_id}/metrics", params=_without_none(params))
 
-    def logs(self, job_id: int, tail: int = 100, cursor: str | None = None) -> LogsOut:
-        """The last `tail` lines; with `cursor` (a previous read's `next_cursor`), up to `tail` lines after it."""
-        return self._call(LogsOut, "GET", f"/v1/jobs/{job_id}/logs", params=_without_none({"tail": tail, "cursor": cursor}))
+    def logs(self, job_id: int, tail: int = 100, cursor: str | None = None, rank: int | None = None) -> LogsOut:
+        """The last `tail` lines; with `cursor` (a previous read's `next_cursor`), up to `tail` lines
+        after it; with `rank`, only that process's."""
+        params = _without_none({"tail": tail, "cursor": cursor, "rank": rank})
+        return self._call(LogsOut, "GET", f"/v1/jobs/{job_id}/logs", params=params)
 
-    def follow_logs(self, job_id: int, tail: int = 100, poll_seconds: float = 1.0) -> Iterator[LogLineOut]:
+    def follow_logs(self, job_id: int, tail: int = 100, poll_seconds: float = 1.0, rank: int | None = None) -> Iterator[LogLineOut]:
         """The last `tail` lines, then every new line as it is stored, until the job has ended."""
-        page, ended = self.logs(job_id, tail=tail), False
+        page, ended = self.logs(job_id, tail=tail, rank=rank), False
         while True:
             yield from page.lines
             if len(page.lines) < FOLLOW_PAGE:  # caught up
@@ -184,7 +186,7 @@ class Client:
                 ended = self.job(job_id).status.is_final
                 if not ended:
                     time.sleep(poll_seconds)
-            page = self.logs(job_id, tail=FOLLOW_PAGE, cursor=page.next_cursor)
+            page = self.logs(job_id, tail=FOLLOW_PAGE, cursor=page.next_cursor, rank=rank)
 
     def checkpoints(self, job_id: int) -> list[CheckpointOut]:
         return self._call(list[CheckpointOut], "GET", f"/v1/jobs/{job_id}/checkpoints")

@@ -139,7 +139,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        lines = client.follow_logs(args.id, tail=args.tail) if args.follow else client.logs(args.id, tail=args.tail).lines
+        if args.follow:
+            lines = client.follow_logs(args.id, tail=args.tail, rank=args.rank)
+        else:
+            lines = client.logs(args.id, tail=args.tail, rank=args.rank).lines
         attempt = None
         for line in lines:
             if line.attempt != attempt:
@@ -267,6 +270,7 @@ def add_client_commands(subparsers) -> None:
     logs.add_argument("id", type=int)
     logs.add_argument("--tail", type=int, default=100, help="lines to show (default 100)")
     logs.add_argument("-f", "--follow", action="store_true", help="then print new lines as they come, until the job ends")
+    logs.add_argument("--rank", type=int, help="only what this process (global rank) printed")
 
     command("cancel", cmd_cancel, "cancel a job").add_argument("id", type=int)
     command("checkpoints", cmd_checkpoints, "list a job's checkpoints").add_argument("id", type=int)

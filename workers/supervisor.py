@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -61,6 +62,8 @@ def launch_command(
         threads = max(1, (os.cpu_count() or 1) // resources.processes_per_node)
         command += ["--num_cpu_threads_per_process", str(threads)]
     if spec.world_size > 1:
+        # torchrun prefixes each process's output with `[default<local rank>]:` (see split_rank).
+        command += ["--tee", "3", "--log_dir", str(run_dir / "rank-logs")]
         # "One process per device, torchrun-style": gloo on CPU (the loop's Accelerator(cpu=True)
         # picks it), NCCL on GPUs. Accelerate's --cpu flag would run a single process instead.
         command.append("--multi_gpu")
@@ -172,7 +175,8 @@ class AttemptRunner:
                 if line is None:
                     output_done = True
                     break
-                outbox.logs.append((seq, line[:MAX_LOG_LINE]))
+                rank, line = split_rank(line, claimed.node_rank, spec)
+                outbox.logs.append((seq, rank, line[:MAX_LOG_LINE]))
                 outbox.recent_logs = (outbox.recent_logs + [line[:MAX_LOG_LINE]])[-REASON_LOG_LINES:]
                 seq += 1
             for event in events.read():
@@ -275,6 +279,20 @@ class AttemptRunner:
             except Exception:
                 log.exception("could not record the end of job %s attempt %s; retrying", claimed.job_id, claimed.number)
                 time.sleep(2)
+
+
+RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")
+
+
+def split_rank(line: str, node_rank: int, spec: JobSpec) -> tuple[int | None, str]:
+    """(global rank of the process that printed it, the line without torchrun's prefix). A single
+    process is rank 0; in a multi-process job a line with no prefix is the launcher's own (None)."""
+    if spec.world_size == 1:
+        return 0, line
+    match = RANK_PREFIX.match(line)
+    if match is None:
+        return None, line
+    return node_rank * spec.resources.processes_per_node + int(match.group(1)), line[match.end():]
 
 
 def _pump_lines(stream, lines: queue.Queue) -> None:

@@ -167,27 +167,31 @@ def _downsample(steps: list[int], values: list[float | None], max_points: int) -
     return [steps[i] for i in kept], [values[i] for i in kept]
 
 
-def record_logs(session: Session, job_id: int, attempt: ClaimedAttempt, lines: list[tuple[int, str]]) -> None:
-    """Store (seq, line) pairs of an attempt's output; re-sent lines are ignored."""
+def record_logs(session: Session, job_id: int, attempt: ClaimedAttempt, lines: list[tuple[int, int | None, str]]) -> None:
+    """Store (seq, rank, line) triples of an attempt's output; re-sent lines are ignored."""
     if not lines:
         return
     insert = _insert(session)
     rows = [
-        {"job_id": job_id, "attempt_id": attempt.attempt_id, "attempt_number": attempt.number, "seq": seq, "line": line}
-        for seq, line in lines
+        {"job_id": job_id, "attempt_id": attempt.attempt_id, "attempt_number": attempt.number, "seq": seq, "rank": rank, "line": line}
+        for seq, rank, line in lines
     ]
     session.execute(insert(LogLine).values(rows).on_conflict_do_nothing(index_elements=["attempt_id", "seq"]))
     session.commit()
 
 
-def log_tail(session: Session, job_id: int, tail: int) -> list[LogLine]:
+def log_tail(session: Session, job_id: int, tail: int, rank: int | None = None) -> list[LogLine]:
     query = select(LogLine).where(LogLine.job_id == job_id).order_by(LogLine.id.desc()).limit(tail)
+    if rank is not None:
+        query = query.where(LogLine.rank == rank)
     return list(reversed(session.scalars(query).all()))
 
 
-def log_lines_after(session: Session, job_id: int, after_id: int, limit: int) -> list[LogLine]:
+def log_lines_after(session: Session, job_id: int, after_id: int, limit: int, rank: int | None = None) -> list[LogLine]:
     """At most `limit` lines stored after line `after_id`, oldest first: one bounded page."""
     query = select(LogLine).where(LogLine.job_id == job_id, LogLine.id > after_id).order_by(LogLine.id).limit(limit)
+    if rank is not None:
+        query = query.where(LogLine.rank == rank)
     return list(session.scalars(query))
 
 

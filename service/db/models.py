@@ -127,6 +127,7 @@ class LogLine(Base):
     attempt_id: Mapped[int] = mapped_column(BigId)
     attempt_number: Mapped[int] = mapped_column(Integer)
     seq: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int | None] = mapped_column(Integer, nullable=True, doc="Global rank of the process that printed it; None for the launcher.")
     line: Mapped[str] = mapped_column(Text)
 
     __table_args__ = (

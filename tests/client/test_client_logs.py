@@ -32,7 +32,7 @@ def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_th
 
     def write(lines: range) -> None:
         with session_factory(settings.resolved_database_url)() as session:
-            crud.record_logs(session, job_id, claimed, [(i, f"line {i}") for i in lines])
+            crud.record_logs(session, job_id, claimed, [(i, 0, f"line {i}") for i in lines])
 
     write(range(0, 5))
     with serve_app(create_app(settings)) as url, Client(url, token) as client, ThreadPoolExecutor(1) as background:
@@ -48,3 +48,8 @@ def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_th
         page = client.logs(job_id, tail=4)
         assert [line.line for line in page.lines] == [f"line {i}" for i in range(10, 14)]
         assert client.logs(job_id, tail=4, cursor=page.next_cursor).lines == []
+
+        with session_factory(settings.resolved_database_url)() as session:
+            crud.record_logs(session, job_id, claimed, [(100, 1, "from rank 1"), (101, None, "from the launcher")])
+        assert [(line.rank, line.line) for line in client.logs(job_id, tail=10, rank=1).lines] == [(1, "from rank 1")]
+        assert [line.rank for line in client.logs(job_id, tail=2).lines] == [1, None]

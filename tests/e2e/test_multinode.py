@@ -35,6 +35,11 @@ def test_a_two_node_job_trains_like_one_node_with_two_processes(tmp_path):
             single = wait_for(client, single_id, {"succeeded", "failed", "cancelled"})
             assert single["status"] == "succeeded", single["failure_reason"]
 
+            # Each line is attributed to the process that printed it (global rank), launcher lines to none.
+            logs = client.get(f"/v1/jobs/{gang_id}/logs", params={"tail": 1000}).json()["lines"]
+            assert {line["rank"] for line in logs} <= {0, 1, None} and any(line["rank"] == 0 for line in logs)
+            assert not any(line["line"].startswith("[default") for line in logs)
+
             # Same samples, same world size: the same losses and the same weights.
             names = {"names": "train_loss,eval_loss,lr"}
             gang_series = client.get(f"/v1/jobs/{gang_id}/metrics", params=names).json()["series"]

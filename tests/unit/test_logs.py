@@ -33,3 +33,13 @@ def test_the_scheduler_logs_a_placement_with_the_job_id_as_a_field(caplog, sqlit
             schedule_pass(session, settings)
     [placed] = [r for r in caplog.records if "placed on" in r.getMessage()]
     assert placed.job_id == job.id and placed.host == "host-a" and placed.attempt_id is not None
+
+
+def test_a_log_line_is_attributed_to_the_process_that_printed_it():
+    from tests.helpers import job_spec
+    from workers.supervisor import split_rank
+
+    gang = job_spec(**{"resources.nodes": 2, "resources.processes_per_node": 4})
+    assert split_rank("[default3]:step 10: loss 2.1", node_rank=1, spec=gang) == (7, "step 10: loss 2.1")
+    assert split_rank("W1123 torchrun: some launcher warning", node_rank=1, spec=gang) == (None, "W1123 torchrun: some launcher warning")
+    assert split_rank("[default0]:x", node_rank=0, spec=job_spec()) == (0, "[default0]:x")  # one process: no prefix to strip

@@ -81,11 +81,16 @@ def get_logs(
     settings: SettingsDep,
     tail: Annotated[int, Query(ge=1, description="The last N lines (without `cursor`), or the page size (with it).")] = 100,
     cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of a previous read: the lines after it.")] = None,
+    rank: Annotated[int | None, Query(ge=0, le=1_000_000, description="Only what this process (global rank) printed.")] = None,
 ) -> LogsOut:
     limit = min(tail, settings.log_tail_max)
-    lines = crud.log_lines_after(session, job.id, int(cursor), limit) if cursor else crud.log_tail(session, job.id, limit)
+    if cursor:
+        lines = crud.log_lines_after(session, job.id, int(cursor), limit, rank)
+    else:
+        lines = crud.log_tail(session, job.id, limit, rank)
     next_cursor = str(lines[-1].id) if lines else (cursor or "0")
-    return LogsOut(lines=[LogLineOut(attempt=line.attempt_number, seq=line.seq, line=line.line) for line in lines], next_cursor=next_cursor)
+    out = [LogLineOut(attempt=line.attempt_number, rank=line.rank, seq=line.seq, line=line.line) for line in lines]
+    return LogsOut(lines=out, next_cursor=next_cursor)
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])

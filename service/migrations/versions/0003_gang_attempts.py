@@ -1,6 +1,6 @@
 """multi-node gang attempts: one attempt row per node of a try, and host addresses for rendezvous;
 metric values nullable (NaN and infinity are stored as NULL); GPU indices per attempt; why a job
-waits; preemption requests
+waits; preemption requests; the rank of each log line
 
 Revision ID: 0003
 Revises: 0002
@@ -29,9 +29,13 @@ def upgrade() -> None:
         batch_op.alter_column('value', existing_type=sa.Float(), nullable=True)
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.add_column(sa.Column('waiting_reason', sa.String(length=500), nullable=True))
+    with op.batch_alter_table('log_lines', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('rank', sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
+    with op.batch_alter_table('log_lines', schema=None) as batch_op:
+        batch_op.drop_column('rank')
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.drop_column('waiting_reason')
     with op.batch_alter_table('metrics', schema=None) as batch_op:
