@@ -221,11 +221,17 @@ def test_a_gang_gets_all_its_hosts_in_one_pass_or_none(sessions, settings):
         assert sum(crud.busy_slots_by_host(session).values()) == 2
 
 
-def test_a_gang_runs_when_every_node_claimed_and_succeeds_when_every_node_did(sessions, settings):
+def placed_gang(sessions, settings) -> tuple[int, Attempt, Attempt]:
+    """A 2-node job placed on two one-slot hosts: its id and its two attempts, node 0 first."""
     job_id = queue_gang(sessions, hosts=2)
     with sessions() as session:
         schedule_pass(session, settings)
         node_0, node_1 = session.get(Job, job_id).attempts
+    return job_id, node_0, node_1
+
+
+def test_a_gang_runs_when_every_node_claimed_and_succeeds_when_every_node_did(sessions, settings):
+    job_id, node_0, node_1 = placed_gang(sessions, settings)
     with sessions() as session:
         claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
         assert crud.gang_rendezvous(session, claimed_1) is None  # node 0 has not started yet
@@ -239,10 +245,7 @@ def test_a_gang_runs_when_every_node_claimed_and_succeeds_when_every_node_did(se
 
 
 def test_one_lost_node_ends_its_whole_gang_and_requeues_the_job_once(sessions, settings):
-    job_id = queue_gang(sessions, hosts=2)
-    with sessions() as session:
-        schedule_pass(session, settings)
-        node_0, node_1 = session.get(Job, job_id).attempts
+    job_id, node_0, node_1 = placed_gang(sessions, settings)
     with sessions() as session:
         claimed_0 = crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
         claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
