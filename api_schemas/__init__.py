@@ -23,12 +23,15 @@ from api_schemas.api import (
 from api_schemas.jobs import (
     CheckpointConfig,
     DatasetConfig,
+    LabelledDatasetConfig,
+    MLPConfig,
     JobSpec,
     ModelConfig,
     OptimizerConfig,
     ResourcesConfig,
     ScheduleConfig,
     TrainingConfig,
+    field_location,
 )
 
 __all__ = [
@@ -40,6 +43,8 @@ __all__ = [
     "ErrorOut",
     "HostAttemptOut",
     "DatasetConfig",
+    "LabelledDatasetConfig",
+    "MLPConfig",
     "JobEventOut",
     "JobEventType",
     "JobOut",
@@ -58,4 +63,5 @@ __all__ = [
     "TrainingConfig",
     "UserCreated",
     "WorkerOut",
+    "field_location",
 ]

@@ -8,7 +8,7 @@ here is one the worker can run.
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -21,7 +21,7 @@ class _Config(BaseModel):
 class ModelConfig(_Config):
     """A nanoGPT-style causal language model."""
 
-    kind: Literal["gpt"] = Field(description="Model family. Only `gpt` is built in today.")
+    kind: Literal["gpt"] = Field(description="`gpt`: a causal LM on a `text` dataset; `mlp`: a classifier (MLPConfig).")
     n_layer: int = Field(4, ge=1, le=96, description="Number of transformer blocks.")
     n_head: int = Field(4, ge=1, le=128, description="Attention heads per block.")
     n_embd: int = Field(128, ge=8, le=16384, description="Embedding width; must be divisible by n_head.")
@@ -36,13 +36,22 @@ class ModelConfig(_Config):
         return self
 
 
-class DatasetConfig(_Config):
-    """A plain-text corpus, tokenised per character or per byte."""
+class MLPConfig(_Config):
+    """A text classifier: mean of character (or byte) embeddings, then an MLP to `num_labels` logits."""
 
-    kind: Literal["text"] = Field(description="Dataset format. Only `text` is built in today.")
+    kind: Literal["mlp"] = Field(description="Model family: a classifier for a `jsonl` or `csv` dataset.")
+    num_labels: int = Field(ge=2, le=10_000, description="Distinct labels; the dataset must hold exactly this many.")
+    max_length: int = Field(128, ge=1, le=65536, description="Characters (or bytes) of each text used; longer ones are cut.")
+    n_embd: int = Field(64, ge=4, le=16384, description="Embedding width.")
+    hidden: int = Field(128, ge=4, le=65536, description="Width of each hidden layer.")
+    n_layer: int = Field(2, ge=1, le=32, description="Hidden layers.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability during training.")
+
+
+class _DatasetPath(_Config):
     path: str = Field(min_length=1, max_length=1024, description="File path relative to the service's data root.")
-    tokenizer: Literal["char", "byte"] = Field("char", description="`char`: vocabulary of the corpus' characters; `byte`: 256 byte values.")
-    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Tail fraction of the corpus held out for evaluation.")
+    tokenizer: Literal["char", "byte"] = Field("char", description="`char`: vocabulary of the data's characters; `byte`: 256 byte values.")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Tail fraction held out for evaluation.")
 
     @field_validator("path")
     @classmethod
@@ -55,6 +64,20 @@ class DatasetConfig(_Config):
         if ".." in p.parts:
             raise ValueError("must not contain '..'")
         return path
+
+
+class DatasetConfig(_DatasetPath):
+    """A plain-text corpus, tokenised per character or per byte."""
+
+    kind: Literal["text"] = Field(description="`text`: one corpus for a language model; `jsonl`/`csv`: labelled texts (LabelledDatasetConfig).")
+
+
+class LabelledDatasetConfig(_DatasetPath):
+    """Labelled texts for a classifier: JSON lines or a CSV file with a header row."""
+
+    kind: Literal["jsonl", "csv"] = Field(description="File format.")
+    text_column: str = Field("text", min_length=1, max_length=200, description="Field holding each text.")
+    label_column: str = Field("label", min_length=1, max_length=200, description="Field holding each label (any strings or numbers).")
 
 
 class TrainingConfig(_Config):
@@ -116,8 +139,8 @@ class JobSpec(_Config):
     """Everything needed to run a training job, as POSTed to /v1/jobs."""
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Human-readable job name.")
-    model: ModelConfig
-    dataset: DatasetConfig
+    model: Annotated[ModelConfig | MLPConfig, Field(discriminator="kind")]
+    dataset: Annotated[DatasetConfig | LabelledDatasetConfig, Field(discriminator="kind")]
     training: TrainingConfig
     optimizer: OptimizerConfig
     schedule: ScheduleConfig = Field(default_factory=lambda: ScheduleConfig())
@@ -131,6 +154,8 @@ class JobSpec(_Config):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:
+        if (self.model.kind == "gpt") != (self.dataset.kind == "text"):
+            raise ValueError("dataset.kind: a `gpt` model trains on a `text` dataset, an `mlp` classifier on `jsonl` or `csv`")
         if self.training.precision == "fp16" and self.resources.device == "cpu":
             raise ValueError("training.precision: fp16 needs device 'cuda' (use 'bf16' or 'no' on CPU)")
         if self.training.grad_clip_norm and self.training.grad_clip_value:
@@ -157,3 +182,13 @@ class JobSpec(_Config):
     def effective_batch_size(self) -> int:
         """Samples per optimizer step across all processes."""
         return self.training.micro_batch_size * self.training.gradient_accumulation_steps * self.world_size
+
+
+# `model` and `dataset` are unions told apart by `kind`; pydantic puts that tag into an error's
+# location (`dataset.text.path`). People know the field as `dataset.path`.
+_UNION_TAGS = {"model": {"gpt", "mlp"}, "dataset": {"text", "jsonl", "csv"}}
+
+
+def field_location(loc: tuple | list) -> tuple:
+    """An error location as the user wrote the field: without the union's tag."""
+    return tuple(part for i, part in enumerate(loc) if not (i and part in _UNION_TAGS.get(loc[i - 1], ())))

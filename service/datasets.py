@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from api_schemas.labelled_data import LabelledDataError, read_labelled
+
 
 class DatasetError(ValueError):
     pass
@@ -20,3 +22,15 @@ def resolve_dataset(data_root: Path, relative: str) -> Path:
     if path.stat().st_size == 0:
         raise DatasetError(f"dataset file {relative!r} is empty")
     return path
+
+
+def check_labelled(path: Path, kind: str, text_column: str, label_column: str, num_labels: int) -> None:
+    """Refuse what training would fail on: unreadable rows, missing columns, a label count other than num_labels."""
+    try:
+        _, labels = read_labelled(path, kind, text_column, label_column)
+    except LabelledDataError as exc:
+        raise DatasetError(str(exc)) from None
+    found = sorted(set(labels))
+    if len(found) != num_labels:
+        shown = ", ".join(found[:10]) + (" …" if len(found) > 10 else "")
+        raise DatasetError(f"holds {len(found)} distinct labels ({shown}) but model.num_labels is {num_labels}")

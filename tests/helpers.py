@@ -55,3 +55,24 @@ def finish_job(settings: Settings, claimed: crud.ClaimedAttempt) -> None:
         crud.record_checkpoint(session, claimed.job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, 10, keep_last=2)
         crud.record_metrics(session, claimed.job_id, claimed.attempt_id, [(12, "train_loss", 2.0)])
         crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+
+
+def write_labelled_jsonl(path: Path, examples: int = 300, seed: int = 0) -> None:
+    """Texts whose label shows in the letters they use: 'abc' texts are "first", 'def' texts
+    "second", 'ghi' texts "third", with shared noise letters. An MLP learns it in a few dozen steps."""
+    import random
+
+    rng = random.Random(seed)
+    alphabets = {"first": "abc", "second": "def", "third": "ghi"}
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(examples):
+            label = rng.choice(sorted(alphabets))
+            text = "".join(rng.choice(alphabets[label] + "xyz ") for _ in range(rng.randint(4, 24)))
+            f.write(json.dumps({"text": text, "label": label}) + "\n")
+
+
+def classifier_spec(path: str = "labels.jsonl", **overrides) -> dict:
+    """tiny_spec with an `mlp` classifier on a labelled JSON-lines file."""
+    model = {"kind": "mlp", "num_labels": 3, "max_length": 16, "n_embd": 16, "hidden": 32, "n_layer": 1}
+    dataset = {"kind": "jsonl", "path": path, "val_fraction": 0.2}
+    return tiny_spec(**{"model": model, "dataset": dataset, "training.micro_batch_size": 8, **overrides})

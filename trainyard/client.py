@@ -25,6 +25,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
     CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, WorkerOut,
+    field_location,
 )
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -75,7 +76,7 @@ def error_message(response: httpx.Response) -> str:
 def _validation_problem(error: Any) -> str:
     if not isinstance(error, dict):
         return str(error)
-    loc = list(error.get("loc") or [])
+    loc = list(field_location(error.get("loc") or []))
     if loc and loc[0] in ("body", "query", "path", "header"):
         loc = loc[1:]  # where in the request is implied by the call
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")

@@ -164,7 +164,8 @@ def follow_job(client: Client, job_id: int, stream: TextIO | None = None, poll: 
     train_loss = LatestMetric(client, job_id, "train_loss")
 
     def show(job: JobOut) -> None:
-        tokens_per_step = job.effective_batch_size * job.spec.model.block_size
+        model = job.spec.model
+        tokens_per_step = job.effective_batch_size * (model.block_size if model.kind == "gpt" else model.max_length)
         bar.update(job.status.value, job.step, job.max_steps, train_loss.at(job.step), tokens_per_step, job.restarts)
 
     try:

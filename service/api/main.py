@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api_schemas import field_location
 from service.api.routes import checkpoints, dashboard, jobs, monitoring
 from service.settings import Settings, get_settings
 
@@ -60,6 +63,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/healthz", tags=["health"])
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422, with each location as the user knows the field (`body.dataset.path`).
+        errors = [{**error, "loc": field_location(error["loc"])} for error in exc.errors()]
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
     @app.exception_handler(ValueError)
     async def _value_error(_request: Request, exc: ValueError) -> JSONResponse:

@@ -7,6 +7,7 @@ transport) and production (PostgreSQL + Redis).
 from __future__ import annotations
 
 import hashlib
+import json
 import io
 import tarfile
 import time
@@ -16,7 +17,7 @@ import httpx
 import pytest
 
 from api_schemas import JobSpec
-from tests.helpers import tiny_spec
+from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
@@ -132,3 +133,18 @@ def test_cancel_stops_a_running_job_and_frees_its_host(stack):
     job = wait_for(client, job_id, {"cancelled", "failed", "succeeded"}, timeout=60)
     assert job["status"] == "cancelled" and job["attempts"][-1]["status"] == "cancelled"
     assert client.get("/v1/workers").json()[0]["busy_slots"] == 0
+
+
+def test_a_classifier_job_reports_eval_accuracy_and_its_checkpoint_carries_the_labels(tmp_path):
+    with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:
+        write_labelled_jsonl(info.data_dir / "data" / "labels.jsonl")
+        spec = classifier_spec(**{"training.max_steps": 40, "training.eval_every": 20, "optimizer.lr": 0.01})
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+            assert job["status"] == "succeeded", job["failure_reason"]
+            series = client.get(f"/v1/jobs/{job['id']}/metrics", params={"names": "eval_accuracy,train_loss"}).json()["series"]
+            assert series["eval_accuracy"]["steps"] == [20, 40] and series["eval_accuracy"]["values"][-1] > 0.8
+            latest = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()[-1]
+            tar = client.get(f"/v1/checkpoints/{latest['id']}/download", params={"format": "tar"}).content
+            labels = tarfile.open(fileobj=io.BytesIO(tar)).extractfile(f"job{job['id']}-step40/labels.json").read()
+            assert json.loads(labels) == ["first", "second", "third"]

@@ -18,7 +18,7 @@ from service.db.models import WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import finish_job, job_spec, start_job, tiny_spec
+from tests.helpers import classifier_spec, finish_job, job_spec, start_job, tiny_spec, write_labelled_jsonl
 
 
 @pytest.fixture
@@ -320,3 +320,35 @@ def test_workers_show_their_gpus_and_what_runs_on_them_naming_only_your_own_jobs
     assert alice_view["attempts"] == [{"job_id": job_id, "node_rank": 0, "slots": 2, "gpus": [0, 1], "status": "scheduled"}]
     assert worker_as("bob")["attempts"][0]["job_id"] is None and worker_as("bob")["attempts"][0]["gpus"] == [0, 1]
     assert worker_as("root")["attempts"][0]["job_id"] == job_id
+
+
+@pytest.mark.parametrize(
+    ("content", "overrides", "reason"),
+    [
+        ('{"text": "abc", "label": "a"}\n{"text": "def"}\n', {}, "line 2 has no 'label'"),
+        ('{"body": "abc", "label": "a"}\n', {}, "line 1 has no 'text'"),
+        ("not json\n", {}, "line 1 is not JSON"),
+        ('{"text": "abc", "label": "a"}\n{"text": "d", "label": "b"}\n', {"model.num_labels": 3}, "holds 2 distinct labels (a, b) but model.num_labels is 3"),
+        ("text,category\nabc,a\n", {"dataset.kind": "csv"}, "no column 'label' in the CSV header"),
+        ("", {}, "is empty"),
+    ],
+    ids=["missing-label", "missing-text", "not-json", "label-count", "csv-column", "empty"],
+)
+def test_a_labelled_dataset_the_classifier_cannot_use_gets_422_naming_the_problem(api, tokens, data_root, content, overrides, reason):
+    (data_root / "labels.jsonl").write_text(content)
+    spec = classifier_spec(**{"model.num_labels": 2, **overrides})
+    response = api.post("/v1/jobs", json=spec, headers=auth(tokens["alice"]))
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "dataset", "path"] and reason in error["msg"]
+
+
+def test_a_classifier_spec_names_its_fields_without_the_union_tag(api, tokens, data_root):
+    write_labelled_jsonl(data_root / "labels.jsonl")
+    assert api.post("/v1/jobs", json=classifier_spec(), headers=auth(tokens["alice"])).status_code == 201
+    bad = classifier_spec(**{"model.num_labels": 1, "dataset.text_column": ""})
+    locs = {tuple(error["loc"]) for error in api.post("/v1/jobs", json=bad, headers=auth(tokens["alice"])).json()["detail"]}
+    assert locs == {("body", "model", "num_labels"), ("body", "dataset", "text_column")}
+    mismatched = classifier_spec(**{"dataset": {"kind": "text", "path": "tinyshakespeare.txt"}})
+    [error] = api.post("/v1/jobs", json=mismatched, headers=auth(tokens["alice"])).json()["detail"]
+    assert "an `mlp` classifier on `jsonl` or `csv`" in error["msg"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from api_schemas import JobSpec
+from api_schemas import JobSpec, field_location
 from api_schemas.worker_protocol import EXIT_PREEMPTED
 from workers.training.data import SpecError
 from workers.training.loop import train
@@ -48,7 +48,7 @@ def main() -> int:
 
 def describe(error: dict) -> str:
     """`training.max_steps: Input should be …`; cross-field rules already name their fields."""
-    field = ".".join(map(str, error["loc"]))
+    field = ".".join(map(str, field_location(error["loc"])))
     return f"{field}: {error['msg']}" if field else error["msg"].removeprefix("Value error, ")
 
 

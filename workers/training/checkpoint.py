@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from api_schemas import JobSpec
 from api_schemas.manifest import MODEL_FILE, write_manifest
 from workers.training.data import Tokenizer
-from workers.training.model import GPT
+from workers.training.model import build_model
 
 
 def checkpoint_name(step: int) -> str:
@@ -29,7 +29,8 @@ def checkpoint_name(step: int) -> str:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, model: torch.nn.Module, run_dir: Path, trainer_state: dict, spec: JobSpec, tokenizer: Tokenizer
+    accelerator: Accelerator, model: torch.nn.Module, run_dir: Path, trainer_state: dict, spec: JobSpec, tokenizer: Tokenizer,
+    labels: list[str] | None = None,
 ) -> Path | None:
     """Write a complete checkpoint (every process takes part); returns its path on the main process."""
     step = trainer_state["step"]
@@ -47,6 +48,8 @@ def save_checkpoint(
         (staging / "trainer_state.json").write_text(json.dumps(trainer_state))
         (staging / "spec.json").write_text(spec.model_dump_json())
         (staging / "tokenizer.json").write_text(json.dumps(tokenizer.to_json()))
+        if labels is not None:  # a classifier's label names, by label id
+            (staging / "labels.json").write_text(json.dumps(labels))
         write_manifest(staging, step)
         shutil.rmtree(final, ignore_errors=True)
         staging.rename(final)
@@ -68,14 +71,14 @@ def load_trainer_state(checkpoint: Path) -> dict:
     return json.loads((checkpoint / "trainer_state.json").read_text())
 
 
-def load_model(spec: JobSpec, vocab_size: int, weights: Path) -> GPT:
-    """A fresh GPT of the spec with weights from a model.safetensors file (never pickle)."""
-    model = GPT(spec.model, vocab_size)
+def load_model(spec: JobSpec, vocab_size: int, weights: Path) -> torch.nn.Module:
+    """A fresh model of the spec with weights from a model.safetensors file (never pickle)."""
+    model = build_model(spec.model, vocab_size)
     model.load_state_dict(load_file(str(weights)))
     return model.eval()
 
 
-def load_model_from_checkpoint(checkpoint: Path) -> tuple[GPT, Tokenizer, JobSpec]:
+def load_model_from_checkpoint(checkpoint: Path) -> tuple[torch.nn.Module, Tokenizer, JobSpec]:
     """Model, tokenizer and spec from a checkpoint directory as written above."""
     spec = JobSpec.model_validate_json((checkpoint / "spec.json").read_text())
     tokenizer = Tokenizer.from_json(json.loads((checkpoint / "tokenizer.json").read_text()))

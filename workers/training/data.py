@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from api_schemas import DatasetConfig
+from api_schemas import DatasetConfig, LabelledDatasetConfig, MLPConfig
+from api_schemas.labelled_data import LabelledDataError, read_labelled
 
 
 class SpecError(ValueError):
@@ -50,21 +51,15 @@ class Tokenizer:
         return "".join(self.chars[i] for i in ids) if self.kind == "char" else bytes(ids).decode("utf-8", "replace")
 
 
-class TokenWindows(Dataset):
-    """Non-overlapping windows of block_size + 1 tokens, returned as (input, target shifted by one).
+class EpochSelection(Dataset):
+    """`total` samples, in order without a seed. With a seed, each epoch is a shuffled selection of
+    `multiple_of × k` of them, so that an epoch is a whole number of optimizer steps (see the loop)."""
 
-    With a seed, each epoch is a shuffled selection of `multiple_of × k` of them, so that an epoch
-    is a whole number of optimizer steps (see the training loop)."""
-
-    def __init__(self, tokens: torch.Tensor, block_size: int, seed: int | None = None, multiple_of: int = 1):
-        self.tokens, self.block_size, self.seed = tokens, block_size, seed
-        self.total = (len(tokens) - 1) // block_size
-        self.count = self.total // multiple_of * multiple_of
+    def __init__(self, total: int, seed: int | None, multiple_of: int, too_few: str):
+        self.total, self.seed = total, seed
+        self.count = total // multiple_of * multiple_of
         if self.count < 1:
-            raise SpecError(
-                f"model.block_size, training.micro_batch_size: {len(tokens)} tokens make {self.total} windows of "
-                f"{block_size}, too few to fill {multiple_of}"
-            )
+            raise SpecError(f"{too_few}, too few to fill {multiple_of}")
         self.order = torch.arange(self.count)
 
     def set_epoch(self, epoch: int) -> None:
@@ -76,10 +71,32 @@ class TokenWindows(Dataset):
     def __len__(self) -> int:
         return self.count
 
+
+class TokenWindows(EpochSelection):
+    """Non-overlapping windows of block_size + 1 tokens, returned as (input, target shifted by one)."""
+
+    def __init__(self, tokens: torch.Tensor, block_size: int, seed: int | None = None, multiple_of: int = 1):
+        self.tokens, self.block_size = tokens, block_size
+        total = (len(tokens) - 1) // block_size
+        too_few = f"model.block_size, training.micro_batch_size: {len(tokens)} tokens make {total} windows of {block_size}"
+        super().__init__(total, seed, multiple_of, too_few)
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = int(self.order[index]) * self.block_size
         chunk = self.tokens[start : start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
+
+
+class LabelledTexts(EpochSelection):
+    """Texts as fixed-length token ids (padded with `pad_id`) and their label ids: (ids, label)."""
+
+    def __init__(self, ids: torch.Tensor, labels: torch.Tensor, seed: int | None = None, multiple_of: int = 1):
+        self.ids, self.labels = ids, labels
+        super().__init__(len(ids), seed, multiple_of, f"training.micro_batch_size: {len(ids)} examples")
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = int(self.order[index])
+        return self.ids[row], self.labels[row]
 
 
 @dataclass
@@ -89,16 +106,54 @@ class TextCorpus:
     tokenizer: Tokenizer
 
 
-def load_text_corpus(config: DatasetConfig, data_root: Path) -> TextCorpus:
-    """Read and tokenise the corpus; the last `val_fraction` of it is held out for evaluation."""
+def dataset_file(config: DatasetConfig | LabelledDatasetConfig, data_root: Path) -> Path:
     root = data_root.resolve()
     path = (root / config.path).resolve()
     if not path.is_relative_to(root):
         raise SpecError(f"dataset.path: {config.path!r} resolves outside the data root")
     if not path.is_file():
         raise SpecError(f"dataset.path: {config.path!r} is not a file under the data root")
-    text = path.read_text(encoding="utf-8")
+    return path
+
+
+def load_text_corpus(config: DatasetConfig, data_root: Path) -> TextCorpus:
+    """Read and tokenise the corpus; the last `val_fraction` of it is held out for evaluation."""
+    text = dataset_file(config, data_root).read_text(encoding="utf-8")
     tokenizer = Tokenizer.build(config.tokenizer, text)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     split = int(len(tokens) * (1 - config.val_fraction))
     return TextCorpus(train=tokens[:split], val=tokens[split:], tokenizer=tokenizer)
+
+
+@dataclass
+class LabelledCorpus:
+    train: LabelledTexts
+    val: LabelledTexts
+    tokenizer: Tokenizer
+    labels: list[str]  # label id i is labels[i]
+
+
+def load_labelled_corpus(config: LabelledDatasetConfig, model: MLPConfig, data_root: Path) -> LabelledCorpus:
+    """Labelled texts, each cut or padded to `model.max_length` ids; the last `val_fraction` of the
+    rows is held out for evaluation. Label ids follow the labels' sorted order."""
+    try:
+        texts, labels = read_labelled(dataset_file(config, data_root), config.kind, config.text_column, config.label_column)
+    except LabelledDataError as exc:
+        raise SpecError(f"dataset.path: {exc}") from None
+    names = sorted(set(labels))
+    if len(names) != model.num_labels:
+        raise SpecError(f"model.num_labels is {model.num_labels} but the dataset holds {len(names)} distinct labels")
+    tokenizer = Tokenizer.build(config.tokenizer, "".join(texts))
+    pad_id = tokenizer.vocab_size  # one past the vocabulary: the classifier ignores it
+    ids = torch.full((len(texts), model.max_length), pad_id, dtype=torch.long)
+    for row, text in enumerate(texts):
+        encoded = tokenizer.encode(text)[: model.max_length]
+        ids[row, : len(encoded)] = torch.tensor(encoded, dtype=torch.long)
+    label_ids = torch.tensor([names.index(label) for label in labels], dtype=torch.long)
+    split = int(len(texts) * (1 - config.val_fraction))
+    if split < 1 or split == len(texts):
+        raise SpecError(f"dataset.val_fraction: {len(texts)} examples leave none for training or for evaluation")
+    return LabelledCorpus(
+        train=LabelledTexts(ids[:split], label_ids[:split]), val=LabelledTexts(ids[split:], label_ids[split:]),
+        tokenizer=tokenizer, labels=names,
+    )

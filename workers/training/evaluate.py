@@ -1,4 +1,4 @@
-"""Validation loss: the same function inside training and on downloaded weights."""
+"""Validation metrics: the same functions inside training and on downloaded weights."""
 
 from __future__ import annotations
 
@@ -8,30 +8,45 @@ from accelerate import Accelerator
 from torch.utils.data import DataLoader, Subset
 
 from api_schemas import JobSpec
-from workers.training.data import TokenWindows
+from workers.training.data import LabelledTexts, TokenWindows
 
 
-def eval_dataloader(val_tokens: torch.Tensor, spec: JobSpec) -> DataLoader:
-    """The first `eval_batches` batches of every process's micro-batch size, in order.
+def eval_dataloader(val: torch.Tensor | LabelledTexts, spec: JobSpec) -> DataLoader:
+    """The first `eval_batches` batches of every process's micro-batch size, in order: validation
+    tokens cut into windows (gpt), or labelled texts (mlp).
 
-    The count comes from the spec, not from the processes running: the same windows whether one
+    The count comes from the spec, not from the processes running: the same samples whether one
     process with micro-batch 12 or two with 6 evaluate, and anyone can recompute the loss from a
     downloaded checkpoint on one process."""
-    windows = TokenWindows(val_tokens, spec.model.block_size)
-    count = min(len(windows), spec.training.eval_batches * spec.training.micro_batch_size * spec.world_size)
-    return DataLoader(Subset(windows, range(count)), batch_size=spec.training.micro_batch_size, shuffle=False)
+    samples = val if isinstance(val, LabelledTexts) else TokenWindows(val, spec.model.block_size)
+    count = min(len(samples), spec.training.eval_batches * spec.training.micro_batch_size * spec.world_size)
+    return DataLoader(Subset(samples, range(count)), batch_size=spec.training.micro_batch_size, shuffle=False)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator | None = None) -> float:
-    """Mean per-token cross-entropy over every sample of `loader`, across all processes."""
+def evaluate_metrics(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator | None = None) -> dict[str, float]:
+    """Mean cross-entropy per sample (per token for a language model) over every sample of
+    `loader`, across all processes; and for a classifier the share of labels predicted right."""
     was_training = model.training
     model.eval()
-    losses = []
+    losses, correct = [], []
+    gather = accelerator.gather_for_metrics if accelerator else (lambda tensor: tensor)
     for inputs, targets in loader:
         logits, _ = model(inputs)
-        per_sample = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
+        if logits.dim() == 3:  # (batch, positions, vocabulary): a language model
+            per_sample = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none").mean(dim=1)
+        else:
+            per_sample = F.cross_entropy(logits, targets, reduction="none")
+            correct.append(gather((logits.argmax(dim=-1) == targets).float()))
         # gather_for_metrics drops the samples Accelerate repeated to even out the last batch.
-        losses.append(accelerator.gather_for_metrics(per_sample) if accelerator else per_sample)
+        losses.append(gather(per_sample))
     model.train(was_training)
-    return torch.cat(losses).float().mean().item()
+    metrics = {"eval_loss": torch.cat(losses).float().mean().item()}
+    if correct:
+        metrics["eval_accuracy"] = torch.cat(correct).mean().item()
+    return metrics
+
+
+def evaluate(model: torch.nn.Module, loader: DataLoader, accelerator: Accelerator | None = None) -> float:
+    """The validation loss alone."""
+    return evaluate_metrics(model, loader, accelerator)["eval_loss"]

@@ -21,9 +21,9 @@ from torch.utils.data import DataLoader
 
 from api_schemas import JobSpec
 from workers.training.checkpoint import load_trainer_state, prune_checkpoints, save_checkpoint
-from workers.training.data import TokenWindows, load_text_corpus
-from workers.training.evaluate import eval_dataloader, evaluate
-from workers.training.model import GPT
+from workers.training.data import LabelledTexts, TokenWindows, load_labelled_corpus, load_text_corpus
+from workers.training.evaluate import eval_dataloader, evaluate_metrics
+from workers.training.model import build_model
 from workers.training.reporter import Reporter
 from workers.training.schedule import make_scheduler
 
@@ -56,18 +56,25 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     )
     set_seed(cfg.seed)
 
-    # Data: fixed windows whose order depends only on (seed, epoch), so a resumed run and a run
-    # on more processes see exactly the same samples.
-    corpus = load_text_corpus(spec.dataset, data_root)
-    # Each epoch holds whole optimizer steps: Accelerate ends an epoch's last accumulation window
-    # early, yet still divides its loss by the full window length, which would shrink that step.
+    # Data: fixed samples (token windows, or labelled texts) whose order depends only on (seed,
+    # epoch), so a resumed run and a run on more processes see exactly the same ones. Each epoch
+    # holds whole optimizer steps: Accelerate ends an epoch's last accumulation window early, yet
+    # still divides its loss by the full window length, which would shrink that step.
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
-    train_set = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step)
+    labels = None
+    if spec.model.kind == "gpt":
+        corpus = load_text_corpus(spec.dataset, data_root)
+        train_set = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step)
+        tokens_per_sample = spec.model.block_size
+    else:
+        corpus = load_labelled_corpus(spec.dataset, spec.model, data_root)
+        train_set = LabelledTexts(corpus.train.ids, corpus.train.labels, seed=cfg.seed, multiple_of=samples_per_step)
+        tokens_per_sample, labels = spec.model.max_length, corpus.labels
     train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True)
     eval_dl = eval_dataloader(corpus.val, spec)
 
     # Model, optimizer, schedule: built once, prepared once.
-    model = GPT(spec.model, corpus.tokenizer.vocab_size)
+    model = build_model(spec.model, corpus.tokenizer.vocab_size)
     optimizer = make_optimizer(model, spec)
     scheduler = make_scheduler(optimizer, spec, accelerator.num_processes)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
@@ -82,7 +89,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     forward = torch.compile(model) if cfg.compile else model
 
     step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
-    tokens_per_micro_batch = cfg.micro_batch_size * spec.model.block_size * accelerator.num_processes
+    tokens_per_micro_batch = cfg.micro_batch_size * tokens_per_sample * accelerator.num_processes
     last_eval = None
     preempted = False
     lagged = LaggedMetrics(accelerator.device)
@@ -149,7 +156,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                     "peak_memory_mb": _peak_memory_mb(accelerator.device),
                 }
                 if step % cfg.eval_every == 0 or last_step:
-                    values["eval_loss"] = last_eval = evaluate(forward, eval_dl, accelerator)
+                    values.update(evaluate_metrics(forward, eval_dl, accelerator))
+                    last_eval = values["eval_loss"]
                 previous = lagged.take()
                 lagged.put(
                     step,
@@ -167,7 +175,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                 if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
                     report(lagged.take())
                     state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch}
-                    path = save_checkpoint(accelerator, model, run_dir, state, spec, corpus.tokenizer)
+                    path = save_checkpoint(accelerator, model, run_dir, state, spec, corpus.tokenizer, labels)
                     if accelerator.is_main_process:
                         reporter.checkpoint(step, path)
                         if not reporter.takes_checkpoints:

@@ -1,4 +1,5 @@
-"""A nanoGPT-style causal language model (pre-norm transformer, tied input/output embeddings)."""
+"""The built-in models: a nanoGPT-style causal language model (pre-norm transformer, tied
+input/output embeddings) and a small text classifier."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from api_schemas import ModelConfig
+from api_schemas import MLPConfig, ModelConfig
 
 
 class CausalSelfAttention(nn.Module):
@@ -89,3 +90,30 @@ class GPT(nn.Module):
                 logits[logits < kth] = -float("inf")
             idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)), dim=1)
         return idx
+
+
+class MLPClassifier(nn.Module):
+    """Mean of the text's token embeddings (padding left out), then an MLP to one logit per label."""
+
+    def __init__(self, config: MLPConfig, vocab_size: int):
+        super().__init__()
+        self.config, self.pad_id = config, vocab_size
+        self.embed = nn.Embedding(vocab_size + 1, config.n_embd, padding_idx=vocab_size)
+        layers, width = [], config.n_embd
+        for _ in range(config.n_layer):
+            layers += [nn.Linear(width, config.hidden), nn.GELU(), nn.Dropout(config.dropout)]
+            width = config.hidden
+        self.mlp = nn.Sequential(*layers)
+        self.head = nn.Linear(width, config.num_labels)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits per text, and the mean cross-entropy if `targets` (label ids) is given."""
+        keep = (idx != self.pad_id).unsqueeze(-1).to(self.embed.weight.dtype)
+        pooled = (self.embed(idx) * keep).sum(dim=1) / keep.sum(dim=1).clamp(min=1)
+        logits = self.head(self.mlp(pooled))
+        loss = None if targets is None else F.cross_entropy(logits, targets)
+        return logits, loss
+
+
+def build_model(config: ModelConfig | MLPConfig, vocab_size: int) -> nn.Module:
+    return GPT(config, vocab_size) if config.kind == "gpt" else MLPClassifier(config, vocab_size)

@@ -9,7 +9,7 @@ from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogL
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep, VisibleJob
 from service.api.events import job_event_stream
 from service.api.views import checkpoint_out, job_out, job_outs
-from service.datasets import DatasetError, resolve_dataset
+from service.datasets import DatasetError, check_labelled, resolve_dataset
 from service.db import crud
 from service.placement import never_fits
 from service.db.session import session_factory
@@ -26,7 +26,10 @@ def submit_job(
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
     try:
-        resolve_dataset(settings.resolved_data_root, spec.dataset.path)
+        path = resolve_dataset(settings.resolved_data_root, spec.dataset.path)
+        if spec.dataset.kind != "text":
+            dataset = spec.dataset
+            check_labelled(path, dataset.kind, dataset.text_column, dataset.label_column, spec.model.num_labels)
     except DatasetError as exc:
         detail = [{"loc": ["body", "dataset", "path"], "msg": str(exc), "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from exc
