@@ -7,6 +7,7 @@ never receives an attempt that isn't in the database yet.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from datetime import timedelta
@@ -54,18 +55,24 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     busy = crud.busy_slots_by_host(session)
     free = {host.name: host.slots - busy.get(host.name, 0) for host in hosts}
     device = {host.name: host.device for host in hosts}
+    # Hosts are chosen job by job, then all placements written at once. The queued jobs' rows are
+    # locked by this pass, so none is taken meanwhile; if one were, it would only leave its slots
+    # unused until the next pass.
+    placements = []
     for job in crud.queued_jobs(session, limit=200):
         resources = JobSpec.model_validate(job.spec).resources
         fitting = sorted((h for h in free if device[h] == resources.device and free[h] >= resources.processes_per_node),
                          key=lambda h: (free[h], h))
         if len(fitting) < resources.nodes:
             continue
-        attempts = crud.create_attempts(session, job, fitting[: resources.nodes], resources.processes_per_node, now)
-        for attempt in attempts:
-            free[attempt.host_name] -= resources.processes_per_node
-            to_dispatch.append((attempt.id, attempt.host_name))
-        if attempts:
-            log.info("job %s attempt %s placed on %s", job.id, attempts[0].number, ", ".join(a.host_name for a in attempts))
+        for host in fitting[: resources.nodes]:
+            free[host] -= resources.processes_per_node
+        placements.append((job, fitting[: resources.nodes], resources.processes_per_node))
+    attempts = crud.place_jobs(session, placements, now)
+    to_dispatch += [(attempt.id, attempt.host_name) for attempt in attempts]
+    for job_id, gang in itertools.groupby(attempts, key=lambda attempt: attempt.job_id):
+        gang = list(gang)
+        log.info("job %s attempt %s placed on %s", job_id, gang[0].number, ", ".join(a.host_name for a in gang))
 
     session.commit()
     return to_dispatch

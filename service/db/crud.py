@@ -374,22 +374,36 @@ def queued_jobs(session: Session, limit: int) -> list[Job]:
         .order_by(Job.priority.desc(), Job.id)
         .limit(limit)
         .with_for_update(skip_locked=True, of=Job)
+        # Reload jobs this session already holds, attempts included: place_jobs numbers from them.
+        .execution_options(populate_existing=True)
     )
     return list(session.scalars(query))
 
 
 def create_attempts(session: Session, job: Job, host_names: list[str], slots: int, now: datetime) -> list[Attempt]:
-    """Place a queued job on its hosts, all at once (one per node, node 0 first): new scheduled
-    attempts sharing one number, and the job moves to `scheduled`. [] if the job was taken meanwhile."""
-    if not state.move_job(session, job, JobStatus.scheduled, now=now):
-        return []
-    number = (session.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job.id)) or 0) + 1
-    attempts = [
-        Attempt(job_id=job.id, number=number, node_rank=rank, host_name=host, slots=slots, dispatched_at=now)
-        for rank, host in enumerate(host_names)
-    ]
+    """place_jobs for one job: its attempts, [] if the job was taken meanwhile."""
+    return place_jobs(session, [(job, host_names, slots)], now)
+
+
+def place_jobs(session: Session, placements: list[tuple[Job, list[str], int]], now: datetime) -> list[Attempt]:
+    """Place queued jobs, each on its hosts at once (one attempt per node, node 0 first): each job
+    moves to `scheduled` and gets new scheduled attempts sharing one number, with `slots` slots
+    each. A job another process took meanwhile gets none. Returns the attempts created.
+
+    Each job's attempts must be current, so read the jobs in this transaction (queued_jobs does):
+    their row locks then keep anyone else from adding attempts until commit."""
+    moved = {job.id for job in state.schedule_jobs(session, [job for job, _, _ in placements], now=now)}
+    attempts = []
+    for job, host_names, slots in placements:
+        if job.id not in moved:
+            continue
+        number = max((attempt.number for attempt in job.attempts), default=0) + 1
+        attempts += [
+            Attempt(job=job, number=number, node_rank=rank, host_name=host, slots=slots, dispatched_at=now)
+            for rank, host in enumerate(host_names)
+        ]
     session.add_all(attempts)
-    session.flush()
+    session.flush()  # one INSERT for all of them, which gives them their ids
     return attempts
 
 

@@ -149,6 +149,37 @@ def test_scheduler_places_by_priority_and_only_where_slots_are_free(sessions, se
         assert session.get(Job, wide).status == JobStatus.queued  # needs 4 slots, the host has 1
 
 
+def test_a_backlog_is_placed_highest_priority_first_and_no_host_past_its_slots(sessions, settings):
+    # One pass writes all its placements at once; the jobs that win must be those that would win one by one.
+    priorities = [3, 0, 7, 7, 1, 5, 0, 9, 2, 5, 4, 8, 6, 1, 3, 9, 2, 6, 8, 4]
+    wide = {2, 9, 15}  # these need 2 slots
+    jobs = [queue_job(sessions, priority=p, **({"resources.processes_per_node": 2} if i in wide else {})) for i, p in enumerate(priorities)]
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 3, {})
+        crud.register_host(session, "host-b", "cpu", 4, {})
+        placed = schedule_pass(session, settings)
+        assert schedule_pass(session, settings) == []  # every slot taken
+    # Priority order 7 (9), 15 (9, wide), 11 (8), 18 (8), 2 (7, wide) fills the 7 slots, best fit first.
+    expected = {jobs[7]: "host-a", jobs[15]: "host-a", jobs[11]: "host-b", jobs[18]: "host-b", jobs[2]: "host-b"}
+    with sessions() as session:
+        attempts = session.scalars(select(Attempt)).all()
+        assert {a.job_id: a.host_name for a in attempts} == expected
+        assert sorted(placed) == sorted((a.id, a.host_name) for a in attempts)
+        assert crud.busy_slots_by_host(session) == {"host-a": 3, "host-b": 4}
+        for job_id in jobs:
+            statuses = [data["status"] for _, _, data in job_events(session, job_id)]
+            assert statuses == (["queued", "scheduled"] if job_id in expected else ["queued"])
+            assert session.get(Job, job_id).status == (JobStatus.scheduled if job_id in expected else JobStatus.queued)
+
+        # A placement given back is placed again with the next attempt number, still first in line.
+        first = session.scalar(select(Attempt).where(Attempt.job_id == jobs[7]))
+        assert state.end_attempt(session, first.job, first, AttemptStatus.lost, reason="host went away")
+        session.commit()
+        [(attempt_id, host)] = schedule_pass(session, settings)
+        again = session.get(Attempt, attempt_id)
+        assert (again.job_id, again.number, host) == (jobs[7], 2, "host-a")
+
+
 def test_two_schedulers_never_place_a_job_twice(sessions, settings):
     jobs = [queue_job(sessions) for _ in range(12)]
     with sessions() as session:
