@@ -108,6 +108,14 @@ def request_cancel(session: Session, job: Job) -> Job:
 
 # --- metrics and logs --------------------------------------------------------------------------
 
+_UPSERT_METRIC_ARRAYS = text("""
+    INSERT INTO metrics (job_id, attempt_id, step, name, value)
+    SELECT CAST(:job_id AS bigint), CAST(:attempt_id AS bigint), step, name, value
+    FROM unnest(CAST(:steps AS integer[]), CAST(:names AS varchar[]), CAST(:values AS double precision[])) AS point(step, name, value)
+    ON CONFLICT (job_id, name, step) DO UPDATE SET value = excluded.value, attempt_id = excluded.attempt_id
+""")
+
+
 def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[tuple[int, str, float]]) -> None:
     """Store (step, name, value) points. Idempotent: a re-sent or recomputed point replaces the old one.
 
@@ -115,15 +123,25 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     carry it, and the run must still report every other point rather than fail on that one."""
     if not points:
         return
-    points = [(step, name, value if math.isfinite(value) else None) for step, name, value in points]
-    insert = _insert(session)
-    rows = [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points]
-    statement = insert(Metric).values(rows)
-    statement = statement.on_conflict_do_update(
-        index_elements=["job_id", "name", "step"],
-        set_={"value": statement.excluded.value, "attempt_id": statement.excluded.attempt_id},
-    )
-    session.execute(statement)
+    # Keyed by (step, name): a point sent twice in one batch counts once, the later value winning,
+    # as it would across batches (PostgreSQL refuses to upsert one row twice in one statement).
+    latest = {(step, name): value if math.isfinite(value) else None for step, name, value in points}
+    points = [(step, name, value) for (step, name), value in latest.items()]
+    if session.get_bind().dialect.name == "postgresql":
+        # The whole batch in one statement of three array parameters, unnested by the server: a
+        # row per point would cost a statement (or 5 bind parameters) per point.
+        session.execute(_UPSERT_METRIC_ARRAYS, {
+            "job_id": job_id, "attempt_id": attempt_id,
+            "steps": [s for s, _, _ in points], "names": [n for _, n, _ in points], "values": [v for _, _, v in points],
+        })
+    else:
+        # SQLite runs in-process: executemany of one cached statement is as fast as it gets there.
+        statement = _insert(session)(Metric)
+        statement = statement.on_conflict_do_update(
+            index_elements=["job_id", "name", "step"],
+            set_={"value": statement.excluded.value, "attempt_id": statement.excluded.attempt_id},
+        )
+        session.execute(statement, [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points])
     last_step = max(s for s, _, _ in points)
     session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
     by_step: dict[int, dict[str, float | None]] = {}

@@ -363,6 +363,18 @@ def test_migrations_build_exactly_the_tables_of_the_models(database_url):
 
 
 
+def test_a_point_sent_twice_in_one_batch_is_stored_once_with_its_later_value(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "lr", 0.1), (1, "train_loss", 3.9)])
+        assert crud.metric_series(session, job_id, None, None, max_points=1000) == {"lr": ([2], [0.1]), "train_loss": ([1], [3.9])}
+        assert [data for _, kind, data in job_events(session, job_id) if kind == "metrics"] == [
+            {"step": 1, "values": {"train_loss": 3.9}},
+            {"step": 2, "values": {"lr": 0.1}},
+        ]
+
+
 def test_a_nan_or_infinite_metric_is_stored_as_null_and_the_rest_of_the_batch_with_it(sessions, settings):
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
