@@ -42,7 +42,7 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     # timeout if it is alive (the message may have been lost; a duplicate is harmless).
     to_dispatch: list[tuple[int, str]] = []
     resend_before = now - timedelta(seconds=settings.dispatch_timeout_seconds)
-    for attempt in crud.unclaimed_attempts(session):
+    for attempt in crud.unclaimed_attempts(session, online, resend_before):
         if attempt.host_name not in online:
             state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
         elif attempt.dispatched_at < resend_before:

@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, select, text, update
+from sqlalchemy import delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
@@ -441,8 +441,15 @@ def expired_leases(session: Session, now: datetime) -> list[Attempt]:
     )
 
 
-def unclaimed_attempts(session: Session) -> list[Attempt]:
-    return list(session.scalars(select(Attempt).where(Attempt.status == AttemptStatus.scheduled)))
+def unclaimed_attempts(session: Session, online: set[str], resend_before: datetime) -> list[Attempt]:
+    """Attempts placed but not claimed yet whose host went offline or whose dispatch is older than
+    `resend_before`: the ones the scheduler acts on. The rest are left in the database, so a pass
+    costs the same however many fresh dispatches are in flight."""
+    query = select(Attempt).where(
+        Attempt.status == AttemptStatus.scheduled,
+        or_(Attempt.host_name.not_in(online), Attempt.dispatched_at < resend_before),
+    )
+    return list(session.scalars(query))
 
 
 # --- dashboard ---------------------------------------------------------------------------------

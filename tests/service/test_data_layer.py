@@ -14,7 +14,7 @@ from sqlalchemy import select
 from api_schemas import AttemptStatus, JobStatus
 from service import state
 from service.db import crud
-from service.db.models import Attempt, Base, Job, Metric, utcnow
+from service.db.models import Attempt, Base, Job, Metric, WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
@@ -178,6 +178,28 @@ def test_a_backlog_is_placed_highest_priority_first_and_no_host_past_its_slots(s
         [(attempt_id, host)] = schedule_pass(session, settings)
         again = session.get(Attempt, attempt_id)
         assert (again.job_id, again.number, host) == (jobs[7], 2, "host-a")
+
+
+def test_an_unclaimed_dispatch_is_resent_after_the_timeout_and_given_back_when_its_host_goes_offline(sessions, settings):
+    orphaned, stale, fresh = (queue_job(sessions) for _ in range(3))
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 2, {})
+        crud.register_host(session, "host-b", "cpu", 1, {})
+        schedule_pass(session, settings)  # best fit: the first job on host-b, the others on host-a
+        attempt = {a.job_id: a for a in session.scalars(select(Attempt))}
+        assert {job: attempt[job].host_name for job in (orphaned, stale, fresh)} == {orphaned: "host-b", stale: "host-a", fresh: "host-a"}
+        session.get(WorkerHost, "host-b").last_heartbeat = utcnow() - timedelta(seconds=120)
+        attempt[stale].dispatched_at = utcnow() - timedelta(seconds=120)
+        fresh_dispatch = attempt[fresh].dispatched_at
+        session.commit()
+
+        assert schedule_pass(session, settings) == [(attempt[stale].id, "host-a")]
+        session.expire_all()
+        assert attempt[orphaned].status == AttemptStatus.lost and "went offline" in attempt[orphaned].failure_reason
+        job = session.get(Job, orphaned)
+        assert job.status == JobStatus.queued and job.restarts == 0  # never started: no restart used
+        assert attempt[stale].status == AttemptStatus.scheduled and attempt[stale].dispatched_at > utcnow() - timedelta(seconds=5)
+        assert attempt[fresh].status == AttemptStatus.scheduled and attempt[fresh].dispatched_at == fresh_dispatch
 
 
 def test_two_schedulers_never_place_a_job_twice(sessions, settings):
