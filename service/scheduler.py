@@ -7,6 +7,7 @@ never receives an attempt that isn't in the database yet.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from datetime import datetime, timedelta
@@ -43,7 +44,7 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     # timeout if it is alive (the message may have been lost; a duplicate is harmless).
     to_dispatch: list[tuple[int, str]] = []
     resend_before = now - timedelta(seconds=settings.dispatch_timeout_seconds)
-    for attempt in crud.unclaimed_attempts(session):
+    for attempt in crud.unclaimed_attempts(session, online, resend_before):
         if attempt.host_name not in online:
             state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
         elif attempt.dispatched_at < resend_before:
@@ -59,6 +60,10 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     idle = {host.name: HostRoom.of(host, {}, {}) for host in hosts}
     reserved: set[str] = set()
     preemptible = crud.preemptible_attempts(session)
+    # Hosts are chosen job by job, then all placements written at once. The queued jobs' rows are
+    # locked by this pass, so none is taken meanwhile; if one were, it would only leave its room
+    # unused until the next pass.
+    placements = []
     for job in queue_order(crud.queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
         resources = JobSpec.model_validate(job.spec).resources
         offers = {name: devices for name, r in room.items() if name not in reserved and (devices := r.offer(resources)) is not None}
@@ -82,13 +87,15 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
             crud.set_waiting_reason(job, reason)
             continue
         chosen = sorted(offers, key=lambda name: (room[name].size(resources), name))[: resources.nodes]
-        attempts = crud.create_attempts(session, job, [(name, offers[name]) for name in chosen], resources.processes_per_node, now)
-        for attempt in attempts:
-            room[attempt.host_name].take(resources.processes_per_node, attempt.device_ids)
-            to_dispatch.append((attempt.id, attempt.host_name))
-        if attempts:
-            hosts = ", ".join(a.host_name for a in attempts)
-            log.info("job %s attempt %s placed on %s", job.id, attempts[0].number, hosts, extra=job_fields(job.id, attempts[0].id, host=hosts))
+        for name in chosen:
+            room[name].take(resources.processes_per_node, offers[name])
+        placements.append((job, [(name, offers[name]) for name in chosen], resources.processes_per_node))
+    attempts = crud.place_jobs(session, placements, now)
+    to_dispatch += [(attempt.id, attempt.host_name) for attempt in attempts]
+    for job_id, gang in itertools.groupby(attempts, key=lambda attempt: attempt.job_id):
+        gang = list(gang)
+        hosts = ", ".join(a.host_name for a in gang)
+        log.info("job %s attempt %s placed on %s", job_id, gang[0].number, hosts, extra=job_fields(job_id, gang[0].id, host=hosts))
 
     session.commit()
     return to_dispatch

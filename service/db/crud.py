@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, select, text, update
+from sqlalchemy import delete, func, or_, select, text, update
 from sqlalchemy.orm import Session
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
@@ -108,6 +108,14 @@ def request_cancel(session: Session, job: Job) -> Job:
 
 # --- metrics and logs --------------------------------------------------------------------------
 
+_UPSERT_METRIC_ARRAYS = text("""
+    INSERT INTO metrics (job_id, attempt_id, step, name, value)
+    SELECT CAST(:job_id AS bigint), CAST(:attempt_id AS bigint), step, name, value
+    FROM unnest(CAST(:steps AS integer[]), CAST(:names AS varchar[]), CAST(:values AS double precision[])) AS point(step, name, value)
+    ON CONFLICT (job_id, name, step) DO UPDATE SET value = excluded.value, attempt_id = excluded.attempt_id
+""")
+
+
 def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[tuple[int, str, float]]) -> None:
     """Store (step, name, value) points. Idempotent: a re-sent or recomputed point replaces the old one.
 
@@ -115,15 +123,25 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     carry it, and the run must still report every other point rather than fail on that one."""
     if not points:
         return
-    points = [(step, name, value if math.isfinite(value) else None) for step, name, value in points]
-    insert = _insert(session)
-    rows = [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points]
-    statement = insert(Metric).values(rows)
-    statement = statement.on_conflict_do_update(
-        index_elements=["job_id", "name", "step"],
-        set_={"value": statement.excluded.value, "attempt_id": statement.excluded.attempt_id},
-    )
-    session.execute(statement)
+    # Keyed by (step, name): a point sent twice in one batch counts once, the later value winning,
+    # as it would across batches (PostgreSQL refuses to upsert one row twice in one statement).
+    latest = {(step, name): value if math.isfinite(value) else None for step, name, value in points}
+    points = [(step, name, value) for (step, name), value in latest.items()]
+    if session.get_bind().dialect.name == "postgresql":
+        # The whole batch in one statement of three array parameters, unnested by the server: a
+        # row per point would cost a statement (or 5 bind parameters) per point.
+        session.execute(_UPSERT_METRIC_ARRAYS, {
+            "job_id": job_id, "attempt_id": attempt_id,
+            "steps": [s for s, _, _ in points], "names": [n for _, n, _ in points], "values": [v for _, _, v in points],
+        })
+    else:
+        # SQLite runs in-process: executemany of one cached statement is as fast as it gets there.
+        statement = _insert(session)(Metric)
+        statement = statement.on_conflict_do_update(
+            index_elements=["job_id", "name", "step"],
+            set_={"value": statement.excluded.value, "attempt_id": statement.excluded.attempt_id},
+        )
+        session.execute(statement, [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points])
     last_step = max(s for s, _, _ in points)
     session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
     by_step: dict[int, dict[str, float | None]] = {}
@@ -419,6 +437,8 @@ def queued_jobs(session: Session, limit: int) -> list[Job]:
         .order_by(Job.priority.desc(), Job.id)
         .limit(limit)
         .with_for_update(skip_locked=True, of=Job)
+        # Reload jobs this session already holds, attempts included: place_jobs numbers from them.
+        .execution_options(populate_existing=True)
     )
     return list(session.scalars(query))
 
@@ -426,19 +446,32 @@ def queued_jobs(session: Session, limit: int) -> list[Job]:
 def create_attempts(
     session: Session, job: Job, placements: list[tuple[str, list[int] | None]], slots: int, now: datetime
 ) -> list[Attempt]:
-    """Place a queued job on its hosts, all at once (one per node, node 0 first), each with the GPU
-    indices reserved for it there (None or [] on CPU): new scheduled attempts sharing one number,
-    and the job moves to `scheduled`. [] if the job was taken meanwhile."""
-    if not state.move_job(session, job, JobStatus.scheduled, now=now):
-        return []
-    job.waiting_reason = None
-    number = (session.scalar(select(func.max(Attempt.number)).where(Attempt.job_id == job.id)) or 0) + 1
-    attempts = [
-        Attempt(job_id=job.id, number=number, node_rank=rank, host_name=host, slots=slots, device_ids=gpus or None, dispatched_at=now)
-        for rank, (host, gpus) in enumerate(placements)
-    ]
+    """place_jobs for one job: its attempts, [] if the job was taken meanwhile."""
+    return place_jobs(session, [(job, placements, slots)], now)
+
+
+def place_jobs(
+    session: Session, placements: list[tuple[Job, list[tuple[str, list[int] | None]], int]], now: datetime
+) -> list[Attempt]:
+    """Place queued jobs, each on its hosts at once (one attempt per node, node 0 first, each with
+    the GPU indices reserved for it there, None or [] on CPU): each job moves to `scheduled` and
+    gets new scheduled attempts sharing one number, with `slots` slots each. A job another process
+    took meanwhile gets none. Returns the attempts created.
+
+    Each job's attempts must be current, so read the jobs in this transaction (queued_jobs does):
+    their row locks then keep anyone else from adding attempts until commit."""
+    moved = {job.id for job in state.schedule_jobs(session, [job for job, _, _ in placements], now=now)}
+    attempts = []
+    for job, hosts, slots in placements:
+        if job.id not in moved:
+            continue
+        number = max((attempt.number for attempt in job.attempts), default=0) + 1
+        attempts += [
+            Attempt(job=job, number=number, node_rank=rank, host_name=host, slots=slots, device_ids=gpus or None, dispatched_at=now)
+            for rank, (host, gpus) in enumerate(hosts)
+        ]
     session.add_all(attempts)
-    session.flush()
+    session.flush()  # one INSERT for all of them, which gives them their ids
     return attempts
 
 
@@ -458,8 +491,15 @@ def expired_leases(session: Session, now: datetime) -> list[Attempt]:
     )
 
 
-def unclaimed_attempts(session: Session) -> list[Attempt]:
-    return list(session.scalars(select(Attempt).where(Attempt.status == AttemptStatus.scheduled)))
+def unclaimed_attempts(session: Session, online: set[str], resend_before: datetime) -> list[Attempt]:
+    """Attempts placed but not claimed yet whose host went offline or whose dispatch is older than
+    `resend_before`: the ones the scheduler acts on. The rest are left in the database, so a pass
+    costs the same however many fresh dispatches are in flight."""
+    query = select(Attempt).where(
+        Attempt.status == AttemptStatus.scheduled,
+        or_(Attempt.host_name.not_in(online), Attempt.dispatched_at < resend_before),
+    )
+    return list(session.scalars(query))
 
 
 # --- dashboard ---------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 
@@ -134,6 +135,22 @@ def test_cancelling_a_queued_job_is_immediate(api, tokens):
 def test_unknown_job_and_checkpoint_are_404(api, tokens):
     assert api.get("/v1/jobs/999999", headers=auth(tokens["alice"])).status_code == 404
     assert api.get("/v1/checkpoints/999999/download", headers=auth(tokens["alice"])).status_code == 404
+
+
+def test_a_checkpoint_larger_than_one_read_downloads_whole_and_by_range(api, tokens, settings):
+    job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    claimed = start_job(settings, job_id)
+    model = os.urandom(5 * 2**19 + 123)  # 2.5 MiB and a bit: several of the route's 1 MiB reads
+    directory = settings.resolved_artifact_root / "ck" / "12"
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(model)
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.record_checkpoint(session, job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, len(model), keep_last=2)
+        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+    url = f"/v1/checkpoints/{checkpoint_id}/download"
+    assert api.get(url, headers=auth(tokens["alice"])).content == model
+    span = api.get(url, headers={**auth(tokens["alice"]), "Range": f"bytes={2**20 - 10}-{2**21 + 9}"})
+    assert span.status_code == 206 and span.content == model[2**20 - 10 : 2**21 + 10]
 
 
 def test_a_running_job_shows_its_last_loss_rate_and_eta(api, tokens, settings):

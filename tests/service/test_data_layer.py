@@ -14,7 +14,7 @@ from sqlalchemy import select
 from api_schemas import AttemptStatus, JobStatus
 from service import state
 from service.db import crud
-from service.db.models import Attempt, Base, Job, Metric, utcnow
+from service.db.models import Attempt, Base, Job, Metric, WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
@@ -147,6 +147,59 @@ def test_scheduler_places_by_priority_and_only_where_slots_are_free(sessions, se
         assert session.get(Job, high).status == JobStatus.scheduled
         assert session.get(Job, low).status == JobStatus.queued
         assert session.get(Job, wide).status == JobStatus.queued  # needs 4 slots, the host has 1
+
+
+def test_a_backlog_is_placed_highest_priority_first_and_no_host_past_its_slots(sessions, settings):
+    # One pass writes all its placements at once; the jobs that win must be those that would win one by one.
+    priorities = [3, 0, 7, 7, 1, 5, 0, 9, 2, 5, 4, 8, 6, 1, 3, 9, 2, 6, 8, 4]
+    wide = {2, 9, 15}  # these need 2 slots
+    jobs = [queue_job(sessions, priority=p, **({"resources.processes_per_node": 2} if i in wide else {})) for i, p in enumerate(priorities)]
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 3, {})
+        crud.register_host(session, "host-b", "cpu", 4, {})
+        placed = schedule_pass(session, settings)
+        assert schedule_pass(session, settings) == []  # every slot taken
+    # Priority order 7 (9), 15 (9, wide), 11 (8), 18 (8), 2 (7, wide) fills the 7 slots, best fit first.
+    expected = {jobs[7]: "host-a", jobs[15]: "host-a", jobs[11]: "host-b", jobs[18]: "host-b", jobs[2]: "host-b"}
+    with sessions() as session:
+        attempts = session.scalars(select(Attempt)).all()
+        assert {a.job_id: a.host_name for a in attempts} == expected
+        assert sorted(placed) == sorted((a.id, a.host_name) for a in attempts)
+        assert crud.busy_slots_by_host(session) == {"host-a": 3, "host-b": 4}
+        for job_id in jobs:
+            statuses = [data["status"] for _, _, data in job_events(session, job_id)]
+            assert statuses == (["queued", "scheduled"] if job_id in expected else ["queued"])
+            assert session.get(Job, job_id).status == (JobStatus.scheduled if job_id in expected else JobStatus.queued)
+
+        # A placement given back is placed again with the next attempt number, still first in line.
+        first = session.scalar(select(Attempt).where(Attempt.job_id == jobs[7]))
+        assert state.end_attempt(session, first.job, first, AttemptStatus.lost, reason="host went away")
+        session.commit()
+        [(attempt_id, host)] = schedule_pass(session, settings)
+        again = session.get(Attempt, attempt_id)
+        assert (again.job_id, again.number, host) == (jobs[7], 2, "host-a")
+
+
+def test_an_unclaimed_dispatch_is_resent_after_the_timeout_and_given_back_when_its_host_goes_offline(sessions, settings):
+    orphaned, stale, fresh = (queue_job(sessions) for _ in range(3))
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 2, {})
+        crud.register_host(session, "host-b", "cpu", 1, {})
+        schedule_pass(session, settings)  # best fit: the first job on host-b, the others on host-a
+        attempt = {a.job_id: a for a in session.scalars(select(Attempt))}
+        assert {job: attempt[job].host_name for job in (orphaned, stale, fresh)} == {orphaned: "host-b", stale: "host-a", fresh: "host-a"}
+        session.get(WorkerHost, "host-b").last_heartbeat = utcnow() - timedelta(seconds=120)
+        attempt[stale].dispatched_at = utcnow() - timedelta(seconds=120)
+        fresh_dispatch = attempt[fresh].dispatched_at
+        session.commit()
+
+        assert schedule_pass(session, settings) == [(attempt[stale].id, "host-a")]
+        session.expire_all()
+        assert attempt[orphaned].status == AttemptStatus.lost and "went offline" in attempt[orphaned].failure_reason
+        job = session.get(Job, orphaned)
+        assert job.status == JobStatus.queued and job.restarts == 0  # never started: no restart used
+        assert attempt[stale].status == AttemptStatus.scheduled and attempt[stale].dispatched_at > utcnow() - timedelta(seconds=5)
+        assert attempt[fresh].status == AttemptStatus.scheduled and attempt[fresh].dispatched_at == fresh_dispatch
 
 
 def test_two_schedulers_never_place_a_job_twice(sessions, settings):
@@ -333,6 +386,18 @@ def test_migrations_build_exactly_the_tables_of_the_models(database_url):
     with session_factory(database_url)().connection() as connection:
         assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
 
+
+
+def test_a_point_sent_twice_in_one_batch_is_stored_once_with_its_later_value(sessions, settings):
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "lr", 0.1), (1, "train_loss", 3.9)])
+        assert crud.metric_series(session, job_id, None, None, max_points=1000) == {"lr": ([2], [0.1]), "train_loss": ([1], [3.9])}
+        assert [data for _, kind, data in job_events(session, job_id) if kind == "metrics"] == [
+            {"step": 1, "values": {"train_loss": 3.9}},
+            {"step": 2, "values": {"lr": 0.1}},
+        ]
 
 
 def test_a_nan_or_infinite_metric_is_stored_as_null_and_the_rest_of_the_batch_with_it(sessions, settings):
