@@ -1,22 +1,28 @@
 # Two entry points: `make demo` and `make test`. Both create .venv and install what they need.
 VENV   := .venv
 PYTHON := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-stamp
+PIP    := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: demo test clean
 
-$(STAMP): pyproject.toml
+# The demo needs the project; the tests also its test tools (browser driver, fuzzer).
+$(VENV)/.demo-stamp: pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
-	$(PYTHON) -m pip install --quiet --disable-pip-version-check -e '.[test]'
-	touch $(STAMP)
+	$(PIP) -e .
+	touch $@
 
-demo: $(STAMP)
+$(VENV)/.test-stamp: pyproject.toml
+	test -x $(PYTHON) || python3 -m venv $(VENV)
+	$(PIP) -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.demo-stamp
 	$(PYTHON) -m trainyard.demo
 
 # The dashboard test drives Debian's Chromium (never `playwright install`'s download).
 CHROMIUM := /usr/bin/chromium
 
-test: $(STAMP) $(CHROMIUM)
+test: $(VENV)/.test-stamp $(CHROMIUM)
 	$(PYTHON) -m pytest
 
 $(CHROMIUM):
