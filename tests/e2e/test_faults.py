@@ -7,6 +7,7 @@ import signal
 import subprocess
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 import pytest
@@ -112,10 +113,10 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_sta
     assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
 
 
-def training_ranks(job_id: int, attempt: int) -> list[int]:
+def training_ranks(run_dir: Path) -> list[int]:
     """The attempt's training processes, not Accelerate's launcher (whose command line names the same run dir)."""
     ranks = []
-    for pid in pids_matching(f"job-{job_id}/attempt-{attempt}/"):
+    for pid in pids_matching(f"{run_dir}/"):
         try:
             command = open(f"/proc/{pid}/cmdline", "rb").read()
         except FileNotFoundError:
@@ -125,7 +126,7 @@ def training_ranks(job_id: int, attempt: int) -> list[int]:
     return ranks
 
 
-def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_resumes_with_every_step_once(two_host_stack):
+def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_resumes_with_every_step_once(two_host_stack, tmp_path):
     client = two_host_stack
     # Tiny steps (~5 ms), enough of them that the job is still early on when it hangs. The stall
     # timeout must cover a cold start of the training processes (10-15 s on 2 busy cores).
@@ -142,7 +143,9 @@ def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_r
 
     # SIGSTOP: the rank hangs without dying, like a rank stuck in a collective. Its worker is
     # alive and keeps renewing the lease, so only the stall timeout can end the attempt.
-    [rank] = training_ranks(job_id, attempt=1)
+    # The full run dir, so that no other Trainyard on this machine (with its own job 1) is matched.
+    first_run_dir = (tmp_path / "yard").resolve() / "work" / f"job-{job_id}" / "attempt-1"
+    [rank] = training_ranks(first_run_dir)
     os.kill(rank, signal.SIGSTOP)
     stopped_at = datetime.now(timezone.utc)
 
@@ -155,6 +158,6 @@ def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_r
     hung_for = (datetime.fromisoformat(first["finished_at"]) - stopped_at).total_seconds()
     assert stall_timeout - 2 <= hung_for <= stall_timeout + 30, hung_for
     assert second["status"] == "succeeded" and second["resumed_from_step"] >= 100
-    assert not pids_matching(f"job-{job_id}/attempt-1/"), "the hung attempt's processes were left behind"
+    assert not pids_matching(f"{first_run_dir}/"), "the hung attempt's processes were left behind"
     series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]
     assert series["train_loss"]["steps"] == list(range(1, max_steps + 1))
