@@ -14,7 +14,7 @@ from api_schemas.jobs import JobSpec
 class ErrorOut(BaseModel):
     """Every error response: a message, or for 422 the list of bad fields with their reasons."""
 
-    detail: str | list[dict[str, Any]]
+    detail: str | list[dict[str, Any]] | dict[str, Any]
 
 
 class JobStatus(str, Enum):

@@ -93,6 +93,15 @@ class TrainingConfig(_Config):
     seed: int = Field(1337, ge=0, le=2**32 - 1, description="Seed for weights, data order and dropout.")
     eval_every: int = Field(250, ge=1, description="Evaluate every this many steps (and always at the last step).")
     eval_batches: int = Field(20, ge=1, le=100_000, description="Validation batches per evaluation (per process).")
+    stall_timeout_s: float | None = Field(
+        None,
+        gt=0.0,
+        description=(
+            "Fail the attempt (retried under max_restarts, from the latest checkpoint) when no optimizer step "
+            "completes for this many seconds, counted from the attempt's start for the first step; it must cover "
+            "start-up, an evaluation and a checkpoint save. null disables."
+        ),
+    )
 
 
 class OptimizerConfig(_Config):

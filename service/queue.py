@@ -32,7 +32,11 @@ def make_celery(settings: Settings) -> Celery:
             transport_options = {"connect_args": {"timeout": 60}}
     app = Celery("trainyard", broker=url)
     app.conf.update(
-        task_acks_late=True,
+        # Ack on receipt. An attempt lasts hours and its message is worth nothing once claimed:
+        # the database and the lease track it, and the scheduler re-sends an unclaimed dispatch.
+        # Held unacked, it made the worker crash when the Redis connection dropped (kombu tried
+        # to restore it over the closed connection) and stop consuming for good.
+        task_acks_late=False,
         worker_prefetch_multiplier=1,
         task_ignore_result=True,
         task_default_queue="trainyard.default",

@@ -29,6 +29,9 @@ class Settings(BaseSettings):
 
     log_format: Literal["text", "json"] = Field("text", description="`json`: one object per line with job_id and attempt_id fields.")
 
+    max_active_jobs_per_user: int | None = Field(
+        None, ge=1, description="Most queued, scheduled and running jobs one user may have; a submit beyond it gets 429. Unset: no limit."
+    )
     max_request_bytes: int = Field(1_000_000, gt=0, description="Largest accepted request body.")
     log_tail_max: int = Field(1000, gt=0, description="Most log lines one /logs request returns.")
     metrics_max_points: int = Field(10_000, gt=0, description="Most points per series one /metrics request returns.")

@@ -67,6 +67,8 @@ def error_message(response: httpx.Response) -> str:
     if isinstance(detail, list):
         problems = "\n".join(f"  {_validation_problem(error)}" for error in detail)
         return f"the server rejected the request ({status}):\n{problems}"
+    if isinstance(detail, dict):  # a structured detail (the 429 quota answer) carries its sentence in `msg`
+        detail = detail.get("msg")
     reason = detail if isinstance(detail, str) and detail else response.reason_phrase
     if response.status_code == 401:
         reason += f"; pass --token or set TRAINYARD_TOKEN (`trainyard up` writes it to {token_file()})"

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,6 +106,7 @@ class StackInfo:
     url: str
     token: str
     data_dir: Path
+    restart: Callable[[str], None]  # restart("api"): stop that process and start it again, as an operator would
 
 
 def prepare_embedded(settings: Settings) -> str:
@@ -164,24 +165,37 @@ def embedded_stack(
         "scheduler": ["scheduler"],
         **{f"worker-{i}": ["worker", "--host-name", f"local-{i}", "--devices", devices, "--address", "127.0.0.1"] for i in range(workers)},
     }
-    children: list[subprocess.Popen] = []
+    url = f"http://127.0.0.1:{port}"
+    children: dict[str, subprocess.Popen] = {}
+
+    def start(name: str) -> None:
+        with open(log_dir / f"{name}.log", "ab") as out:
+            children[name] = subprocess.Popen(
+                [sys.executable, "-m", "trainyard", *commands[name]], env=child_env, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def restart(name: str) -> None:
+        _stop_children([children[name]])
+        start(name)
+        _wait_healthy(url, list(children.values()), log_dir)
+
     try:
-        for name, command in commands.items():
-            with open(log_dir / f"{name}.log", "ab") as out:
-                children.append(
-                    subprocess.Popen([sys.executable, "-m", "trainyard", *command], env=child_env, stdout=out, stderr=subprocess.STDOUT)
-                )
-        url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, children, log_dir)
-        yield StackInfo(url=url, token=token, data_dir=data_dir)
+        for name in commands:
+            start(name)
+        _wait_healthy(url, list(children.values()), log_dir)
+        yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart)
     finally:
-        for child in children:
-            child.terminate()
-        for child in children:
-            try:
-                child.wait(20)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        _stop_children(list(children.values()))
+
+
+def _stop_children(children: list[subprocess.Popen]) -> None:
+    for child in children:
+        child.terminate()
+    for child in children:
+        try:
+            child.wait(20)
+        except subprocess.TimeoutExpired:
+            child.kill()
 
 
 def _wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path, timeout: float = 60.0) -> None:

@@ -79,8 +79,8 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str) -
     worker_shutting_down.connect(shutting_down, weak=False)
 
     # Supervising is waiting on subprocesses and the database, so threads suffice: one per slot,
-    # since the scheduler never places more attempts on a host than it has slots. Prefetch 1 with
-    # late acks: a host takes only the attempts it can start now.
+    # since the scheduler never places more attempts on a host than it has slots. Prefetch 1: a
+    # host holds no more messages than it has free threads (a duplicate that waits is a no-op).
     app.worker_main(
         [
             "worker", "--queues", host_queue(host_name), "--pool", "threads", "--concurrency", str(slots),

@@ -2,10 +2,11 @@
 
 The Celery message only says "run attempt X". The supervisor claims X in the database with a
 lease (a duplicate delivery finds it claimed and does nothing), launches the training processes
-with Accelerate's launcher, and while they run: renews the lease, stops them on cancel, and
-forwards what the training loop wrote (metrics and checkpoint events in a JSONL file, stdout and
-stderr) to the database and artifact store. The events file is the worker-side buffer: if the
-database is briefly unreachable, nothing is lost, it is delivered on the next successful flush.
+with Accelerate's launcher, and while they run: renews the lease, stops them on cancel, kills them
+when they stop making steps (`training.stall_timeout_s`), and forwards what the training loop
+wrote (metrics and checkpoint events in a JSONL file, stdout and stderr) to the database and
+artifact store. The events file is the worker-side buffer: if the database is briefly
+unreachable, nothing is lost, it is delivered on the next successful flush.
 """
 
 from __future__ import annotations
@@ -112,6 +113,24 @@ class Outbox:
         return not (self.metrics or self.logs or self.checkpoints)
 
 
+class StallWatch:
+    """Time since the training loop last reported an optimizer step (or, before the first, since the start)."""
+
+    def __init__(self, timeout_seconds: float | None):
+        self.timeout_seconds = timeout_seconds
+        self.last_progress = time.monotonic()
+
+    def progressed(self) -> None:
+        self.last_progress = time.monotonic()
+
+    def expired(self) -> bool:
+        return self.timeout_seconds is not None and time.monotonic() - self.last_progress > self.timeout_seconds
+
+    @property
+    def reason(self) -> str:
+        return f"stalled: no optimizer step for {self.timeout_seconds:g} s; its processes were killed"
+
+
 class AttemptRunner:
     def __init__(self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1"):
         self.settings, self.sessions, self.host_name, self.address = settings, sessions, host_name, address
@@ -159,6 +178,8 @@ class AttemptRunner:
         threading.Thread(target=_pump_lines, args=(process.stdout, lines), daemon=True).start()
         events = EventTail(run_dir / "events.jsonl")
         outbox = Outbox()
+        stall = StallWatch(spec.training.stall_timeout_s)
+        stalled = False
         seq = 0
         next_sync = 0.0
         output_done = False
@@ -182,8 +203,15 @@ class AttemptRunner:
             for event in events.read():
                 if event["type"] == "metrics":
                     outbox.metrics += [(event["step"], name, float(value)) for name, value in event["values"].items()]
+                    stall.progressed()
                 elif event["type"] == "checkpoint":
                     outbox.checkpoints.append((event["step"], Path(event["path"])))
+            if exit_code is None and not stalled and stall.expired():
+                # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through
+                # us, so nothing else would ever notice. It won't answer SIGTERM: kill the group.
+                log.warning("job %s attempt %s: %s", claimed.job_id, claimed.number, stall.reason)
+                _stop(process, grace_seconds=0)
+                stalled = True
 
             finished = exit_code is not None and output_done
             if finished or time.monotonic() >= next_sync:
@@ -204,6 +232,8 @@ class AttemptRunner:
 
         if exit_code == 0:
             return AttemptStatus.succeeded, None
+        if stalled:
+            return AttemptStatus.failed, stall.reason
         # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
         # itself), so what counts is that we asked for the stop, not the code we got back.
         if preempted_because or exit_code == EXIT_PREEMPTED:
@@ -302,10 +332,12 @@ def _pump_lines(stream, lines: queue.Queue) -> None:
 
 
 def _stop(process: subprocess.Popen, grace_seconds: float = 15.0) -> None:
-    """SIGTERM the whole process group (launcher and ranks), then SIGKILL whatever remains.
+    """SIGTERM the whole process group (launcher and ranks), then SIGKILL whatever remains;
+    with no grace, SIGKILL at once.
 
     The launcher may exit before its ranks do, so wait for the group to be empty, not for it."""
-    for sig, wait in ((signal.SIGTERM, grace_seconds), (signal.SIGKILL, 5.0)):
+    signals = [(signal.SIGTERM, grace_seconds)] if grace_seconds > 0 else []
+    for sig, wait in signals + [(signal.SIGKILL, 5.0)]:
         deadline = time.monotonic() + wait
         try:
             os.killpg(process.pid, sig)

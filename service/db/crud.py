@@ -16,6 +16,7 @@ from service import state
 from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogLine, Metric, User, WorkerHost, utcnow
 
 ACTIVE_ATTEMPT = (AttemptStatus.scheduled, AttemptStatus.running)
+ACTIVE_JOB = (JobStatus.queued, JobStatus.scheduled, JobStatus.running)
 
 
 def _insert(session: Session):
@@ -52,12 +53,30 @@ def user_by_token(session: Session, token: str) -> User | None:
 
 # --- jobs --------------------------------------------------------------------------------------
 
-def create_job(session: Session, owner: User, spec: JobSpec, idempotency_key: str | None = None) -> Job:
-    """Queue a job. A retried request with the same Idempotency-Key returns the job it created."""
+class QuotaExceeded(Exception):
+    def __init__(self, limit: int, active: int):
+        super().__init__(f"{active} active jobs (queued, scheduled or running); the limit is {limit} per user")
+        self.limit, self.active = limit, active
+
+
+def create_job(
+    session: Session, owner: User, spec: JobSpec, idempotency_key: str | None = None, max_active: int | None = None
+) -> Job:
+    """Queue a job. A retried request with the same Idempotency-Key returns the job it created.
+
+    Raises QuotaExceeded if the owner already has `max_active` active jobs."""
     if idempotency_key:
         existing = session.scalar(select(Job).where(Job.owner_id == owner.id, Job.idempotency_key == idempotency_key))
         if existing:
             return existing
+    if max_active is not None:
+        # Lock the owner's row so two concurrent submits can't both see room for one more job
+        # (PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers).
+        session.execute(select(User.id).where(User.id == owner.id).with_for_update())
+        active = active_job_count(session, owner)
+        if active >= max_active:
+            session.rollback()
+            raise QuotaExceeded(max_active, active)
     job = Job(
         owner_id=owner.id,
         name=spec.name,
@@ -72,6 +91,10 @@ def create_job(session: Session, owner: User, spec: JobSpec, idempotency_key: st
     state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
     session.commit()
     return job
+
+
+def active_job_count(session: Session, owner: User) -> int:
+    return session.scalar(select(func.count()).select_from(Job).where(Job.owner_id == owner.id, Job.status.in_(ACTIVE_JOB)))
 
 
 def job_visible_to(session: Session, user: User, job_id: int) -> Job | None:

@@ -140,6 +140,10 @@ def test_server_and_token_come_from_args_then_env_then_token_file(monkeypatch, t
             "  fp16 needs device 'cuda'",
         ),
         (httpx.Response(422, json={"detail": "dataset file is empty"}), "dataset file is empty (HTTP 422)"),
+        (
+            httpx.Response(429, json={"detail": {"msg": "3 active jobs (queued, scheduled or running); the limit is 3 per user", "limit": 3, "active": 3}}),
+            "3 active jobs (queued, scheduled or running); the limit is 3 per user (HTTP 429)",
+        ),
         (httpx.Response(502, text="<html>Bad Gateway</html>"), "<html>Bad Gateway</html> (HTTP 502)"),
         (httpx.Response(500, text=""), "Internal Server Error (HTTP 500)"),
     ],

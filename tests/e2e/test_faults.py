@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +15,7 @@ import torch
 from safetensors.torch import load
 
 from tests.e2e.test_end_to_end import wait_for
-from tests.helpers import spec_dict
+from tests.helpers import spec_dict, tiny_spec
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
 
@@ -109,6 +111,56 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_sta
     # It stopped at a checkpoint of its own, not at the last scheduled one (every 50 steps).
     assert second["resumed_from_step"] % 50 != 0
     assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
+
+
+def training_ranks(run_dir: Path) -> list[int]:
+    """The attempt's training processes, not Accelerate's launcher (whose command line names the same run dir)."""
+    ranks = []
+    for pid in pids_matching(f"{run_dir}/"):
+        try:
+            command = open(f"/proc/{pid}/cmdline", "rb").read()
+        except FileNotFoundError:
+            continue
+        if b"accelerate.commands.launch" not in command:
+            ranks.append(pid)
+    return ranks
+
+
+def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_resumes_with_every_step_once(two_host_stack, tmp_path):
+    client = two_host_stack
+    # Tiny steps (~5 ms), enough of them that the job is still early on when it hangs. The stall
+    # timeout must cover a cold start of the training processes (10-15 s on 2 busy cores).
+    max_steps, stall_timeout = 1200, 30
+    spec = tiny_spec(
+        **{"training.max_steps": max_steps, "training.eval_every": 400, "checkpoint.every_steps": 100, "checkpoint.keep_last": 20,
+           "training.stall_timeout_s": stall_timeout, "max_restarts": 2}
+    )
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    deadline = time.monotonic() + 120
+    while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
+        assert time.monotonic() < deadline, "no checkpoint was registered"
+        time.sleep(0.1)
+
+    # SIGSTOP: the rank hangs without dying, like a rank stuck in a collective. Its worker is
+    # alive and keeps renewing the lease, so only the stall timeout can end the attempt.
+    # The full run dir, so that no other Trainyard on this machine (with its own job 1) is matched.
+    first_run_dir = (tmp_path / "yard").resolve() / "work" / f"job-{job_id}" / "attempt-1"
+    [rank] = training_ranks(first_run_dir)
+    os.kill(rank, signal.SIGSTOP)
+    stopped_at = datetime.now(timezone.utc)
+
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert job["status"] == "succeeded", job["failure_reason"]
+    first, second = job["attempts"]
+    assert first["status"] == "failed" and first["failure_reason"].startswith(f"stalled: no optimizer step for {stall_timeout} s")
+    assert job["restarts"] == 1  # a stall is a failure: it uses a restart
+    # Killed for the stall, once it lasted the timeout (counted from the last step before the stop).
+    hung_for = (datetime.fromisoformat(first["finished_at"]) - stopped_at).total_seconds()
+    assert stall_timeout - 2 <= hung_for <= stall_timeout + 30, hung_for
+    assert second["status"] == "succeeded" and second["resumed_from_step"] >= 100
+    assert not pids_matching(f"{first_run_dir}/"), "the hung attempt's processes were left behind"
+    series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]
+    assert series["train_loss"]["steps"] == list(range(1, max_steps + 1))
 
 
 @pytest.fixture

@@ -110,6 +110,43 @@ def test_idempotency_key_makes_retries_create_one_job(api, tokens):
     assert len(api.get("/v1/jobs", headers=auth(tokens["alice"])).json()["items"]) == 1
 
 
+def api_with_quota(settings: Settings, max_active_jobs: int) -> TestClient:
+    return TestClient(create_app(settings.model_copy(update={"max_active_jobs_per_user": max_active_jobs})))
+
+
+def test_a_submit_over_the_active_job_quota_gets_429_until_one_of_the_users_jobs_ends(settings, tokens):
+    api = api_with_quota(settings, 3)
+    alice = auth(tokens["alice"])
+    ids = [api.post("/v1/jobs", json=tiny_spec(), headers=alice).json()["id"] for _ in range(3)]
+    # Placed and running jobs count as much as queued ones: one running, one scheduled, one queued.
+    sessions = session_factory(settings.resolved_database_url)
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 2, {})
+        (attempt_id, _), _ = schedule_pass(session, settings)
+    with sessions() as session:
+        assert crud.claim_attempt(session, attempt_id, "worker-1", settings.lease_seconds) is not None
+    assert sorted(api.get(f"/v1/jobs/{i}", headers=alice).json()["status"] for i in ids) == ["queued", "running", "scheduled"]
+
+    refused = api.post("/v1/jobs", json=tiny_spec(), headers=alice)
+    assert refused.status_code == 429
+    assert refused.headers["Retry-After"] == "60"
+    detail = refused.json()["detail"]
+    assert detail["limit"] == 3 and detail["active"] == 3 and "the limit is 3" in detail["msg"]
+
+    assert api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["bob"])).status_code == 201  # per user
+    api.post(f"/v1/jobs/{ids[-1]}/cancel", headers=alice)  # the queued one: cancelled at once, no longer active
+    assert api.post("/v1/jobs", json=tiny_spec(), headers=alice).status_code == 201
+
+
+def test_an_idempotent_retry_at_the_quota_returns_the_job_it_created(settings, tokens):
+    api = api_with_quota(settings, 1)
+    headers = {**auth(tokens["alice"]), "Idempotency-Key": "submit-1"}
+    created = api.post("/v1/jobs", json=tiny_spec(), headers=headers)
+    retried = api.post("/v1/jobs", json=tiny_spec(), headers=headers)
+    assert retried.status_code == 201 and retried.json()["id"] == created.json()["id"]
+    assert api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).status_code == 429  # a new job is still refused
+
+
 def test_job_list_pages_with_a_cursor_and_filters_by_status(api, tokens):
     ids = [api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"] for _ in range(5)]
     api.post(f"/v1/jobs/{ids[0]}/cancel", headers=auth(tokens["alice"]))

@@ -37,6 +37,7 @@ def test_default_warmup_is_ten_percent_of_steps():
         ({"model.n_embd": 130}, ("model",), "n_embd (130) must be divisible by n_head (4)"),
         ({"training.max_steps": -5}, ("training", "max_steps"), "greater than or equal to 1"),
         ({"training.precision": "fp8"}, ("training", "precision"), "'no', 'fp16' or 'bf16'"),
+        ({"training.stall_timeout_s": 0}, ("training", "stall_timeout_s"), "greater than 0"),
         ({"dataset.path": "../etc/passwd"}, ("dataset", "path"), "must not contain '..'"),
         ({"dataset.path": "/etc/passwd"}, ("dataset", "path"), "relative path"),
         ({"optimizer.betas": [0.9, 1.5]}, ("optimizer", "betas"), "each beta must be in [0, 1)"),

@@ -16,8 +16,16 @@ from service.db.session import session_factory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
 
+# Jobs run for minutes to days; a client over its quota has no reason to ask again sooner.
+QUOTA_RETRY_AFTER_SECONDS = 60
 
-@router.post("", status_code=status.HTTP_201_CREATED, response_model=JobOut)
+
+@router.post(
+    "",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobOut,
+    responses={429: {"description": "The user already has `max_active_jobs_per_user` active jobs; see Retry-After."}},
+)
 def submit_job(
     spec: JobSpec,
     session: SessionDep,
@@ -36,7 +44,14 @@ def submit_job(
     if reason := never_fits(spec.resources, crud.all_hosts(session)):
         detail = [{"loc": ["body", "resources"], "msg": reason, "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
-    return job_out(crud.create_job(session, user, spec, idempotency_key))
+    try:
+        job = crud.create_job(session, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
+    except crud.QuotaExceeded as exc:
+        detail = {"msg": str(exc), "limit": exc.limit, "active": exc.active}
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS, detail, headers={"Retry-After": str(QUOTA_RETRY_AFTER_SECONDS)}
+        ) from exc
+    return job_out(job)
 
 
 @router.get("", response_model=JobPage)

@@ -1,0 +1,191 @@
+"""PostgreSQL, Redis and the API restarted under a running job (production mode): nothing is lost.
+
+The test runs its own redis-server and PostgreSQL cluster, so it can stop and start them without
+touching the shared servers other tests use.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import sqlalchemy as sa
+
+from tests.conftest import service_missing
+from tests.e2e.test_end_to_end import wait_for
+from tests.helpers import tiny_spec
+from trainyard.server_cli import embedded_stack
+from workers.supervisor import free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def postgres_binary(name: str) -> str | None:
+    """On PATH, or where Debian's packages put it (/usr/lib/postgresql/<version>/bin)."""
+    return shutil.which(name) or max(map(str, Path("/usr/lib/postgresql").glob(f"*/bin/{name}")), default=None)
+
+
+class RedisServer:
+    """A private, memory-only redis-server: a restart loses every message, as a crash would."""
+
+    def __init__(self, directory: Path):
+        self.directory, self.port = directory, free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        import redis
+
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                   "--dir", str(self.directory)]
+        with open(self.directory / "redis.log", "ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                redis.Redis.from_url(self.url).ping()
+                return
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(20)
+
+
+class PostgresCluster:
+    """A private PostgreSQL cluster on a free port, trust auth, its socket in its own directory.
+
+    PostgreSQL refuses to run as root, so as root the cluster belongs to the `postgres` user."""
+
+    def __init__(self, initdb: str, pg_ctl: str):
+        self.pg_ctl, self.port = pg_ctl, free_port()
+        self.user = "postgres" if os.geteuid() == 0 else None
+        # Short and outside pytest's root-only tmp dir: the socket path has a ~100-byte limit, and
+        # the `postgres` user must be able to reach it.
+        self.directory = Path(tempfile.mkdtemp(prefix="trainyard-pg-"))
+        if self.user:
+            shutil.chown(self.directory, self.user)
+        self.data = self.directory / "data"
+        self._run(initdb, "-D", str(self.data), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8")
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/trainyard"
+
+    def _run(self, *command: str) -> None:
+        result = subprocess.run(command, user=self.user, capture_output=True, text=True)
+        assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run(self.pg_ctl, "-D", str(self.data), "-l", str(self.directory / "postgres.log"), "-o", options, "-w", "start")
+
+    def stop(self) -> None:
+        # Fast shutdown: open connections are cut, as a crash or a failover would cut them.
+        self._run(self.pg_ctl, "-D", str(self.data), "-m", "fast", "-w", "stop")
+
+    def create_database(self) -> None:
+        admin = sa.create_engine(self.url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
+        with admin.connect() as connection:
+            connection.execute(sa.text("CREATE DATABASE trainyard"))
+        admin.dispose()
+
+    def remove(self) -> None:
+        subprocess.run([self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"], user=self.user, capture_output=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    if shutil.which("redis-server") is None:
+        service_missing("redis-server", FileNotFoundError("redis-server is not on PATH"))
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_postgres():
+    initdb, pg_ctl = postgres_binary("initdb"), postgres_binary("pg_ctl")
+    if initdb is None or pg_ctl is None:
+        service_missing("PostgreSQL's initdb and pg_ctl", FileNotFoundError("not on PATH nor in /usr/lib/postgresql/*/bin"))
+    if os.geteuid() == 0:
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError as exc:
+            service_missing("a `postgres` user to run PostgreSQL as (it refuses root)", exc)
+    cluster = PostgresCluster(initdb, pg_ctl)
+    try:
+        cluster.start()
+        cluster.create_database()
+        yield cluster
+    finally:
+        cluster.remove()
+
+
+@pytest.fixture
+def production_stack(tmp_path, monkeypatch, private_redis, private_postgres):
+    # The lease must outlast the database outage (else the attempt is reaped as lost); a dispatch
+    # lost with Redis is re-sent after the dispatch timeout, shortened from the production 60 s.
+    monkeypatch.setenv("TRAINYARD_LEASE_SECONDS", "15")
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
+    monkeypatch.setenv("TRAINYARD_HOST_TIMEOUT_SECONDS", "15")
+    monkeypatch.setenv("TRAINYARD_DISPATCH_TIMEOUT_SECONDS", "5")
+    with embedded_stack(
+        tmp_path / "yard", free_port(), workers=1, database_url=private_postgres.url, broker_url=private_redis.url
+    ) as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            yield client, info, private_redis, private_postgres
+
+
+def wait_for_step(client: httpx.Client, job_id: int, step: int, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while (job := client.get(f"/v1/jobs/{job_id}").json())["step"] < step:
+        assert time.monotonic() < deadline, f"job {job_id} stuck at step {job['step']}: {job}"
+        time.sleep(0.2)
+    return job
+
+
+def test_redis_postgres_and_the_api_restarted_mid_job_lose_no_step_no_checkpoint_and_strand_no_job(production_stack):
+    client, stack, redis_server, postgres = production_stack
+    # Tiny steps: 5 ms on an idle machine, ten times that on a busy one. Enough of them to outlast
+    # the outages below (about 5 s) even when they are fast.
+    max_steps, every = 1500, 150
+    spec = tiny_spec(**{"training.max_steps": max_steps, "training.eval_every": 500, "checkpoint.every_steps": every,
+                        "checkpoint.keep_last": 100})
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    wait_for_step(client, job_id, 1)
+
+    # Redis goes away under the running attempt, and a job is submitted meanwhile (the API needs
+    # no broker): its dispatch is lost and must be re-sent once Redis is back. Then PostgreSQL
+    # goes away too: the worker keeps the job's metrics and checkpoints until it can deliver them.
+    redis_server.stop()
+    second = client.post("/v1/jobs", json=tiny_spec())
+    assert second.status_code == 201
+    postgres.stop()
+    time.sleep(3)
+    postgres.start()
+    redis_server.start()
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["status"] == "running", f"the job ended before the outages were over: {job}"
+
+    # The API is stateless: a new process serves the same jobs.
+    stack.restart("api")
+
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert job["status"] == "succeeded", job["failure_reason"]
+    assert [a["status"] for a in job["attempts"]] == ["succeeded"]  # the outages cost no attempt
+    series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]
+    assert series["train_loss"]["steps"] == list(range(1, max_steps + 1))
+    assert [c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json()] == list(range(every, max_steps + 1, every))
+
+    assert wait_for(client, second.json()["id"], {"succeeded", "failed", "cancelled"}, timeout=120)["status"] == "succeeded"
+    counts = client.get("/v1/dashboard").json()["jobs_by_status"]
+    assert counts["scheduled"] == counts["queued"] == counts["running"] == 0 and counts["succeeded"] == 2
