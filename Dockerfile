@@ -2,6 +2,8 @@
 # with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or a CUDA base image).
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# `hf`: transformers models and load_from_disk datasets; build with --build-arg EXTRAS= for a leaner image.
+ARG EXTRAS=hf
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY api_schemas api_schemas
@@ -9,7 +11,7 @@ COPY service service
 COPY workers workers
 COPY trainyard trainyard
 COPY data data
-RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} .
+RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} ".${EXTRAS:+[$EXTRAS]}"
 ENV TRAINYARD_ARTIFACT_ROOT=/var/lib/trainyard/artifacts \
     TRAINYARD_DATA_ROOT=/var/lib/trainyard/data \
     TRAINYARD_WORK_ROOT=/var/lib/trainyard/work

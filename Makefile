@@ -19,15 +19,24 @@ $(VENV)/.test-stamp: pyproject.toml
 demo: $(VENV)/.demo-stamp
 	$(PYTHON) -m trainyard.demo
 
-# The dashboard test drives Debian's Chromium (never `playwright install`'s download).
+# Real programs some tests drive, from Debian's packages: Chromium for the dashboard page (never
+# `playwright install`'s download), nginx for downloads behind the shipped proxy config.
 CHROMIUM := /usr/bin/chromium
+NGINX    := /usr/sbin/nginx
 
-test: $(VENV)/.test-stamp $(CHROMIUM)
+test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX)
 	$(PYTHON) -m pytest
 
 $(CHROMIUM):
-	apt-get install -y -q chromium >/dev/null 2>&1 || sudo -n apt-get install -y -q chromium >/dev/null 2>&1 \
-	  || (apt-get update -q && apt-get install -y -q chromium) || echo "could not install chromium: the dashboard test will say so"
+	$(call apt_install,chromium)
+
+$(NGINX):
+	$(call apt_install,nginx-light)
+
+define apt_install
+	apt-get install -y -q $(1) >/dev/null 2>&1 || sudo -n apt-get install -y -q $(1) >/dev/null 2>&1 \
+	  || (apt-get update -q && apt-get install -y -q $(1)) || echo "could not install $(1): the tests that need it will say so"
+endef
 
 clean:
 	rm -rf $(VENV) .trainyard .trainyard-demo .pytest_cache

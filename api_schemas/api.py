@@ -65,7 +65,7 @@ class JobOut(BaseModel):
     step: int = Field(description="Last optimizer step reported by the training loop.")
     max_steps: int
     priority: int
-    effective_batch_size: int
+    effective_batch_size: int | None = Field(description="Samples per optimizer step, all processes; null for a script job.")
     restarts: int = Field(description="Attempts that ended without success so far.")
     failure_reason: str | None
     waiting_reason: str | None = Field(None, description="While queued: what the scheduler waits for.")
@@ -109,8 +109,19 @@ class CheckpointOut(BaseModel):
     id: int
     job_id: int
     step: int
-    sha256: str = Field(description="sha256 of model.safetensors.")
-    size_bytes: int = Field(description="Size of model.safetensors.")
+    sha256: str = Field(description="sha256 of model.safetensors (a script's checkpoint without one: of its manifest.json).")
+    size_bytes: int = Field(description="Size of model.safetensors (a script's checkpoint without one: of all its files).")
+    created_at: datetime
+
+
+class UploadOut(BaseModel):
+    """An uploaded dataset file or code bundle, usable by its owner's jobs by `id`."""
+
+    id: int
+    kind: str = Field(description="`dataset` or `code`.")
+    name: str = Field(description="The file name given at upload.")
+    sha256: str = Field(description="sha256 of the uploaded bytes.")
+    size_bytes: int
     created_at: datetime
 
 

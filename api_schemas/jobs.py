@@ -8,7 +8,7 @@ here is one the worker can run.
 from __future__ import annotations
 
 from pathlib import PurePosixPath
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -18,16 +18,32 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def relative_inside_root(path: str, root: str = "the data root") -> str:
+    """Refuse what can never be right wherever the root is. The full check (resolves inside the
+    root, exists) needs the server's root."""
+    p = PurePosixPath(path)
+    if p.is_absolute() or "\\" in path:
+        raise ValueError(f"must be a relative path under {root}")
+    if ".." in p.parts:
+        raise ValueError("must not contain '..'")
+    return path
+
+
 class ModelConfig(_Config):
     """A nanoGPT-style causal language model."""
 
-    kind: Literal["gpt"] = Field(description="`gpt`: a causal LM on a `text` dataset; `mlp`: a classifier (MLPConfig).")
+    kind: Literal["gpt"] = Field(
+        description="`gpt`: a causal LM on a `text` dataset; `mlp`: a classifier (MLPConfig); `hf`: a transformers model (HFModelConfig); "
+        "`custom`: your own loop (CustomConfig)."
+    )
     n_layer: int = Field(4, ge=1, le=96, description="Number of transformer blocks.")
     n_head: int = Field(4, ge=1, le=128, description="Attention heads per block.")
     n_embd: int = Field(128, ge=8, le=16384, description="Embedding width; must be divisible by n_head.")
     block_size: int = Field(64, ge=2, le=32768, description="Context length in tokens.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability during training.")
     bias: bool = Field(False, description="Use bias in Linear and LayerNorm layers.")
+
+    task: ClassVar[str] = "lm"
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelConfig:
@@ -47,29 +63,143 @@ class MLPConfig(_Config):
     n_layer: int = Field(2, ge=1, le=32, description="Hidden layers.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability during training.")
 
+    task: ClassVar[str] = "classify"
 
-class _DatasetPath(_Config):
-    path: str = Field(min_length=1, max_length=1024, description="File path relative to the service's data root.")
-    tokenizer: Literal["char", "byte"] = Field("char", description="`char`: vocabulary of the data's characters; `byte`: 256 byte values.")
-    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Tail fraction held out for evaluation.")
+
+# transformers architectures a job may name, by task. Any of them trains on the ids of the dataset's
+# tokenizer (char, byte or tokenizer_file): the engine sets vocab_size (and the padding id and num_labels) itself.
+# (Not RoBERTa: its position ids count from the padding id, which is one past the vocabulary here.)
+HF_CLASSIFIERS = (
+    "BertForSequenceClassification", "DistilBertForSequenceClassification", "GPT2ForSequenceClassification", "LlamaForSequenceClassification",
+)
+HF_CAUSAL_LMS = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# Config keys the engine sets from the data; a spec names num_labels as model.num_labels.
+HF_ENGINE_KEYS = ("vocab_size", "num_labels", "pad_token_id", "id2label", "label2id")
+
+
+class HFModelConfig(_Config):
+    """A Hugging Face `transformers` model, built from a config or from a local directory; never downloaded."""
+
+    kind: Literal["hf"] = Field(description="Model family: a transformers model.")
+    architecture: Literal[HF_CLASSIFIERS + HF_CAUSAL_LMS] = Field(
+        description="transformers model class. A `…ForSequenceClassification` trains on labelled texts, a causal LM on a corpus."
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        max_length=200,
+        description="Keyword arguments of the architecture's config class (e.g. DistilBertConfig: n_layers, dim, n_heads, "
+        "hidden_dim); the class defaults fill the rest. With `path`: changes to its config.json.",
+    )
+    path: str | None = Field(
+        None, min_length=1, max_length=1024,
+        description="A directory under the data root holding config.json and optionally model.safetensors (weights as safetensors only).",
+    )
+    num_labels: int | None = Field(None, ge=2, le=10_000, description="Classifiers: distinct labels; the dataset must hold exactly this many.")
+    max_length: int = Field(
+        128, ge=2, le=32768, description="Classifiers: tokens of each text used (longer ones are cut). Causal LMs: context length in tokens."
+    )
+
+    @field_validator("config")
+    @classmethod
+    def _engine_sets_vocabulary(cls, config: dict[str, Any]) -> dict[str, Any]:
+        if set_here := sorted(set(config) & set(HF_ENGINE_KEYS)):
+            raise ValueError(f"{', '.join(set_here)}: set by the engine from the tokenizer and model.num_labels, not in model.config")
+        return config
 
     @field_validator("path")
     @classmethod
-    def _relative_inside_root(cls, path: str) -> str:
-        # The full check (resolves inside the data root, exists) needs the server's data
-        # root; this one rejects what can never be right wherever the root is.
-        p = PurePosixPath(path)
-        if p.is_absolute() or "\\" in path:
-            raise ValueError("must be a relative path under the data root")
-        if ".." in p.parts:
-            raise ValueError("must not contain '..'")
+    def _path_inside_root(cls, path: str | None) -> str | None:
+        return None if path is None else relative_inside_root(path)
+
+    @model_validator(mode="after")
+    def _labels_for_classifiers(self) -> HFModelConfig:
+        if self.task == "classify" and self.num_labels is None:
+            raise ValueError(f"num_labels: {self.architecture} is a classifier and needs num_labels")
+        if self.task == "lm" and self.num_labels is not None:
+            raise ValueError(f"num_labels: {self.architecture} is a language model, it has no labels")
+        return self
+
+    @property
+    def task(self) -> str:
+        return "classify" if self.architecture in HF_CLASSIFIERS else "lm"
+
+    @property
+    def block_size(self) -> int:
+        """Context length of a causal LM (the same field as a classifier's text length)."""
+        return self.max_length
+
+
+class CustomConfig(_Config):
+    """Your own training function, for loops the built-in one can't express (a GAN's two models and
+    two optimizers, say). It is called with a prepared context: the accelerator, the job's dataset if
+    it names one, `log_metric`, `save_checkpoint`, `resume_from` and `should_stop` (see
+    workers/training/custom.py and examples/plugins/gan_example.py)."""
+
+    kind: Literal["custom"] = Field(description="Model family: a function from the worker's plugin directory runs the job.")
+    entrypoint: str = Field(
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*:[A-Za-z_][A-Za-z0-9_]*$",
+        max_length=200,
+        description="`module:function`: module.py in the plugin directory (TRAINYARD_PLUGIN_DIR, installed by the operator); "
+        "one name, no dots or paths, so nothing outside that directory can be loaded.",
+    )
+    config: dict[str, Any] = Field(default_factory=dict, description="Free-form JSON handed to the function as `context.config`.")
+
+    task: ClassVar[str] = "custom"
+
+
+# Uploaded datasets live under this directory of the data root; a `path` may not name it (another
+# user's upload would be one guess away), only `upload_id` reaches an upload, after an owner check.
+UPLOADS_DIR = "uploads"
+
+
+class _DatasetPath(_Config):
+    path: str | None = Field(
+        None, min_length=1, max_length=1024, description="File path relative to the service's data root; or give `upload_id`."
+    )
+    upload_id: int | None = Field(
+        None, ge=1, le=2**63 - 1, description="A dataset you uploaded with POST /v1/datasets; or give `path`."
+    )
+    tokenizer: Literal["char", "byte"] = Field("char", description="`char`: vocabulary of the data's characters; `byte`: 256 byte values.")
+    tokenizer_file: str | None = Field(
+        None, min_length=1, max_length=1024,
+        description="Instead of `tokenizer`: a Hugging Face `tokenizers` tokenizer.json under the data root (such as the one "
+        "beside a pretrained `hf` model); texts are encoded without special tokens. Needs the `hf` extra.",
+    )
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="Tail fraction held out for evaluation.")
+
+    @field_validator("path", "tokenizer_file")
+    @classmethod
+    def _relative_inside_root(cls, path: str | None) -> str | None:
+        if path is None:
+            return path
+        # The full check (resolves inside the data root, exists) needs the server's data root;
+        # this one rejects what can never be right wherever the root is.
+        p = PurePosixPath(relative_inside_root(path))
+        if p.parts and p.parts[0] == UPLOADS_DIR:
+            raise ValueError(f"must not be under {UPLOADS_DIR}/: name an uploaded dataset by `upload_id`")
         return path
+
+    @model_validator(mode="after")
+    def _path_or_upload(self):
+        if (self.path is None) == (self.upload_id is None):
+            raise ValueError("dataset: give exactly one of `path` and `upload_id`")
+        return self
+
+    @property
+    def relative_path(self) -> str:
+        """The file, relative to the data root, whichever way the spec names it."""
+        return self.path if self.path is not None else f"{UPLOADS_DIR}/{self.upload_id}"
 
 
 class DatasetConfig(_DatasetPath):
     """A plain-text corpus, tokenised per character or per byte."""
 
-    kind: Literal["text"] = Field(description="`text`: one corpus for a language model; `jsonl`/`csv`: labelled texts (LabelledDatasetConfig).")
+    kind: Literal["text"] = Field(
+        description="`text`: one corpus for a language model; `jsonl`/`csv`: labelled texts (LabelledDatasetConfig); "
+        "`hf_disk`: a `datasets` directory (DiskDatasetConfig)."
+    )
+
+    tasks: ClassVar[tuple[str, ...]] = ("lm",)
 
 
 class LabelledDatasetConfig(_DatasetPath):
@@ -79,14 +209,39 @@ class LabelledDatasetConfig(_DatasetPath):
     text_column: str = Field("text", min_length=1, max_length=200, description="Field holding each text.")
     label_column: str = Field("label", min_length=1, max_length=200, description="Field holding each label (any strings or numbers).")
 
+    tasks: ClassVar[tuple[str, ...]] = ("classify",)
+
+
+class DiskDatasetConfig(_DatasetPath):
+    """A Hugging Face `datasets` directory written by `save_to_disk`, read with `load_from_disk`: labelled
+    texts for a classifier, or the texts of `text_column` joined by newlines for a language model."""
+
+    kind: Literal["hf_disk"] = Field(description="A `datasets` directory.")
+    path: str = Field(min_length=1, max_length=1024, description="Directory path relative to the service's data root.")
+    split: str | None = Field(
+        None, min_length=1, max_length=200, description="For a DatasetDict: the split to train on (val_fraction of it is held out)."
+    )
+    text_column: str = Field("text", min_length=1, max_length=200, description="Column holding each text.")
+    label_column: str = Field("label", min_length=1, max_length=200, description="Classifiers: column holding each label (a ClassLabel's names are used).")
+
+    tasks: ClassVar[tuple[str, ...]] = ("lm", "classify")
+
 
 class TrainingConfig(_Config):
     """How the loop runs. A step is one optimizer step."""
 
-    max_steps: int = Field(ge=1, le=10_000_000, description="Optimizer steps to train for.")
-    micro_batch_size: int = Field(ge=1, le=65536, description="Samples per process per forward pass.")
-    gradient_accumulation_steps: int = Field(1, ge=1, le=4096, description="Micro-batches accumulated per optimizer step.")
-    precision: Literal["no", "fp16", "bf16"] = Field("no", description="Accelerate mixed precision mode.")
+    max_steps: int | None = Field(
+        None, ge=1, le=10_000_000,
+        description="Optimizer steps to train for (required for built-in models; for a `script`, only shown as progress).",
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=65536, description="Samples per process per forward pass (required for built-in models; a `script` picks its own)."
+    )
+    gradient_accumulation_steps: int = Field(
+        1, ge=1, le=4096,
+        description="Micro-batches accumulated per optimizer step (a `script` gets it as ACCELERATE_GRADIENT_ACCUMULATION_STEPS).",
+    )
+    precision: Literal["no", "fp16", "bf16"] = Field("no", description="Accelerate mixed precision mode (`--mixed_precision`).")
     grad_clip_norm: float | None = Field(None, gt=0.0, description="Clip the global gradient norm to this value; null disables.")
     grad_clip_value: float | None = Field(None, gt=0.0, description="Clamp each gradient element to ±this value; null disables.")
     compile: bool = Field(False, description="Wrap the model with torch.compile.")
@@ -144,14 +299,82 @@ class CheckpointConfig(_Config):
     keep_last: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept per job; older ones are deleted.")
 
 
+class CodeSource(_Config):
+    """Where a script's code comes from: a bundle you uploaded, or a directory under the code root."""
+
+    upload_id: int | None = Field(None, ge=1, le=2**63 - 1, description="A code bundle uploaded with POST /v1/code.")
+    path: str | None = Field(
+        None, min_length=1, max_length=1024, description="A directory relative to the service's code root (TRAINYARD_CODE_ROOT)."
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, path: str | None) -> str | None:
+        return None if path is None else relative_inside_root(path, "the code root")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> CodeSource:
+        if (self.path is None) == (self.upload_id is None):
+            raise ValueError("script.code: give exactly one of `upload_id` and `path`")
+        return self
+
+
+# A package name and optional version specifiers, e.g. `transformers>=4.40,<5`: no URLs, paths or markers.
+REQUIREMENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *(===|==|!=|<=|>=|~=|<|>) *[A-Za-z0-9.*+!_-]+( *, *(===|==|!=|<=|>=|~=|<|>) *[A-Za-z0-9.*+!_-]+)*)?$"
+
+
+class ScriptConfig(_Config):
+    """Your own Accelerate training script, run as `accelerate launch <entrypoint> <args>` with the
+    job's processes, precision and accumulation. It reports through `accelerator.log` and
+    checkpoints with `accelerator.save_state`; nothing else in it needs to change."""
+
+    entrypoint: str = Field(min_length=1, max_length=1024, description="The script, relative to the code directory, e.g. `train.py`.")
+    args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list, max_length=256, description="Arguments after the script, as a list (no shell)."
+    )
+    code: CodeSource
+    resume_args: list[Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description=(
+            "Appended to `args` when the attempt resumes, with `{checkpoint}` replaced by the checkpoint directory, e.g. "
+            "`[\"--resume_from_checkpoint\", \"{checkpoint}\"]`. The directory is also in TRAINYARD_RESUME_FROM either way."
+        ),
+    )
+
+    requirements: list[Annotated[str, Field(pattern=REQUIREMENT_PATTERN, max_length=200)]] = Field(
+        default_factory=list,
+        max_length=64,
+        description=(
+            "Packages the script needs, as `name` or `name>=version` (PEP 440 specifiers). Nothing is installed per job: "
+            "each must be one the workers provide (TRAINYARD_SCRIPT_PACKAGES), checked at submit, and its installed version "
+            "must satisfy the specifier on the host that runs it, or the attempt fails saying which."
+        ),
+    )
+
+    @field_validator("entrypoint")
+    @classmethod
+    def _entrypoint_inside(cls, entrypoint: str) -> str:
+        return relative_inside_root(entrypoint, "the code directory")
+
+
+# The training fields a `script` job uses: the launcher's settings, and the service's own watch.
+SCRIPT_TRAINING_FIELDS = {"max_steps", "gradient_accumulation_steps", "precision", "stall_timeout_s"}
+
+
 class JobSpec(_Config):
     """Everything needed to run a training job, as POSTed to /v1/jobs."""
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Human-readable job name.")
-    model: Annotated[ModelConfig | MLPConfig, Field(discriminator="kind")]
-    dataset: Annotated[DatasetConfig | LabelledDatasetConfig, Field(discriminator="kind")]
-    training: TrainingConfig
-    optimizer: OptimizerConfig
+    model: Annotated[ModelConfig | MLPConfig | HFModelConfig | CustomConfig, Field(discriminator="kind")] | None = Field(
+        None, description="The model to train; leave out for a `script` job."
+    )
+    dataset: Annotated[DatasetConfig | LabelledDatasetConfig | DiskDatasetConfig, Field(discriminator="kind")] | None = Field(
+        None, description="The data; leave out for a `script` job, and optional for a `custom` one (it may make its own)."
+    )
+    script: ScriptConfig | None = Field(None, description="Run your own Accelerate script instead of a built-in model.")
+    training: TrainingConfig = Field(default_factory=lambda: TrainingConfig())
+    optimizer: OptimizerConfig | None = Field(None, description="Required for built-in and custom models; a `script` makes its own.")
     schedule: ScheduleConfig = Field(default_factory=lambda: ScheduleConfig())
     resources: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig())
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
@@ -163,8 +386,33 @@ class JobSpec(_Config):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:
-        if (self.model.kind == "gpt") != (self.dataset.kind == "text"):
-            raise ValueError("dataset.kind: a `gpt` model trains on a `text` dataset, an `mlp` classifier on `jsonl` or `csv`")
+        if self.script is not None:
+            if given := [name for name in ("model", "dataset", "optimizer") if getattr(self, name) is not None]:
+                raise ValueError(f"script: a script job brings its own model, data and optimizer; leave out {', '.join(given)}")
+            # The script decides these itself: a value other than the default would be silently ignored.
+            # (Compared with the defaults, not fields_set: a stored spec is re-read with every field.)
+            ignored = [
+                f"training.{name}" for name, field in TrainingConfig.model_fields.items()
+                if name not in SCRIPT_TRAINING_FIELDS and getattr(self.training, name) != field.default
+            ]
+            ignored += ["schedule"] if self.schedule != ScheduleConfig() else []
+            ignored += ["checkpoint.every_steps"] if self.checkpoint.every_steps is not None else []
+            if ignored:
+                raise ValueError(f"script: {', '.join(ignored)} would have no effect on a script job (it decides them itself); leave them out")
+            if self.training.precision == "fp16" and self.resources.device == "cpu":
+                raise ValueError("training.precision: fp16 needs device 'cuda' (use 'bf16' or 'no' on CPU)")
+            return self
+        needed = ("model", "optimizer", "training.max_steps", "training.micro_batch_size")
+        if missing := [name for name in needed if _dotted(self, name) is None]:
+            raise ValueError(f"{', '.join(missing)}: required (or give `script` to run your own code)")
+        if self.dataset is None:
+            if self.model.kind != "custom":
+                raise ValueError("dataset: required, except for a `custom` model")
+        elif self.model.task != "custom" and self.model.task not in self.dataset.tasks:
+            raise ValueError(
+                "dataset.kind: a language model (`gpt`, an `hf` causal LM) trains on a `text` or `hf_disk` dataset, "
+                "a classifier (`mlp`, an `hf` …ForSequenceClassification) on `jsonl`, `csv` or `hf_disk`"
+            )
         if self.training.precision == "fp16" and self.resources.device == "cpu":
             raise ValueError("training.precision: fp16 needs device 'cuda' (use 'bf16' or 'no' on CPU)")
         if self.training.grad_clip_norm and self.training.grad_clip_value:
@@ -177,8 +425,6 @@ class JobSpec(_Config):
 
     @property
     def warmup_steps(self) -> int:
-        if self.training.grad_clip_norm and self.training.grad_clip_value:
-            raise ValueError("training: set grad_clip_norm or grad_clip_value, not both")
         if self.schedule.warmup_steps is not None:
             return self.schedule.warmup_steps
         return self.training.max_steps // 10
@@ -188,14 +434,22 @@ class JobSpec(_Config):
         return self.resources.nodes * self.resources.processes_per_node
 
     @property
-    def effective_batch_size(self) -> int:
-        """Samples per optimizer step across all processes."""
+    def effective_batch_size(self) -> int | None:
+        """Samples per optimizer step across all processes; None for a script, which picks its own batch."""
+        if self.training.micro_batch_size is None:
+            return None
         return self.training.micro_batch_size * self.training.gradient_accumulation_steps * self.world_size
+
+
+def _dotted(spec: BaseModel, name: str):
+    for part in name.split("."):
+        spec = getattr(spec, part)
+    return spec
 
 
 # `model` and `dataset` are unions told apart by `kind`; pydantic puts that tag into an error's
 # location (`dataset.text.path`). People know the field as `dataset.path`.
-_UNION_TAGS = {"model": {"gpt", "mlp"}, "dataset": {"text", "jsonl", "csv"}}
+_UNION_TAGS = {"model": {"gpt", "mlp", "hf", "custom"}, "dataset": {"text", "jsonl", "csv", "hf_disk"}}
 
 
 def field_location(loc: tuple | list) -> tuple:

@@ -1,6 +1,7 @@
-"""Labelled texts for a classifier, read from JSON lines or CSV.
+"""Labelled texts for a classifier, read from JSON lines, CSV or a `datasets.save_to_disk` directory.
 
-Plain Python, shared: the API checks a file with it at submit, the training loop trains on it.
+Plain Python (and `datasets`, imported only for a directory), shared: the API checks a dataset
+with it at submit, the training loop trains on it.
 """
 
 from __future__ import annotations
@@ -45,3 +46,38 @@ def _json_object(line: str, number: int) -> dict:
     if not isinstance(row, dict):
         raise LabelledDataError(f"line {number} is not a JSON object")
     return row
+
+
+def read_disk_dataset(path: Path, split: str | None, text_column: str, label_column: str | None) -> tuple[list[str], list[str] | None]:
+    """(texts, labels) of a directory written by `datasets` save_to_disk; labels as strings (a
+    ClassLabel's names), None without a label column."""
+    try:
+        import datasets
+    except ImportError:
+        raise LabelledDataError("reading a `hf_disk` dataset needs the datasets package: pip install 'trainyard[hf]'") from None
+    datasets.disable_progress_bars()
+    try:
+        data = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as exc:  # not one, or unreadable
+        raise LabelledDataError(f"is not a directory written by save_to_disk ({exc})") from None
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise LabelledDataError(f"holds the splits {sorted(data)}: dataset.split must name one of them, not {split!r}")
+        data = data[split]
+    elif split is not None:
+        raise LabelledDataError(f"holds a single split, so dataset.split must be null, not {split!r}")
+    for column in (text_column, label_column):
+        if column is not None and column not in data.column_names:
+            raise LabelledDataError(f"no column {column!r} among {data.column_names}")
+    texts = data[text_column]
+    for number, text in enumerate(texts, 1):
+        if not isinstance(text, str) or not text:
+            raise LabelledDataError(f"row {number} has no text in {text_column!r}")
+    if not texts:
+        raise LabelledDataError("holds no examples")
+    if label_column is None:
+        return texts, None
+    feature = data.features[label_column]
+    names = feature.names if isinstance(feature, datasets.ClassLabel) else None
+    labels = [names[value] if names else str(value) for value in data[label_column]]
+    return texts, labels

@@ -1,7 +1,8 @@
 """The checkpoint manifest: written by the training loop, verified by the artifact store.
 
 A checkpoint directory holds `model.safetensors`, the full Accelerate state and a `manifest.json`
-that lists every other file with its size and sha256. Standard library only, so both sides share it.
+that lists every other file with its size and sha256. A `script` job's checkpoint is whatever its
+`accelerator.save_state()` wrote, with no `model.safetensors` unless the script saved one. Standard library only, so both sides share it.
 """
 
 from __future__ import annotations
@@ -44,8 +45,6 @@ def verify_manifest(directory: Path) -> dict:
         files = manifest["files"]
     except (OSError, ValueError, KeyError) as exc:
         raise CorruptCheckpoint(f"{directory}: unreadable manifest ({exc})") from exc
-    if MODEL_FILE not in files:
-        raise CorruptCheckpoint(f"{directory}: manifest lists no {MODEL_FILE}")
     for relative, expected in files.items():
         path = directory / relative
         if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:

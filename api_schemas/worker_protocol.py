@@ -8,3 +8,7 @@ and exits 0 when done, EXIT_PREEMPTED after checkpointing on SIGTERM, anything e
 
 EVENTS_FILE_ENV = "TRAINYARD_EVENTS_FILE"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped at a checkpoint, resume later
+
+# A `script` job's processes also get (see workers/script_hooks.py):
+CHECKPOINT_DIR_ENV = "TRAINYARD_CHECKPOINT_DIR"  # where save_state() without a directory of its own writes
+RESUME_FROM_ENV = "TRAINYARD_RESUME_FROM"  # the checkpoint directory to load_state() from, when resuming

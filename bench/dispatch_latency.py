@@ -43,6 +43,7 @@ from service.db.session import session_factory  # noqa: E402
 from service.queue import make_celery  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from tests.helpers import tiny_spec  # noqa: E402
+from trainyard.server_cli import stop_children  # noqa: E402
 from api_schemas import JobSpec  # noqa: E402
 
 PEER_TASK, PEER_QUEUE = "bench.noop", "bench.noop"
@@ -169,13 +170,7 @@ def main() -> None:
                 sys.stderr.write(f"--- {name}.log\n" + (tmp / f"{name}.log").read_text(errors="replace")[-3000:])
             raise
         finally:
-            for child in children:
-                child.terminate()
-            for child in children:
-                try:
-                    child.wait(20)
-                except subprocess.TimeoutExpired:
-                    child.kill()
+            stop_children(children)
 
     ms = lambda seconds: round(seconds * 1000, 1)  # noqa: E731
     result = {

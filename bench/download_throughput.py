@@ -9,12 +9,15 @@ API runs as its own process under uvicorn, as `trainyard api` does; the client d
 bytes (as trainyard.client does, less the writing and hashing). The peer reads the file from the
 disk (O_DIRECT, past the page cache) in 1 MiB blocks; the same read from the page cache, where the
 API finds the file, is reported beside it as the ceiling. Rounds alternate peer and download.
-Target: ratio ≥ 0.8 against the disk read. Prints one JSON line.
+Target: ratio ≥ 0.8 against the disk read. Prints one JSON line. `--proxy nginx` puts
+deploy/nginx/trainyard.conf in front, as docker-compose.yml does: the API checks access and answers
+with X-Accel-Redirect, nginx sends the file.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -36,6 +40,8 @@ from service.db import crud  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from tests.helpers import job_spec, start_job  # noqa: E402
+from tests.nginx import nginx_in_front  # noqa: E402
+from trainyard.server_cli import stop_children, wait_healthy  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 
 BLOCK = 1 << 20
@@ -65,21 +71,12 @@ def download(client: httpx.Client, checkpoint_id: int) -> tuple[int, float]:
     return size, time.perf_counter() - start
 
 
-def wait_healthy(client: httpx.Client, api: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and api.poll() is None:
-        try:
-            if client.get("/healthz").status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise SystemExit("the API did not start")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--proxy", choices=["none", "nginx"], default="none",
+                        help="nginx: download through deploy/nginx/trainyard.conf, the API redirecting (X-Accel-Redirect)")
     args = parser.parse_args()
 
     with sqlite_database() as url, tempfile.TemporaryDirectory() as tmp:
@@ -103,11 +100,18 @@ def main() -> None:
         port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                "TRAINYARD_DATA_DIR": tmp, "TRAINYARD_DATABASE_URL": url}
+        if args.proxy == "nginx":
+            env["TRAINYARD_DOWNLOAD_REDIRECT_PREFIX"] = "/_artifacts/"
         api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {token}"}, timeout=120)
-            wait_healthy(client, api)
+        with contextlib.ExitStack() as stack:
+            stack.callback(stop_children, [api])
+            base = f"http://127.0.0.1:{port}"
+            if args.proxy == "nginx":
+                base = stack.enter_context(nginx_in_front(port, settings.resolved_artifact_root, Path(tmp) / "nginx", free_port()))
+            client = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {token}"}, timeout=120)
+            wait_healthy(base, [api])
+            api_cpu_before = sum(psutil.Process(api.pid).cpu_times()[:2])
             peer, cached, trainyard = [], [], []
             for _ in range(args.rounds):
                 size, seconds = read_file(model, direct=True)
@@ -117,17 +121,18 @@ def main() -> None:
                 downloaded, seconds = download(client, checkpoint_id)
                 assert downloaded == size, (downloaded, size)
                 trainyard.append(size / seconds / 1e6)
-        finally:
-            api.terminate()
-            api.wait(20)
+            # What serving the bytes costs the API process (the proxy's own CPU is not counted).
+            api_cpu_per_gb = (sum(psutil.Process(api.pid).cpu_times()[:2]) - api_cpu_before) / (args.rounds * size / 1e9)
 
     print(json.dumps({
         "benchmark": "download_throughput",
         "machine": f"{os.cpu_count()} CPU cores",
         "file_mb": round(size / 1e6),
+        "proxy": args.proxy,
         "peer_disk_read_mb_per_s": round(statistics.median(peer)),
         "trainyard_http_mb_per_s": round(statistics.median(trainyard)),
         "ratio": round(statistics.median(trainyard) / statistics.median(peer), 3),
+        "api_cpu_s_per_gb": round(api_cpu_per_gb, 3),
         "page_cache_read_mb_per_s": round(statistics.median(cached)),
         "ratio_to_page_cache": round(statistics.median(trainyard) / statistics.median(cached), 3),
         "rounds": {"peer": [round(x) for x in peer], "trainyard": [round(x) for x in trainyard]},

@@ -2,7 +2,10 @@
 
     accelerate launch bench/plain_accelerate_loop.py --spec spec.json --data data/tinyshakespeare.txt
 
-Prints one JSON line with tokens/s measured between optimizer step `--skip` and the last step.
+Prints one JSON line with tokens/s measured between optimizer step `--skip` and the last step, and
+each step's wall time (between optimizer steps, as the Trainyard loop's `step_time_s`). With
+`--checkpoint-every N --checkpoint-dir DIR` it saves `accelerator.save_state(DIR/step-N)` every N
+steps, synchronously: the peer of bench/checkpoint_stall.py.
 """
 
 import argparse
@@ -20,6 +23,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--spec", required=True)
 parser.add_argument("--data", required=True)
 parser.add_argument("--skip", type=int, default=20, help="steps excluded from the measurement (warm-up)")
+parser.add_argument("--checkpoint-every", type=int, help="save_state every this many steps")
+parser.add_argument("--checkpoint-dir", help="where save_state writes step-N/")
 args = parser.parse_args()
 spec = JobSpec.model_validate_json(open(args.spec).read())
 cfg = spec.training
@@ -50,6 +55,7 @@ def synchronize() -> None:
 
 
 step, started = 0, None
+step_times, last_step_end = {}, time.perf_counter()
 while step < cfg.max_steps:
     for x, y in loader:
         with accelerator.accumulate(model):
@@ -62,6 +68,10 @@ while step < cfg.max_steps:
             optimizer.zero_grad(set_to_none=True)
         if accelerator.sync_gradients:
             step += 1
+            now = time.perf_counter()
+            step_times[step], last_step_end = now - last_step_end, now
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                accelerator.save_state(f"{args.checkpoint_dir}/step-{step:08d}")  # paid for by the next step, as in Trainyard's loop
             if step == args.skip:
                 synchronize()
                 started = time.perf_counter()
@@ -71,4 +81,4 @@ synchronize()
 elapsed = time.perf_counter() - started
 tokens_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * block * accelerator.num_processes
 if accelerator.is_main_process:
-    print(json.dumps({"tokens_per_s": (cfg.max_steps - args.skip) * tokens_per_step / elapsed}))
+    print(json.dumps({"tokens_per_s": (cfg.max_steps - args.skip) * tokens_per_step / elapsed, "step_times": step_times}))

@@ -12,7 +12,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from api_schemas.manifest import MODEL_FILE, verify_manifest
+from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, sha256_file, verify_manifest
 
 
 class ArtifactStore:
@@ -27,7 +27,9 @@ class ArtifactStore:
         return path
 
     def ingest_checkpoint(self, source: Path, job_id: int, step: int) -> tuple[str, str, int]:
-        """Copy a finished checkpoint directory in; returns (relative path, model sha256, model size)."""
+        """Copy a finished checkpoint directory in; returns (relative path, sha256, size) of its
+        model.safetensors, or for a checkpoint without one (a script's), of its manifest.json and
+        the total size of its files."""
         relative = f"jobs/{job_id}/checkpoints/step-{step:08d}"
         final = self.path(relative)
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -41,8 +43,10 @@ class ArtifactStore:
                 shutil.rmtree(staging, ignore_errors=True)
                 raise
         manifest = verify_manifest(final)
-        model = manifest["files"][MODEL_FILE]
-        return relative, model["sha256"], model["size"]
+        if model := manifest["files"].get(MODEL_FILE):
+            return relative, model["sha256"], model["size"]
+        total = sum(entry["size"] for entry in manifest["files"].values())
+        return relative, sha256_file(final / MANIFEST_FILE), total
 
     def delete(self, relative: str) -> None:
         shutil.rmtree(self.path(relative), ignore_errors=True)

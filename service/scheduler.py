@@ -19,6 +19,7 @@ from api_schemas import AttemptStatus, JobSpec
 from service import state
 from service.db import crud
 from service.db.models import Job, utcnow
+from service.doorbell import Doorbell
 from service.logs import job_fields
 from service.placement import HostRoom, preemption_plan, waiting_reason
 from service.queue import dispatch_attempt
@@ -55,11 +56,11 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     # gets all its hosts in this one transaction or none, so two gangs can never each hold half of
     # what they need and wait on each other forever. Order: priority, raised the longer a job has
     # waited (aging, so a low priority is never starved), then first come first served.
-    busy_slots, busy_gpus = crud.busy_slots_by_host(session), crud.busy_gpus_by_host(session)
+    busy_slots, busy_gpus = crud.busy_by_host(session)
     room = {host.name: HostRoom.of(host, busy_slots, busy_gpus) for host in hosts}
     idle = {host.name: HostRoom.of(host, {}, {}) for host in hosts}
     reserved: set[str] = set()
-    preemptible = crud.preemptible_attempts(session)
+    preemptible: list | None = None  # read only when a job has to wait: most passes need none
     # Hosts are chosen job by job, then all placements written at once. The queued jobs' rows are
     # locked by this pass, so none is taken meanwhile; if one were, it would only leave its room
     # unused until the next pass.
@@ -74,6 +75,8 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
             could_ever = [name for name in idle if name not in reserved and idle[name].offer(resources) is not None]
             if not reserved and len(could_ever) >= resources.nodes:
                 # Sooner still if stopping lower-priority preemptible jobs (at a checkpoint) makes room.
+                if preemptible is None:
+                    preemptible = crud.preemptible_attempts(session)
                 plan = preemption_plan(resources, job.priority, {name: room[name] for name in could_ever}, preemptible)
                 if plan is not None:
                     held = plan.hosts
@@ -120,8 +123,10 @@ def _send(celery: Celery, attempt_id: int, host: str) -> None:
 
 
 def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, stop=lambda: False) -> None:
-    """The scheduler process: one pass every `scheduler_interval_seconds` until `stop()`."""
+    """The scheduler process: a pass whenever the doorbell rings (a job queued, devices freed, a
+    host registered), and at least every `scheduler_interval_seconds`, until `stop()`."""
     log.info("scheduler started")
+    doorbell = Doorbell(settings.resolved_database_url)
     while not stop():
         try:
             with sessions() as session:
@@ -132,4 +137,5 @@ def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, st
             # A database or broker restart must not kill the scheduler; the next pass retries.
             log.exception("scheduler pass failed; retrying")
             time.sleep(2)
-        time.sleep(settings.scheduler_interval_seconds)
+        doorbell.wait(settings.scheduler_interval_seconds)
+    doorbell.close()

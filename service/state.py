@@ -19,6 +19,7 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
 from service.db.models import Attempt, Job, JobEvent, utcnow
+from service.doorbell import ring
 
 JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
     JobStatus.queued: {JobStatus.scheduled, JobStatus.cancelled, JobStatus.failed},
@@ -79,6 +80,8 @@ def move_job(session: Session, job: Job, to: JobStatus, *, reason: str | None = 
     if not _compare_and_set(session, job, to, JOB_TRANSITIONS, values):
         return False
     append_events(session, job.id, [status_event(to, reason)], now=now)
+    if to == JobStatus.queued:
+        ring(session)  # back in the queue: place it now, not at the next poll
     return True
 
 
@@ -125,7 +128,11 @@ def move_attempt(
         values["lease_expires_at"] = None
     if reason is not None:
         values["failure_reason"] = reason
-    return _compare_and_set(session, attempt, to, ATTEMPT_TRANSITIONS, values)
+    if not _compare_and_set(session, attempt, to, ATTEMPT_TRANSITIONS, values):
+        return False
+    if to.is_final:
+        ring(session)  # its devices are free for the next queued job
+    return True
 
 
 def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptStatus, reason: str | None = None) -> bool:

@@ -37,6 +37,11 @@ def tiny_spec(**overrides) -> dict:
     return spec_dict(**{**base, **overrides})
 
 
+def auth(token: str) -> dict[str, str]:
+    """The header that presents `token` to the API."""
+    return {"Authorization": f"Bearer {token}"}
+
+
 def job_spec(**overrides) -> JobSpec:
     return JobSpec.model_validate(tiny_spec(**overrides))
 

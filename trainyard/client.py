@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
+import re
+import shutil
+import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -24,12 +29,12 @@ import httpx
 from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
-    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, WorkerOut,
-    field_location,
+    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, UploadOut,
+    WorkerOut, field_location,
 )
+from api_schemas.manifest import CorruptCheckpoint, verify_manifest
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
-FOLLOW_PAGE = 500  # log lines per read while following
 SHA256_HEADER = "X-Checkpoint-SHA256"
 
 Model = TypeVar("Model")
@@ -55,6 +60,27 @@ def _default_token() -> str | None:
         return token_file().read_text().strip() or None
     except OSError:
         return None
+
+
+# Not sent in a code bundle: version control, caches and virtual environments.
+BUNDLE_SKIPPED = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
+
+
+def bundle_code(source: Path) -> bytes:
+    """A tar.gz of a directory (without BUNDLE_SKIPPED or hidden entries), or of one file; paths
+    inside it are relative to the directory (or are the file's name)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        if source.is_file():
+            tar.add(source, arcname=source.name)
+        else:
+            for path in sorted(source.rglob("*")):
+                relative = path.relative_to(source)
+                if any(part in BUNDLE_SKIPPED or part.startswith(".") for part in relative.parts):
+                    continue
+                if path.is_file() and not path.is_symlink():
+                    tar.add(path, arcname=relative.as_posix())
+    return out.getvalue()
 
 
 def error_message(response: httpx.Response) -> str:
@@ -144,26 +170,8 @@ class Client:
         A dropped connection is resumed with Last-Event-ID, so no event is missed or repeated; give
         up after `retries` failures in a row. `last_event_id` starts after an event seen earlier.
         """
-        failures = 0
-        while True:
-            headers = {"Last-Event-ID": str(last_event_id)} if last_event_id is not None else {}
-            try:
-                with self._stream("GET", f"/v1/jobs/{job_id}/events", headers=headers) as response:
-                    for message in sse_messages(response.iter_lines()):
-                        if message.get("event") == "end":
-                            return
-                        event = JobEventOut.model_validate_json(message["data"])
-                        last_event_id, failures = event.id, 0
-                        yield event
-                error = TrainyardError(f"the event stream of job {job_id} ended before the job did")
-            except TrainyardError as exc:
-                if exc.status_code is not None:
-                    raise  # the server answered with an error (404, 401): asking again would only repeat it
-                error = exc
-            failures += 1
-            if failures > retries:
-                raise error
-            time.sleep(retry_seconds)
+        for data in self._follow(f"/v1/jobs/{job_id}/events", {}, last_event_id, retries, retry_seconds):
+            yield JobEventOut.model_validate_json(data)
 
     def metrics(
         self, job_id: int, names: Sequence[str] | None = None, from_step: int | None = None, max_points: int | None = None
@@ -177,22 +185,82 @@ class Client:
         params = _without_none({"tail": tail, "cursor": cursor, "rank": rank})
         return self._call(LogsOut, "GET", f"/v1/jobs/{job_id}/logs", params=params)
 
-    def follow_logs(self, job_id: int, tail: int = 100, poll_seconds: float = 1.0, rank: int | None = None) -> Iterator[LogLineOut]:
-        """The last `tail` lines, then every new line as it is stored, until the job has ended."""
-        page, ended = self.logs(job_id, tail=tail, rank=rank), False
+    def follow_logs(
+        self, job_id: int, tail: int = 100, rank: int | None = None, retries: int = 5, retry_seconds: float = 1.0
+    ) -> Iterator[LogLineOut]:
+        """The last `tail` lines, then every new line as it is stored, until the job has ended; a
+        dropped connection is resumed after the last line received, as `events` does."""
+        params = _without_none({"follow": "true", "tail": tail, "rank": rank})
+        for data in self._follow(f"/v1/jobs/{job_id}/logs", params, None, retries, retry_seconds):
+            yield LogLineOut.model_validate_json(data)
+
+    def _follow(self, path: str, params: dict, last_id: int | None, retries: int, retry_seconds: float) -> Iterator[str]:
+        """The data of each message of one of the server's polled event streams (service/api/events.py)
+        until its `end`; a cut stream is reopened with Last-Event-ID, up to `retries` times in a row."""
+        failures = 0
         while True:
-            yield from page.lines
-            if len(page.lines) < FOLLOW_PAGE:  # caught up
-                if ended:
-                    return
-                # Seen final before the next read, so that read still gets the last lines stored.
-                ended = self.job(job_id).status.is_final
-                if not ended:
-                    time.sleep(poll_seconds)
-            page = self.logs(job_id, tail=FOLLOW_PAGE, cursor=page.next_cursor, rank=rank)
+            headers = {"Last-Event-ID": str(last_id)} if last_id is not None else {}
+            try:
+                with self._stream("GET", path, params=params, headers=headers) as response:
+                    for message in sse_messages(response.iter_lines()):
+                        if message.get("event") == "end":
+                            return
+                        last_id, failures = int(message["id"]), 0
+                        yield message["data"]
+                error = TrainyardError(f"the stream {path} ended before the job did")
+            except TrainyardError as exc:
+                if exc.status_code is not None:
+                    raise  # the server answered with an error (404, 401): asking again would only repeat it
+                error = exc
+            failures += 1
+            if failures > retries:
+                raise error
+            time.sleep(retry_seconds)
 
     def checkpoints(self, job_id: int) -> list[CheckpointOut]:
         return self._call(list[CheckpointOut], "GET", f"/v1/jobs/{job_id}/checkpoints")
+
+    # -- uploads -----------------------------------------------------------------------------------
+
+    def upload_dataset(self, path: Path, name: str | None = None) -> UploadOut:
+        """Upload a data file (streamed from disk); a job then names it as `"dataset": {…, "upload_id": ID}`."""
+        path = Path(path)
+        with open(path, "rb") as body:
+            return self._upload("/v1/datasets", body, name or path.name)
+
+    def datasets(self) -> list[UploadOut]:
+        return self._call(list[UploadOut], "GET", "/v1/datasets")
+
+    def upload_code(self, source: Path, name: str | None = None) -> UploadOut:
+        """Upload a code bundle: a directory or a single file, sent as a tar.gz (see `bundle_code`)."""
+        source = Path(source)
+        return self._upload("/v1/code", io.BytesIO(bundle_code(source)), name or f"{source.resolve().name}.tar.gz")
+
+    def code_bundles(self) -> list[UploadOut]:
+        return self._call(list[UploadOut], "GET", "/v1/code")
+
+    def submit_script(
+        self, script: Path, args: Sequence[str] = (), *, code_dir: Path | None = None, **spec: Any
+    ) -> JobOut:
+        """Bundle `code_dir` (default: just the script), upload it and submit a `script` job running
+        `script` (a path inside `code_dir`) with `args`. `spec` adds job spec sections, e.g.
+        `resources={"processes_per_node": 2}`, `script_resume_args=[…]`."""
+        script = Path(script).resolve()
+        root = Path(code_dir).resolve() if code_dir is not None else script.parent
+        bundle = self.upload_code(root if code_dir is not None else script)
+        entrypoint = script.relative_to(root).as_posix()
+        resume_args = spec.pop("script_resume_args", [])
+        name = re.sub(r"[^A-Za-z0-9._-]", "-", script.stem).lstrip("._-") or "script"
+        body = {
+            "name": spec.pop("name", name),
+            "script": {"entrypoint": entrypoint, "args": list(args), "code": {"upload_id": bundle.id}, "resume_args": resume_args},
+            **spec,
+        }
+        return self.submit(body)
+
+    def _upload(self, route: str, body, name: str) -> UploadOut:
+        headers = {"Content-Type": "application/octet-stream"}
+        return self._call(UploadOut, "POST", route, params={"name": name}, content=body, headers=headers)
 
     # -- cluster -----------------------------------------------------------------------------------
 
@@ -222,6 +290,11 @@ class Client:
         try:
             with self._stream("GET", url, headers={"Range": f"bytes={offset}-"} if offset else {}) as response:
                 expected = response.headers.get(SHA256_HEADER)
+                if response.headers.get("content-type") == "application/x-tar":
+                    raise TrainyardError(
+                        f"checkpoint {checkpoint_id} holds no model.safetensors (a script's checkpoint): "
+                        f"download its whole state with `trainyard download {checkpoint_id} --state`"
+                    )
                 if not expected:
                     raise TrainyardError(f"checkpoint {checkpoint_id}: the server sent no {SHA256_HEADER} header to verify against")
                 actual = _save_body(response, partial, progress)
@@ -242,6 +315,26 @@ class Client:
             )
         partial.replace(dest)
         return dest
+
+    def download_state(self, checkpoint_id: int, dest: Path) -> Path:
+        """The checkpoint's whole directory (Accelerate state, weights, spec, manifest) unpacked
+        under `dest`, verified against its manifest; returns that directory. What a run resumes from."""
+        dest = Path(dest)
+        dest.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile() as archive:
+            with self._stream("GET", f"/v1/checkpoints/{checkpoint_id}/download", params={"format": "tar"}) as response:
+                for chunk in response.iter_bytes(1 << 20):
+                    archive.write(chunk)
+            archive.seek(0)
+            with tarfile.open(fileobj=archive) as tar:
+                [top] = {member.name.split("/")[0] for member in tar.getmembers()}
+                tar.extractall(dest, filter="data")  # no absolute paths, '..' or links out
+        try:
+            verify_manifest(dest / top)
+        except CorruptCheckpoint as exc:
+            shutil.rmtree(dest / top, ignore_errors=True)
+            raise TrainyardError(f"checkpoint {checkpoint_id}: the download is corrupt and was deleted ({exc})") from exc
+        return dest / top
 
     # -- plumbing ----------------------------------------------------------------------------------
 

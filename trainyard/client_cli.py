@@ -1,4 +1,4 @@
-"""Client commands of `trainyard`: submit, ls, status, logs, cancel, checkpoints, download, dashboard, workers.
+"""Client commands of `trainyard`: submit, datasets, ls, status, logs, cancel, checkpoints, download, dashboard, workers.
 
 Each one talks to the server through `Client`; failures print `error: <reason>` and return
 1 (2 for input the server or this command refused), never a traceback.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shlex
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime, timezone
@@ -90,9 +91,13 @@ def connect(args: argparse.Namespace) -> Client:
 # -- commands ------------------------------------------------------------------------------------
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    spec = load_spec_file(args.file)
     with connect(args) as client:
-        job = client.submit(spec)
+        if args.script is not None:
+            job = submit_script(client, args)
+        elif args.file is None or args.script_args:
+            raise SpecFileError("give a job spec file, or --script FILE [-- ARGS…]")
+        else:
+            job = client.submit(load_spec_file(Path(args.file)))
         print(f"submitted job {job.id} ({job.name}): {job.status.value}")
         if not args.follow:
             return 0
@@ -102,6 +107,40 @@ def cmd_submit(args: argparse.Namespace) -> int:
             print(f"\nstopped following; job {job.id} keeps running (`trainyard cancel {job.id}` stops it)", file=sys.stderr)
             return EXIT_INTERRUPTED
         return report_outcome(job)
+
+
+def submit_script(client: Client, args: argparse.Namespace) -> JobOut:
+    """`trainyard submit --script train.py -- --lr 3e-4`: bundle, upload, submit."""
+    script = Path(args.script)
+    if not script.is_file():
+        raise SpecFileError(f"no script {script}")
+    # After `--` argparse hands every word to the positionals, the first one to `file`.
+    script_args = ([args.file] if args.file is not None else []) + args.script_args
+    spec = {
+        "training": {"precision": args.precision, "gradient_accumulation_steps": args.gradient_accumulation_steps},
+        "resources": {"nodes": args.nodes, "processes_per_node": args.processes, "device": args.device},
+        "max_restarts": args.max_restarts,
+        "script_resume_args": shlex.split(args.resume_args) if args.resume_args else [],
+    }
+    if args.name:
+        spec["name"] = args.name
+    code_dir = None if args.file_only else script.resolve().parent
+    return client.submit_script(script, script_args, code_dir=code_dir, **spec)
+
+
+def cmd_datasets_upload(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        dataset = client.upload_dataset(Path(args.path), args.name)
+    print(f"uploaded dataset {dataset.id} ({dataset.name}, {human_bytes(dataset.size_bytes)}, sha256 {dataset.sha256})")
+    print(f'use it in a job spec as "dataset": {{"kind": …, "upload_id": {dataset.id}}}')
+    return 0
+
+
+def cmd_datasets_ls(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        rows = [[d.id, d.name, human_bytes(d.size_bytes), d.sha256[:12], local_time(d.created_at)] for d in client.datasets()]
+    print_table(["ID", "NAME", "SIZE", "SHA256", "UPLOADED"], rows)
+    return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -173,6 +212,11 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
+    if args.state:
+        with connect(args) as client:
+            directory = client.download_state(args.checkpoint_id, Path(args.output or "."))
+        print(f"saved {directory}/ (every file verified against its manifest)")
+        return 0
     dest = Path(args.output or f"checkpoint-{args.checkpoint_id}.safetensors")
     with connect(args) as client:
         path = download_with_progress(client, args.checkpoint_id, dest)
@@ -256,9 +300,31 @@ def add_client_commands(subparsers) -> None:
         parser.set_defaults(func=guarded(handler))
         return parser
 
-    submit = command("submit", cmd_submit, "submit a job spec (YAML or JSON)")
-    submit.add_argument("file", type=Path, help="job spec file")
+    submit = command("submit", cmd_submit, "submit a job spec (YAML or JSON), or your own Accelerate script with --script")
+    submit.add_argument("file", nargs="?", help="job spec file")
+    submit.add_argument("script_args", nargs="*", help="with --script: the script's arguments, after `--`")
     submit.add_argument("--follow", action="store_true", help="show progress until the job ends; exit 1 unless it succeeded")
+    script = submit.add_argument_group("--script: run an unchanged `accelerate launch` script (needs the can_run_code permission)")
+    script.add_argument("--script", help="the script; its directory is uploaded with it (see --file-only)")
+    script.add_argument("--file-only", action="store_true", help="upload only the script, not its directory")
+    script.add_argument("--name", help="job name (default: the script's name)")
+    script.add_argument("--processes", type=int, default=1, help="processes (devices) per node (default 1)")
+    script.add_argument("--nodes", type=int, default=1, help="hosts (default 1)")
+    script.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    script.add_argument("--precision", choices=["no", "fp16", "bf16"], default="no")
+    script.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    script.add_argument("--max-restarts", type=int, default=3)
+    script.add_argument(
+        "--resume-args", help="added to the arguments when an attempt resumes, e.g. '--resume_from_checkpoint {checkpoint}'"
+    )
+
+    datasets = subparsers.add_parser("datasets", help="upload and list datasets")
+    datasets_commands = datasets.add_subparsers(dest="datasets_command", required=True)
+    upload = datasets_commands.add_parser("upload", help="upload a data file", parents=[connection])
+    upload.add_argument("path", help="the file")
+    upload.add_argument("--name", help="name to show (default: the file's)")
+    upload.set_defaults(func=guarded(cmd_datasets_upload))
+    datasets_commands.add_parser("ls", help="your uploaded datasets", parents=[connection]).set_defaults(func=guarded(cmd_datasets_ls))
 
     ls = command("ls", cmd_ls, "list jobs, newest first")
     ls.add_argument("--status", choices=[s.value for s in JobStatus])
@@ -277,7 +343,10 @@ def add_client_commands(subparsers) -> None:
 
     download = command("download", cmd_download, "download a checkpoint's model.safetensors, verified by sha256")
     download.add_argument("checkpoint_id", type=int)
-    download.add_argument("-o", "--output", help="file to write (default checkpoint-<ID>.safetensors)")
+    download.add_argument("-o", "--output", help="file to write (default checkpoint-<ID>.safetensors); with --state, the directory to unpack into (default .)")
+    download.add_argument(
+        "--state", action="store_true", help="the whole checkpoint (Accelerate state, weights, manifest) to resume from, not only the weights"
+    )
 
     command("dashboard", cmd_dashboard, "jobs by status, running jobs and workers")
     command("workers", cmd_workers, "list worker hosts")

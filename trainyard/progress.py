@@ -119,7 +119,7 @@ class ProgressBar:
             status=status,
             train_loss=train_loss,
             tokens_per_sec=speed * tokens_per_step if speed and tokens_per_step else None,
-            eta_seconds=(max_steps - step) / speed if speed and status == "running" else None,
+            eta_seconds=(max_steps - step) / speed if speed and max_steps and status == "running" else None,
             restarts=restarts,
         )
         if self.interactive:
@@ -164,8 +164,10 @@ def follow_job(client: Client, job_id: int, stream: TextIO | None = None, poll: 
     train_loss = LatestMetric(client, job_id, "train_loss")
 
     def show(job: JobOut) -> None:
+        # A custom loop's or a script's tokens per step are their own business.
         model = job.spec.model
-        tokens_per_step = job.effective_batch_size * (model.block_size if model.kind == "gpt" else model.max_length)
+        tokens_per_sample = {"gpt": "block_size", "mlp": "max_length", "hf": "max_length"}.get(model.kind) if model else None
+        tokens_per_step = job.effective_batch_size * getattr(model, tokens_per_sample) if tokens_per_sample else None
         bar.update(job.status.value, job.step, job.max_steps, train_loss.at(job.step), tokens_per_step, job.restarts)
 
     try:

@@ -20,6 +20,7 @@ import httpx
 from service.settings import Settings
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
+REPO_PLUGINS = REPO_DATA.parent / "examples" / "plugins"
 ADMIN_NAME = "admin"
 
 
@@ -49,7 +50,7 @@ def user_create(args: argparse.Namespace) -> int:
         if crud.user_by_name(session, args.name):
             print(f"error: user {args.name!r} already exists", file=sys.stderr)
             return 1
-        _, token = crud.create_user(session, args.name, is_admin=args.admin)
+        _, token = crud.create_user(session, args.name, is_admin=args.admin, can_run_code=args.can_run_code)
     print(token)
     return 0
 
@@ -110,7 +111,7 @@ class StackInfo:
 
 
 def prepare_embedded(settings: Settings) -> str:
-    """Create the data dir, migrate the database, ship the corpus, and return the admin token."""
+    """Create the data dir, migrate the database, ship the corpus and the example plugins, and return the admin token."""
     from service.db import crud
     from service.db.migrate import upgrade
     from service.db.session import session_factory
@@ -122,17 +123,25 @@ def prepare_embedded(settings: Settings) -> str:
         target = settings.resolved_data_root / corpus.name
         if not target.exists():
             shutil.copy(corpus, target)
+    settings.resolved_plugin_dir.mkdir(parents=True, exist_ok=True)
+    for plugin in REPO_PLUGINS.glob("*.py"):  # examples/gan.json runs out of the box
+        if not (settings.resolved_plugin_dir / plugin.name).exists():
+            shutil.copy(plugin, settings.resolved_plugin_dir / plugin.name)
     upgrade(settings.resolved_database_url)
 
     token_file = data_dir / "token"
     with session_factory(settings.resolved_database_url)() as session:
         token = token_file.read_text().strip() if token_file.exists() else None
-        if token is None or crud.user_by_token(session, token) is None:
+        user = crud.user_by_token(session, token) if token else None
+        if user is None:
             admin = crud.user_by_name(session, ADMIN_NAME)
             name = ADMIN_NAME if admin is None else f"{ADMIN_NAME}-{int(time.time())}"
-            _, token = crud.create_user(session, name, is_admin=True)
+            # The embedded single user runs their own scripts on their own machine.
+            _, token = crud.create_user(session, name, is_admin=True, can_run_code=True)
             token_file.write_text(token + "\n")
             token_file.chmod(0o600)
+        elif not user.can_run_code:  # created before the permission existed
+            crud.set_can_run_code(session, user, True)
     return token
 
 
@@ -175,20 +184,21 @@ def embedded_stack(
             )
 
     def restart(name: str) -> None:
-        _stop_children([children[name]])
+        stop_children([children[name]])
         start(name)
-        _wait_healthy(url, list(children.values()), log_dir)
+        wait_healthy(url, list(children.values()), log_dir)
 
     try:
         for name in commands:
             start(name)
-        _wait_healthy(url, list(children.values()), log_dir)
+        wait_healthy(url, list(children.values()), log_dir)
         yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart)
     finally:
-        _stop_children(list(children.values()))
+        stop_children(list(children.values()))
 
 
-def _stop_children(children: list[subprocess.Popen]) -> None:
+def stop_children(children: list[subprocess.Popen]) -> None:
+    """SIGTERM each, then give each 20 s to exit before SIGKILL."""
     for child in children:
         child.terminate()
     for child in children:
@@ -198,18 +208,20 @@ def _stop_children(children: list[subprocess.Popen]) -> None:
             child.kill()
 
 
-def _wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path, timeout: float = 60.0) -> None:
+def wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path | None = None, timeout: float = 60.0) -> None:
+    """Until `url`/healthz answers 200; raises if one of `children` exits first or time runs out."""
+    see_logs = f"; see the logs in {log_dir}" if log_dir else ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(child.poll() is not None for child in children):
-            raise RuntimeError(f"a Trainyard process exited during start-up; see the logs in {log_dir}")
+            raise RuntimeError(f"a Trainyard process exited during start-up{see_logs}")
         try:
             if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the API did not become healthy within {timeout:.0f} s; see the logs in {log_dir}")
+    raise RuntimeError(f"the API did not become healthy within {timeout:.0f} s{see_logs}")
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -256,4 +268,5 @@ def add_server_commands(subparsers) -> None:
     create = user_commands.add_parser("create", help="create a user and print its token")
     create.add_argument("name")
     create.add_argument("--admin", action="store_true")
+    create.add_argument("--can-run-code", action="store_true", help="may submit `script` jobs, which run the user's own code on worker hosts")
     create.set_defaults(func=user_create)

@@ -30,8 +30,10 @@ from sqlalchemy.orm import sessionmaker
 
 from api_schemas import AttemptStatus, JobSpec
 from api_schemas.manifest import CorruptCheckpoint
-from api_schemas.worker_protocol import EVENTS_FILE_ENV, EXIT_PREEMPTED
+from api_schemas.requirements import unmet
+from api_schemas.worker_protocol import CHECKPOINT_DIR_ENV, EVENTS_FILE_ENV, EXIT_PREEMPTED, RESUME_FROM_ENV
 from service.artifacts import ArtifactStore
+from service.uploads import UploadRefused, code_directory
 from service.db import crud
 from service.settings import Settings
 
@@ -42,10 +44,63 @@ REASON_LOG_LINES = 20
 
 
 def launch_command(
-    spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0
+    spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0,
+    plugin_dir: Path | None = None,
 ) -> list[str]:
     """`accelerate launch -m workers.training …` with the job's process counts and precision, for
-    node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet."""
+    node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet.
+    A `script` job runs `accelerate launch <entrypoint> <args>` instead (in its code directory)."""
+    command = _accelerate_launch(spec, run_dir, rendezvous, node_rank)
+    if spec.script is not None:
+        args = list(spec.script.args)
+        if resume_from is not None:
+            args += [arg.replace("{checkpoint}", str(resume_from)) for arg in spec.script.resume_args]
+        return command + [spec.script.entrypoint, *args]
+    command += ["-m", "workers.training", "--spec", str(run_dir / "spec.json"), "--data-root", str(data_root), "--run-dir", str(run_dir)]
+    if resume_from is not None:
+        command += ["--resume-from", str(resume_from)]
+    if plugin_dir is not None:
+        command += ["--plugin-dir", str(plugin_dir)]
+    return command
+
+
+# What a script job's processes inherit from the worker's environment: nothing else, so no service
+# credential (database or broker URL, tokens) reaches user code.
+SCRIPT_INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")
+SCRIPT_SITE = Path(__file__).resolve().parent / "script_site"  # its sitecustomize.py installs workers/script_hooks.py
+
+
+# The service's own credentials: no training process needs them (it reports through files).
+SERVICE_CREDENTIALS = ("TRAINYARD_DATABASE_URL", "TRAINYARD_BROKER_URL")
+
+
+def training_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
+    """The environment of an attempt's processes: a script's clean one, else the worker's own
+    without the service's credentials."""
+    if spec.script is not None:
+        return script_environment(spec, run_dir, resume_from)
+    env = {name: value for name, value in os.environ.items() if name not in SERVICE_CREDENTIALS}
+    return {**env, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
+
+
+def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
+    """The whole environment of a script job's processes (the launcher's own additions aside)."""
+    env = {name: os.environ[name] for name in SCRIPT_INHERITED_ENV if name in os.environ}
+    env.update({
+        "PYTHONPATH": str(SCRIPT_SITE),
+        "PYTHONUNBUFFERED": "1",
+        EVENTS_FILE_ENV: str(run_dir / "events.jsonl"),
+        CHECKPOINT_DIR_ENV: str(run_dir / "checkpoints"),
+        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(spec.training.gradient_accumulation_steps),
+    })
+    if spec.resources.device == "cpu":
+        env["ACCELERATE_USE_CPU"] = "true"  # several processes on CPU meet over gloo (`--cpu` would run just one)
+    if resume_from is not None:
+        env[RESUME_FROM_ENV] = str(resume_from)
+    return env
+
+
+def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank: int) -> list[str]:
     resources = spec.resources
     address, _, port = rendezvous.rpartition(":")
     command = [
@@ -70,9 +125,6 @@ def launch_command(
         command.append("--multi_gpu")
     elif resources.device == "cpu":
         command.append("--cpu")
-    command += ["-m", "workers.training", "--spec", str(run_dir / "spec.json"), "--data-root", str(data_root), "--run-dir", str(run_dir)]
-    if resume_from is not None:
-        command += ["--resume-from", str(resume_from)]
     return command
 
 
@@ -165,14 +217,27 @@ class AttemptRunner:
         rendezvous = self._wait_for_node_0(claimed)
         if rendezvous is None:
             return AttemptStatus.failed, f"node 0 of this job did not start within {self.settings.dispatch_timeout_seconds:.0f} s"
-        command = launch_command(spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank)
-        env = {**os.environ, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
+        command = launch_command(
+            spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir
+        )
+        cwd = run_dir
+        if spec.script is not None:
+            # The script runs in a copy of its code: what it writes there stays with this attempt.
+            cwd = run_dir / "code"
+            shutil.rmtree(cwd, ignore_errors=True)
+            try:
+                shutil.copytree(code_directory(self.settings, spec.script.code), cwd, symlinks=True)
+            except (UploadRefused, OSError) as exc:  # e.g. a code root that differs on this host
+                return AttemptStatus.failed, f"cannot get the script's code on {self.host_name}: {exc}"
+            if problems := unmet(spec.script.requirements):
+                return AttemptStatus.failed, f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}"
+        env = training_environment(spec, run_dir, resume_from)
         if claimed.device_ids:
             # Only the GPUs reserved for this attempt: another job on this host has the others.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, claimed.device_ids))
 
         process = subprocess.Popen(
-            command, cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=_pump_lines, args=(process.stdout, lines), daemon=True).start()
@@ -205,7 +270,11 @@ class AttemptRunner:
                     outbox.metrics += [(event["step"], name, float(value)) for name, value in event["values"].items()]
                     stall.progressed()
                 elif event["type"] == "checkpoint":
-                    outbox.checkpoints.append((event["step"], Path(event["path"])))
+                    path = Path(event["path"]).resolve()
+                    if path.is_relative_to(run_dir):  # the worker deletes it once stored: nothing outside the attempt
+                        outbox.checkpoints.append((int(event["step"]), path))
+                    else:
+                        log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", claimed.job_id, path, run_dir)
             if exit_code is None and not stalled and stall.expired():
                 # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through
                 # us, so nothing else would ever notice. It won't answer SIGTERM: kill the group.

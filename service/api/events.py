@@ -1,21 +1,23 @@
-"""GET /v1/jobs/{id}/events: the job's event log as Server-Sent Events, polled from the database.
+"""Server-Sent Events polled from the database: a job's event log (GET /v1/jobs/{id}/events) and
+its output (GET /v1/jobs/{id}/logs?follow=true).
 
-Each message carries a JobEventOut with the event's seq as its SSE id. A client that reconnects with
-`Last-Event-ID: n` gets exactly the events after n (seq is gapless and in commit order, see
-models.JobEvent). Once the job is final and every event is sent, an `end` message (no id) closes
-the stream; a stream that stops without it was cut, and should be resumed.
+Each message carries one item as JSON with the item's position as its SSE id: the event's seq, or
+the log line's id. A client that reconnects with `Last-Event-ID: n` (or, for logs, `cursor=n`)
+gets exactly the items after n, since both are numbered in commit order. Once the job is final and
+every item is sent, an `end` message (no id) closes the stream; a stream that stops without it was
+cut, and should be resumed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api_schemas import JobEventOut
+from api_schemas import LogLineOut
 from service.api.views import job_event_out
 from service.db import crud
 
@@ -23,20 +25,21 @@ PAGE = 500
 END = "event: end\ndata: {}\n\n"
 HEARTBEAT = ": keep-alive\n\n"  # a comment: EventSource ignores it, proxies see traffic
 
+# (is the job final, its next (id, SSE event name, JSON) items after an id): one page, oldest first.
+Poll = Callable[[int], tuple[bool, list[tuple[int, str, str]]]]
 
-async def job_event_stream(
-    sessions: sessionmaker[Session], job_id: int, after: int, *, follow: bool, poll_seconds: float, heartbeat_seconds: float
-) -> AsyncIterator[str]:
-    """SSE messages of the job's events after seq `after`; without `follow`, only those there are now."""
+
+async def polled_stream(poll: Poll, after: int, *, follow: bool, poll_seconds: float, heartbeat_seconds: float) -> AsyncIterator[str]:
+    """SSE messages of the items after `after`; without `follow`, only those there are now."""
     last_sent = time.monotonic()
     while True:
         # The database is read in a worker thread, so a waiting stream holds neither the event
         # loop nor a thread nor a pooled connection between polls.
-        final, events = await run_in_threadpool(_poll, sessions, job_id, after)
-        for event in events:
-            yield f"id: {event.id}\nevent: {event.type.value}\ndata: {event.model_dump_json()}\n\n"
-            after, last_sent = event.id, time.monotonic()
-        if len(events) == PAGE:
+        final, items = await run_in_threadpool(poll, after)
+        for item_id, name, data in items:
+            yield f"id: {item_id}\nevent: {name}\ndata: {data}\n\n"
+            after, last_sent = item_id, time.monotonic()
+        if len(items) == PAGE:
             continue
         if final:
             yield END
@@ -49,9 +52,26 @@ async def job_event_stream(
         await asyncio.sleep(poll_seconds)
 
 
-def _poll(sessions: sessionmaker[Session], job_id: int, after: int) -> tuple[bool, list[JobEventOut]]:
-    """(is the job final, its next events). The status is read first: a final status commits together
-    with its event, so the events read after it include that one and all before it."""
-    with sessions() as session:
-        final = crud.job_status(session, job_id).is_final
-        return final, [job_event_out(event) for event in crud.job_events_after(session, job_id, after, PAGE)]
+# The status is read before the items in both polls: a final status commits together with (events)
+# or after (log lines: the worker stores its output before it ends the attempt) the last items, so
+# the items read after a final status include the last ones.
+
+def job_events(sessions: sessionmaker[Session], job_id: int) -> Poll:
+    def poll(after: int) -> tuple[bool, list[tuple[int, str, str]]]:
+        with sessions() as session:
+            final = crud.job_status(session, job_id).is_final
+            events = [job_event_out(event) for event in crud.job_events_after(session, job_id, after, PAGE)]
+        return final, [(event.id, event.type.value, event.model_dump_json()) for event in events]
+
+    return poll
+
+
+def job_log_lines(sessions: sessionmaker[Session], job_id: int, rank: int | None) -> Poll:
+    def poll(after: int) -> tuple[bool, list[tuple[int, str, str]]]:
+        with sessions() as session:
+            final = crud.job_status(session, job_id).is_final
+            lines = crud.log_lines_after(session, job_id, after, PAGE, rank)
+            out = [(line.id, LogLineOut(attempt=line.attempt_number, rank=line.rank, seq=line.seq, line=line.line)) for line in lines]
+        return final, [(line_id, "line", line.model_dump_json()) for line_id, line in out]
+
+    return poll

@@ -9,39 +9,45 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import field_location
-from service.api.routes import checkpoints, dashboard, jobs, monitoring
+from service.api.routes import checkpoints, dashboard, jobs, monitoring, uploads
 from service.settings import Settings, get_settings
 
 
-class BodySizeLimit:
-    """Refuse request bodies over `max_bytes` with 413, whether or not Content-Length is declared."""
+# Routes whose body is an uploaded file, allowed up to max_upload_bytes instead of max_request_bytes.
+UPLOAD_PATHS = ("/v1/datasets", "/v1/code")
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+
+class BodySizeLimit:
+    """Refuse request bodies over `max_bytes` (`max_upload_bytes` on the upload routes) with 413,
+    whether or not Content-Length is declared."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_upload_bytes: int | None = None):
+        self.app, self.max_bytes, self.max_upload_bytes = app, max_bytes, max_upload_bytes or max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.max_upload_bytes if scope["path"].rstrip("/") in UPLOAD_PATHS else self.max_bytes
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            return await self._too_large(scope, receive, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await self._too_large(scope, receive, send, limit)
         seen = 0
 
         async def limited_receive():
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.max_bytes:
+            if seen > limit:
                 raise _TooLarge
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except _TooLarge:
-            await self._too_large(scope, receive, send)
+            await self._too_large(scope, receive, send, limit)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = JSONResponse({"detail": f"request body larger than {self.max_bytes} bytes"}, status_code=413)
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        response = JSONResponse({"detail": f"request body larger than {limit} bytes"}, status_code=413)
         await response(scope, receive, send)
 
 
@@ -53,9 +59,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.")
     app.state.settings = settings
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
+    app.include_router(uploads.datasets)
+    app.include_router(uploads.code)
     app.include_router(dashboard.router)
     app.include_router(dashboard.page_router)
     app.include_router(monitoring.router)

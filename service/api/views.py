@@ -54,7 +54,7 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
         ],
         last_train_loss=latest.get("train_loss"),
         steps_per_second=1 / step_time if step_time else None,
-        eta_seconds=(job.max_steps - job.step) * step_time if step_time and job.status == JobStatus.running else None,
+        eta_seconds=(job.max_steps - job.step) * step_time if step_time and job.max_steps and job.status == JobStatus.running else None,
     )
 
 

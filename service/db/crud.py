@@ -8,12 +8,14 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, func, or_, select, text, update
-from sqlalchemy.orm import Session
+from sqlalchemy import delete, func, or_, select, text, union_all, update
+from sqlalchemy.orm import Session, contains_eager
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
 from service import state
-from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogLine, Metric, User, WorkerHost, utcnow
+from service import rollups
+from service.db.models import Attempt, Checkpoint, Job, JobEvent, LogLine, Metric, MetricBucket, Upload, User, WorkerHost, utcnow
+from service.doorbell import ring
 
 ACTIVE_ATTEMPT = (AttemptStatus.scheduled, AttemptStatus.running)
 ACTIVE_JOB = (JobStatus.queued, JobStatus.scheduled, JobStatus.running)
@@ -34,13 +36,20 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def create_user(session: Session, name: str, *, is_admin: bool = False, token: str | None = None) -> tuple[User, str]:
+def create_user(
+    session: Session, name: str, *, is_admin: bool = False, can_run_code: bool = False, token: str | None = None
+) -> tuple[User, str]:
     """Create a user and return it with its token; only the token's hash is stored."""
     token = token or secrets.token_urlsafe(32)
-    user = User(name=name, token_hash=hash_token(token), is_admin=is_admin)
+    user = User(name=name, token_hash=hash_token(token), is_admin=is_admin, can_run_code=can_run_code)
     session.add(user)
     session.commit()
     return user, token
+
+
+def set_can_run_code(session: Session, user: User, allowed: bool) -> None:
+    user.can_run_code = allowed
+    session.commit()
 
 
 def user_by_name(session: Session, name: str) -> User | None:
@@ -49,6 +58,38 @@ def user_by_name(session: Session, name: str) -> User | None:
 
 def user_by_token(session: Session, token: str) -> User | None:
     return session.scalar(select(User).where(User.token_hash == hash_token(token)))
+
+
+# --- uploads -----------------------------------------------------------------------------------
+
+def create_upload(session: Session, owner: User, kind: str, name: str, sha256: str, size_bytes: int, put_in_place) -> Upload:
+    """Record an upload; `put_in_place(upload_id)` moves its files to where the id says, before the
+    commit, so a committed row always has its files (a failure there rolls the row back)."""
+    upload = Upload(owner_id=owner.id, kind=kind, name=name, sha256=sha256, size_bytes=size_bytes, path="")
+    session.add(upload)
+    session.flush()
+    try:
+        upload.path = put_in_place(upload.id)
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    return upload
+
+
+def upload_visible_to(session: Session, user: User, upload_id: int, kind: str) -> Upload | None:
+    """The upload if it is of `kind` and `user` owns it or is an admin; None otherwise."""
+    upload = session.get(Upload, upload_id)
+    if upload is None or upload.kind != kind or (upload.owner_id != user.id and not user.is_admin):
+        return None
+    return upload
+
+
+def list_uploads(session: Session, user: User, kind: str) -> list[Upload]:
+    query = select(Upload).where(Upload.kind == kind).order_by(Upload.id.desc())
+    if not user.is_admin:
+        query = query.where(Upload.owner_id == user.id)
+    return list(session.scalars(query))
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -83,12 +124,13 @@ def create_job(
         spec=spec.model_dump(mode="json"),
         status=JobStatus.queued,
         priority=spec.priority,
-        max_steps=spec.training.max_steps,
+        max_steps=spec.training.max_steps or 0,  # 0: a script that didn't say
         idempotency_key=idempotency_key,
     )
     session.add(job)
     session.flush()
     state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
+    ring(session)
     session.commit()
     return job
 
@@ -166,6 +208,7 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
         )
         session.execute(statement, [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points])
     last_step = max(s for s, _, _ in points)
+    refresh_metric_buckets(session, job_id, points)
     session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
     by_step: dict[int, dict[str, float | None]] = {}
     for step, name, value in points:
@@ -177,41 +220,152 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
 def metric_series(
     session: Session, job_id: int, names: list[str] | None, from_step: int | None, max_points: int
 ) -> dict[str, tuple[list[int], list[float | None]]]:
-    query = select(Metric.name, Metric.step, Metric.value).where(Metric.job_id == job_id).order_by(Metric.name, Metric.step)
+    """Each series from `from_step` on, downsampled to about `max_points` points, spikes kept
+    (service/rollups.py). A long series is read from its bucket summaries, never point by point."""
+    # The coarsest summaries say, cheaply, how many points each series has and over which steps.
+    top = rollups.LEVELS[-1]
+    query = (
+        select(MetricBucket.name, func.sum(MetricBucket.count), func.max(MetricBucket.last_step))
+        .where(MetricBucket.job_id == job_id, MetricBucket.level == top, MetricBucket.bucket >= (from_step or 0) // rollups.width(top))
+        .group_by(MetricBucket.name)
+    )
     if names:
-        query = query.where(Metric.name.in_(names))
-    if from_step is not None:
-        query = query.where(Metric.step >= from_step)
-    series: dict[str, tuple[list[int], list[float | None]]] = {}
-    for name, step, value in session.execute(query):
-        steps, values = series.setdefault(name, ([], []))
-        steps.append(step)
-        values.append(value)
-    return {name: _downsample(steps, values, max_points) for name, (steps, values) in series.items()}
+        query = query.where(MetricBucket.name.in_(names))
+    most_rows = max(2_000, 2 * max_points)
+    by_level: dict[int, list[str]] = {}
+    for name, count, last_step in session.execute(query):
+        span = last_step - (from_step or 0) + 1  # a series has at most one point per step
+        level = 0 if min(count, span) <= most_rows else next((lv for lv in rollups.LEVELS if span // rollups.width(lv) < most_rows), top)
+        by_level.setdefault(level, []).append(name)
+
+    summaries: dict[str, list[rollups.Summary]] = {}
+    for level, level_names in sorted(by_level.items()):
+        # Buckets only from the first whole one after from_step; the points before it one by one.
+        boundary = -(-(from_step or 0) // rollups.width(level)) * rollups.width(level) if level else None
+        points = select(Metric.name, Metric.step, Metric.value).where(Metric.job_id == job_id, Metric.name.in_(level_names))
+        if from_step is not None:
+            points = points.where(Metric.step >= from_step)
+        if boundary is not None:
+            points = points.where(Metric.step < boundary)
+        for name, step, value in session.execute(points.order_by(Metric.name, Metric.step)):
+            summaries.setdefault(name, []).append(rollups.Summary.of_point(step, value))
+        if level:
+            for name, _, _, summary in _bucket_rows(session, job_id, level_names, {(level, boundary // rollups.width(level), 2**31 - 1)}):
+                summaries.setdefault(name, []).append(summary)
+    return {name: rollups.downsample(series, max_points) for name, series in summaries.items()}
 
 
-def _downsample(steps: list[int], values: list[float | None], max_points: int) -> tuple[list[int], list[float | None]]:
-    """Keep each bucket's min, max and last point, so spikes survive (an average would hide them)."""
-    if len(steps) <= max_points:
-        return steps, values
-    buckets = max(1, max_points // 3)
-    size = -(-len(steps) // buckets)
-    keep: set[int] = set()
-    for start in range(0, len(steps), size):
-        chunk = range(start, min(start + size, len(steps)))
-        finite = [i for i in chunk if values[i] is not None]
-        if finite:
-            keep.update((min(finite, key=values.__getitem__), max(finite, key=values.__getitem__)))
-        # The first NaN of a bucket is the worst spike of all: never downsampled away.
-        keep.update([next((i for i in chunk if values[i] is None), chunk[-1]), chunk[-1]])
-    kept = sorted(keep)
-    return [steps[i] for i in kept], [values[i] for i in kept]
+def refresh_metric_buckets(session: Session, job_id: int, points: list[tuple[int, str, float | None]] | None = None) -> None:
+    """Bring the bucket summaries of every level up to date with `points` (step, name, value) just
+    stored, or rebuild all of the job's from its stored points when None. Not committed: part of
+    the caller's write.
+
+    Each touched bucket is made of what lies one level down: the batch's points or the buckets
+    just recomputed, and the stored ones beside them (read in two statements)."""
+    if points is None:
+        points = session.execute(select(Metric.step, Metric.name, Metric.value).where(Metric.job_id == job_id)).all()
+    values: dict[str, dict[int, float | None]] = {}  # name → step → value
+    for step, name, value in points:
+        values.setdefault(name, {})[step] = value
+    names, fanout = sorted(values), rollups.FANOUT
+    touched = {
+        level: {name: sorted({step // rollups.width(level) for step in steps}) for name, steps in values.items()}
+        for level in rollups.LEVELS
+    }
+    # The stored points of the level-1 buckets the batch covers only in part.
+    partial = {
+        (0, bucket * fanout, bucket * fanout + fanout - 1)
+        for name, buckets in touched[1].items()
+        for bucket in buckets
+        if any(step not in values[name] for step in range(bucket * fanout, bucket * fanout + fanout))
+    }
+    if partial:
+        # A UNION of one index range scan per run of buckets: under an OR, PostgreSQL pulls the
+        # shared `job_id = … AND name IN …` out and scans every point of the job.
+        per_range = [
+            select(Metric.step, Metric.name, Metric.value).where(Metric.job_id == job_id, Metric.name.in_(names), Metric.step.between(low, high))
+            for _, low, high in _coalesce(partial)
+        ]
+        for step, name, value in session.execute(union_all(*per_range)):
+            values[name].setdefault(step, value)
+    # The stored buckets one level below each touched bucket of level 2 and up.
+    below = {(level - 1, bucket * fanout, bucket * fanout + fanout - 1) for level in rollups.LEVELS[1:] for buckets in touched[level].values() for bucket in buckets}
+    finer: dict[int, dict[str, dict[int, rollups.Summary]]] = {level: {name: {} for name in names} for level in rollups.LEVELS}
+    for name, level, bucket, summary in _bucket_rows(session, job_id, names, below):
+        finer[level][name][bucket] = summary
+
+    rows = []
+    for level in rollups.LEVELS:
+        for name, buckets in touched[level].items():
+            for bucket in buckets:
+                keys = range(bucket * fanout, bucket * fanout + fanout)
+                if level == 1:
+                    summary = rollups.Summary.of_points([(step, values[name][step]) for step in keys if step in values[name]])
+                else:
+                    summary = rollups.merge([finer[level - 1][name][key] for key in keys if key in finer[level - 1][name]])
+                finer[level][name][bucket] = summary  # what the level above is made of
+                rows.append({"job_id": job_id, "name": name, "level": level, "bucket": bucket, **vars(summary)})
+    _upsert_buckets(session, rows)
+
+
+def _upsert_buckets(session: Session, rows: list[dict]) -> None:
+    if not rows:
+        return
+    if session.get_bind().dialect.name == "postgresql":
+        # One statement of a column array each, as for the points (record_metrics).
+        session.execute(_UPSERT_BUCKET_ARRAYS, {column: [row[column] for row in rows] for column in _BUCKET_COLUMNS})
+        return
+    statement = _insert(session)(MetricBucket)
+    key, summary = _BUCKET_COLUMNS[:4], _BUCKET_COLUMNS[4:]
+    session.execute(statement.on_conflict_do_update(index_elements=key, set_={c: statement.excluded[c] for c in summary}), rows)
+
+
+_BUCKET_ARRAY_TYPES = {"job_id": "bigint", "name": "varchar", "min_value": "double precision", "max_value": "double precision", "last_value": "double precision"}
+_BUCKET_COLUMNS = ["job_id", "name", "level", "bucket", *rollups.Summary.__dataclass_fields__]
+_UPSERT_BUCKET_ARRAYS = text(f"""
+    INSERT INTO metric_buckets ({", ".join(_BUCKET_COLUMNS)})
+    SELECT * FROM unnest({", ".join(f"CAST(:{c} AS {_BUCKET_ARRAY_TYPES.get(c, 'integer')}[])" for c in _BUCKET_COLUMNS)})
+    ON CONFLICT (job_id, name, level, bucket) DO UPDATE SET {", ".join(f"{c} = excluded.{c}" for c in _BUCKET_COLUMNS[4:])}
+""")
+
+
+def _coalesce(ranges: set[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """(level, first, last) ranges with adjacent and overlapping ones of a level joined: a batch
+    touches a run of buckets, which one BETWEEN covers."""
+    joined: list[tuple[int, int, int]] = []
+    for level, low, high in sorted(ranges):
+        if joined and joined[-1][0] == level and low <= joined[-1][2] + 1:
+            joined[-1] = (level, joined[-1][1], max(high, joined[-1][2]))
+        else:
+            joined.append((level, low, high))
+    return joined
+
+
+def _bucket_rows(
+    session: Session, job_id: int, names: list[str] | None, ranges: set[tuple[int, int, int]]
+) -> list[tuple[str, int, int, rollups.Summary]]:
+    """(name, level, bucket, summary) of the stored buckets in `ranges` of (level, first, last
+    bucket), in name and bucket order."""
+    if not ranges:
+        return []
+    # Plain rows, not ORM objects: a chart reads thousands of these per request.
+    columns = [getattr(MetricBucket, field) for field in rollups.Summary.__dataclass_fields__]
+    # One index range scan per run of buckets (see refresh_metric_buckets on OR and UNION).
+    per_range = []
+    for level, low, high in _coalesce(ranges):
+        query = select(MetricBucket.name, MetricBucket.level, MetricBucket.bucket, *columns).where(
+            MetricBucket.job_id == job_id, MetricBucket.level == level, MetricBucket.bucket.between(low, high)
+        )
+        per_range.append(query.where(MetricBucket.name.in_(names)) if names else query)
+    rows = session.execute(union_all(*per_range).order_by("name", "level", "bucket"))
+    return [(name, level, bucket, rollups.Summary(*summary)) for name, level, bucket, *summary in rows]
 
 
 def record_logs(session: Session, job_id: int, attempt: ClaimedAttempt, lines: list[tuple[int, int | None, str]]) -> None:
     """Store (seq, rank, line) triples of an attempt's output; re-sent lines are ignored."""
     if not lines:
         return
+    lock_job_logs(session, job_id)
     insert = _insert(session)
     rows = [
         {"job_id": job_id, "attempt_id": attempt.attempt_id, "attempt_number": attempt.number, "seq": seq, "rank": rank, "line": line}
@@ -219,6 +373,14 @@ def record_logs(session: Session, job_id: int, attempt: ClaimedAttempt, lines: l
     ]
     session.execute(insert(LogLine).values(rows).on_conflict_do_nothing(index_elements=["attempt_id", "seq"]))
     session.commit()
+
+
+def lock_job_logs(session: Session, job_id: int) -> None:
+    """Make a job's log writers (the nodes of a gang) take turns until commit (PostgreSQL; SQLite
+    writers already do): line ids are then handed out in commit order, so a reader that has seen
+    line n never misses a line below n committed later (cursors and followed logs rely on it)."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('trainyard-logs', :job_id))"), {"job_id": job_id})
 
 
 def log_tail(session: Session, job_id: int, tail: int, rank: int | None = None) -> list[LogLine]:
@@ -295,6 +457,7 @@ def register_host(session: Session, name: str, device: str, slots: int, info: di
     values = {"device": device, "slots": slots, "info": info, "address": address, "last_heartbeat": now}
     statement = insert(WorkerHost).values(name=name, registered_at=now, **values)
     session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))
+    ring(session)  # a new host may fit jobs that are waiting
     session.commit()
 
 
@@ -423,22 +586,27 @@ def active_attempts(session: Session) -> list[Attempt]:
     return list(session.scalars(select(Attempt).where(Attempt.status.in_(ACTIVE_ATTEMPT)).order_by(Attempt.id)))
 
 
+def busy_by_host(session: Session) -> tuple[dict[str, int], dict[str, set[int]]]:
+    """(process slots, GPU indices) that active attempts hold, per host: one read for both."""
+    slots: dict[str, int] = {}
+    gpus: dict[str, set[int]] = {}
+    for host, used, device_ids in session.execute(
+        select(Attempt.host_name, Attempt.slots, Attempt.device_ids).where(Attempt.status.in_(ACTIVE_ATTEMPT))
+    ):
+        slots[host] = slots.get(host, 0) + used
+        if device_ids:
+            gpus.setdefault(host, set()).update(device_ids)
+    return slots, gpus
+
+
 def busy_slots_by_host(session: Session) -> dict[str, int]:
-    query = select(Attempt.host_name, func.sum(Attempt.slots)).where(Attempt.status.in_(ACTIVE_ATTEMPT)).group_by(Attempt.host_name)
-    return {host: int(busy) for host, busy in session.execute(query)}
-
-
-def busy_gpus_by_host(session: Session) -> dict[str, set[int]]:
-    query = select(Attempt.host_name, Attempt.device_ids).where(Attempt.status.in_(ACTIVE_ATTEMPT), Attempt.device_ids.is_not(None))
-    busy: dict[str, set[int]] = {}
-    for host, device_ids in session.execute(query):
-        busy.setdefault(host, set()).update(device_ids or [])
-    return busy
+    return busy_by_host(session)[0]
 
 
 def preemptible_attempts(session: Session) -> list[Attempt]:
     """Running attempts of preemptible jobs, including those already asked to stop."""
-    query = select(Attempt).where(Attempt.status == AttemptStatus.running)
+    # With their jobs in the same read: one query, not one more per running attempt.
+    query = select(Attempt).join(Attempt.job).options(contains_eager(Attempt.job)).where(Attempt.status == AttemptStatus.running)
     return [attempt for attempt in session.scalars(query) if attempt.job.spec.get("preemptible")]
 
 

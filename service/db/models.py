@@ -45,6 +45,24 @@ class User(Base):
     name: Mapped[str] = mapped_column(String(100), unique=True)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    can_run_code: Mapped[bool] = mapped_column(
+        Boolean, default=False, doc="May submit `script` jobs, which run the user's own code on worker hosts."
+    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Upload(Base):
+    """A file a user uploaded: a dataset (one file under the data root) or a code bundle (unpacked
+    under the artifact root). `path` is relative to that root; the files are in place before the row exists."""
+
+    __tablename__ = "uploads"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    kind: Mapped[str] = mapped_column(String(16), doc="`dataset` or `code`.")
+    name: Mapped[str] = mapped_column(String(200), doc="The file name the user gave.")
+    sha256: Mapped[str] = mapped_column(String(64), doc="sha256 of the uploaded bytes (the archive, for code).")
+    size_bytes: Mapped[int] = mapped_column(BigInteger, doc="Size of the uploaded bytes.")
+    path: Mapped[str] = mapped_column(String(500))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -118,6 +136,26 @@ class Metric(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     value: Mapped[float | None] = mapped_column(Float, nullable=True, doc="NULL for a NaN or infinite value.")
     attempt_id: Mapped[int] = mapped_column(BigId)
+
+
+class MetricBucket(Base):
+    """A `rollups.Summary` of one series over one bucket of `16 ** level` steps, kept up to date
+    at ingest, so a long series is charted from a few thousand of these rather than every point."""
+
+    __tablename__ = "metric_buckets"
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[int] = mapped_column(Integer, primary_key=True, doc="step // 16 ** level")
+    count: Mapped[int] = mapped_column(Integer)
+    first_step: Mapped[int] = mapped_column(Integer)
+    min_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    min_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    max_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    last_step: Mapped[int] = mapped_column(Integer)
+    last_value: Mapped[float | None] = mapped_column(Float, nullable=True)
+    null_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class LogLine(Base):

@@ -31,8 +31,10 @@ INTERRUPTED_AFTER = 100_000
 LISTED_JOBS = 5  # ids 1..5
 
 
-def make_job(job_id: int, status: JobStatus = JobStatus.queued, step: int = 0, failure_reason: str | None = None) -> JobOut:
-    spec = JobSpec.model_validate(tiny_spec())
+def make_job(
+    job_id: int, status: JobStatus = JobStatus.queued, step: int = 0, failure_reason: str | None = None, spec: JobSpec | None = None
+) -> JobOut:
+    spec = spec or JobSpec.model_validate(tiny_spec())
     return JobOut(
         id=job_id, name=spec.name, owner="alice", status=status, step=step, max_steps=spec.training.max_steps,
         priority=0, effective_batch_size=spec.effective_batch_size, restarts=0, failure_reason=failure_reason,
@@ -50,6 +52,7 @@ class FakeState:
         self.range_headers: list[str | None] = []  # as received by the download route
         self.statuses = [JobStatus.queued, JobStatus.running, JobStatus.succeeded]  # of job 99, one per GET
         self.failure_reason: str | None = None
+        self.followed_spec: JobSpec | None = None  # as last submitted
 
 
 def build_app(state: FakeState) -> FastAPI:
@@ -61,7 +64,8 @@ def build_app(state: FakeState) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201)
     def submit(spec: JobSpec) -> JobOut:
-        return make_job(FOLLOWED_JOB)
+        state.followed_spec = spec
+        return make_job(FOLLOWED_JOB, spec=spec)
 
     @app.get("/v1/jobs")
     def list_jobs(limit: int = 50, cursor: str | None = None) -> JobPage:
@@ -76,7 +80,8 @@ def build_app(state: FakeState) -> FastAPI:
             raise HTTPException(404, "job not found")
         status = state.statuses.pop(0) if len(state.statuses) > 1 else state.statuses[0]
         step = {JobStatus.running: 6, JobStatus.succeeded: 12}.get(status, 0)
-        return make_job(FOLLOWED_JOB, status=status, step=step, failure_reason=state.failure_reason if status.is_final else None)
+        failure_reason = state.failure_reason if status.is_final else None
+        return make_job(FOLLOWED_JOB, status=status, step=step, failure_reason=failure_reason, spec=state.followed_spec)
 
     @app.get("/v1/jobs/{job_id}/metrics")
     def metrics(job_id: int, from_step: int = 0) -> MetricsOut:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -12,6 +13,8 @@ from tests.client.fake_server import GOOD_CHECKPOINT, TOKEN
 from tests.helpers import EXAMPLE_SPEC, tiny_spec
 from trainyard.cli import main
 from trainyard.client_cli import SpecFileError, load_spec_file
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -58,6 +61,14 @@ def test_submit_and_follow_to_success(trainyard, tmp_path):
     assert code == 0, err
     assert out.splitlines() == ["submitted job 99 (shakespeare-char): queued", "job 99 succeeded at step 12/12"]
     assert "running    [" in err and "loss 1.0000" in err  # the progress lines, on stderr
+
+
+def test_the_gan_example_spec_submits_and_follows_to_success(trainyard):
+    # A custom job has no tokens per sample: the progress line leaves the rate out.
+    code, out, err = trainyard("submit", str(REPO / "examples" / "gan.json"), "--follow")
+    assert code == 0, err
+    assert out.splitlines() == ["submitted job 99 (gan-ring): queued", "job 99 succeeded at step 12/2000"]
+    assert "running    [" in err and "tok/s" not in err
 
 
 def test_follow_exits_1_with_the_failure_reason(trainyard, fake_api, tmp_path):

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import trainyard.client
+import service.api.events
 from service.api.main import create_app
 from service.db import crud
 from service.db.session import session_factory
@@ -19,12 +19,12 @@ from trainyard.client import Client
 
 @pytest.fixture
 def settings(sqlite_url, tmp_path) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=sqlite_url)
+    return Settings(data_dir=tmp_path, database_url=sqlite_url, events_poll_seconds=0.05)
 
 
 @pytest.mark.timeout(60)
 def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_the_job_ends(settings, monkeypatch):
-    monkeypatch.setattr(trainyard.client, "FOLLOW_PAGE", 3)  # small pages, so paging is exercised
+    monkeypatch.setattr(service.api.events, "PAGE", 3)  # small pages, so paging is exercised
     with session_factory(settings.resolved_database_url)() as session:
         user, token = crud.create_user(session, "alice")
         job_id = crud.create_job(session, user, job_spec()).id
@@ -36,7 +36,7 @@ def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_th
 
     write(range(0, 5))
     with serve_app(create_app(settings)) as url, Client(url, token) as client, ThreadPoolExecutor(1) as background:
-        followed = background.submit(lambda: [line.line for line in client.follow_logs(job_id, tail=2, poll_seconds=0.05)])
+        followed = background.submit(lambda: [line.line for line in client.follow_logs(job_id, tail=2)])
         time.sleep(0.3)
         write(range(5, 12))  # more than a page while following
         write(range(5, 8))  # a re-sent batch is stored once

@@ -40,6 +40,18 @@ def test_compose_services_run_real_commands_with_real_settings():
     assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
 
 
+def test_compose_proxy_serves_downloads_from_the_volume_the_api_redirects_into():
+    services = compose()["services"]
+    proxy, api = services["proxy"], services["api"]
+    config = REPO / proxy["volumes"][0].split(":")[0]
+    assert config == REPO / "deploy/nginx/trainyard.conf"  # the file tests/e2e/test_proxy_download.py runs
+    text = config.read_text()
+    prefix = api["environment"]["TRAINYARD_DOWNLOAD_REDIRECT_PREFIX"]
+    assert f"location {prefix} {{" in text and f"alias {api['environment']['TRAINYARD_ARTIFACT_ROOT']}/;" in text
+    assert "trainyard-data:/var/lib/trainyard:ro" in proxy["volumes"] and "ports" not in api  # clients go through the proxy
+    assert "server api:8000;" in text and "8000" in api["command"]
+
+
 def test_kubernetes_manifests_run_real_commands_with_real_settings():
     docs = kubernetes()
     kinds = {doc["kind"] for doc in docs}

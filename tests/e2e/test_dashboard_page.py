@@ -50,12 +50,19 @@ def points_drawn(page, series: str) -> int:
     return len(polyline.get_attribute("points").split())
 
 
-def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(browser_page, tmp_path):
+def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(browser_page, tmp_path, monkeypatch):
     page = browser_page
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    # The worker delivers metrics every heartbeat (5 s in production); this job takes seconds, so
+    # deliveries come every half second, for the curve to grow while the page is open.
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
     with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:
         client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
-        spec = tiny_spec(**{"name": "watched-run", "training.max_steps": 1500, "training.eval_every": 250, "checkpoint.every_steps": 500})
+        # Wider than the tiny model, so its 1,500 steps outlast logging in and opening the job page.
+        spec = tiny_spec(**{
+            "name": "watched-run", "model.n_embd": 128, "model.block_size": 32, "training.micro_batch_size": 16,
+            "training.max_steps": 1500, "training.eval_every": 250, "checkpoint.every_steps": 500,
+        })
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
 
         # A wrong token is refused and the login form comes back.

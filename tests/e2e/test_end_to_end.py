@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from safetensors.torch import load as safetensors_load
 
 from api_schemas import JobSpec
 from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
@@ -148,3 +149,21 @@ def test_a_classifier_job_reports_eval_accuracy_and_its_checkpoint_carries_the_l
             tar = client.get(f"/v1/checkpoints/{latest['id']}/download", params={"format": "tar"}).content
             labels = tarfile.open(fileobj=io.BytesIO(tar)).extractfile(f"job{job['id']}-step40/labels.json").read()
             assert json.loads(labels) == ["first", "second", "third"]
+
+
+def test_the_gan_example_runs_as_a_custom_job_and_its_checkpoint_downloads_with_both_models(tmp_path):
+    spec = json.loads((Path(__file__).resolve().parents[2] / "examples" / "gan.json").read_text())
+    spec["training"]["max_steps"], spec["checkpoint"]["every_steps"] = 100, 50
+    with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:  # installs examples/plugins
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+            assert job["status"] == "succeeded", job["failure_reason"]
+            assert job["step"] == 100
+            series = client.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]
+            assert series.keys() == {"d_loss", "g_loss"} and series["g_loss"]["steps"] == list(range(1, 101))
+            checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
+            assert [c["step"] for c in checkpoints] == [50, 100]
+            response = client.get(f"/v1/checkpoints/{checkpoints[-1]['id']}/download")
+            assert hashlib.sha256(response.content).hexdigest() == checkpoints[-1]["sha256"]
+    names = {name.split(".")[0] for name in safetensors_load(response.content)}
+    assert names == {"generator", "discriminator"}

@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from safetensors.torch import load
@@ -34,8 +35,27 @@ def two_host_stack(tmp_path, monkeypatch):
 
 
 def pids_matching(pattern: str) -> list[int]:
+    """Processes anywhere on the machine whose command line contains `pattern` (an absolute path
+    under this test's tmp_path, so no other stack's; orphans of a killed launcher included)."""
     found = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout.split()
     return [int(pid) for pid in found if int(pid) != os.getpid()]
+
+
+def stack_pids_matching(pattern: str) -> list[int]:
+    """Processes of this test's own stack (descendants of the test process) whose command line
+    contains `pattern`: another stack running on the machine has workers of the same names."""
+    return [
+        p.pid
+        for p in psutil.Process().children(recursive=True)
+        if pattern in " ".join(_cmdline(p))
+    ]
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # ended meanwhile
+        return []
 
 
 def final_weights(client: httpx.Client, job_id: int) -> dict[str, torch.Tensor]:
@@ -47,7 +67,7 @@ def run_reference(client: httpx.Client, spec: dict) -> int:
     """The same spec run straight through: what an interrupted job must end up identical to."""
     reference_id = client.post("/v1/jobs", json=spec).json()["id"]
     reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"}, timeout=240)
-    assert reference["status"] == "succeeded" and len(reference["attempts"]) == 1
+    assert reference["status"] == "succeeded" and {a["number"] for a in reference["attempts"]} == {1}  # one try (a gang: one attempt per node)
     return reference_id
 
 
@@ -85,7 +105,7 @@ def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_i
 
     # Once a checkpoint exists, kill -9 the worker host running the job and its training processes.
     host = wait_until_training(client, job_id)["attempts"][0]["host_name"]
-    for pid in pids_matching(f"worker --host-name {host}") + pids_matching(f"job-{job_id}/attempt-1/"):
+    for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(f"job-{job_id}/attempt-1/"):
         os.kill(pid, signal.SIGKILL)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
@@ -100,7 +120,7 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_sta
     client = two_host_stack
     job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
     host = wait_until_training(client, job_id)["attempts"][0]["host_name"]
-    [worker] = pids_matching(f"worker --host-name {host}")
+    [worker] = stack_pids_matching(f"worker --host-name {host}")
     os.kill(worker, signal.SIGTERM)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)

@@ -19,17 +19,12 @@ from service.db.models import WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import classifier_spec, finish_job, job_spec, start_job, tiny_spec, write_labelled_jsonl
+from tests.helpers import auth, classifier_spec, finish_job, job_spec, start_job, tiny_spec, write_labelled_jsonl
 
 
 @pytest.fixture
 def settings(database_url, data_root, tmp_path) -> Settings:
     return Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root, max_request_bytes=50_000)
-
-
-@pytest.fixture
-def api(settings) -> TestClient:
-    return TestClient(create_app(settings))
 
 
 @pytest.fixture
@@ -40,10 +35,6 @@ def tokens(settings) -> dict[str, str]:
             "bob": crud.create_user(session, "bob")[1],
             "root": crud.create_user(session, "root", is_admin=True)[1],
         }
-
-
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 def test_every_v1_route_needs_a_valid_token(api):
@@ -81,6 +72,8 @@ def test_other_users_get_404_for_a_job_and_everything_under_it(api, tokens):
         ({"dataset.path": "missing.txt"}, ["body", "dataset", "path"], "no dataset file"),
         ({"dataset.path": "../../etc/passwd"}, ["body", "dataset", "path"], "'..'"),
         ({"training.precision": "fp16"}, ["body"], "fp16 needs device 'cuda'"),
+        ({"dataset.tokenizer_file": "absent.json"}, ["body", "dataset", "tokenizer_file"], "no file 'absent.json' under the data root"),
+        ({"dataset.tokenizer_file": "../tokenizer.json"}, ["body", "dataset", "tokenizer_file"], "'..'"),
     ],
 )
 def test_bad_specs_get_422_naming_the_field(api, tokens, overrides, loc, reason):
@@ -337,6 +330,36 @@ def test_a_followed_event_stream_sends_heartbeats_then_each_event_as_it_commits_
     assert [m for m in received if m != "keep-alive"] == ["status", "status", "status", "checkpoint", "metrics", "status", "end"]
 
 
+def test_followed_logs_stream_the_tail_then_each_new_line_of_the_rank_asked_for_and_end_with_the_job(tokens, settings):
+    fast = TestClient(create_app(settings.model_copy(update={"events_poll_seconds": 0.05, "events_heartbeat_seconds": 0.2})))
+    job_id = fast.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    claimed = start_job(settings, job_id)
+    sessions = session_factory(settings.resolved_database_url)
+    with sessions() as session:  # ranks 0 and 1 interleaved, then a launcher line (no rank)
+        crud.record_logs(session, job_id, claimed, [(i, i % 2, f"line {i}") for i in range(6)] + [(6, None, "launcher")])
+
+    received: list[dict] = []
+    params = {"follow": "true", "tail": 2, "rank": 1}
+    with fast.stream("GET", f"/v1/jobs/{job_id}/logs", params=params, headers=auth(tokens["alice"])) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for message in sse_messages(response.iter_lines()):
+            received.append(message)
+            if message.get("comment") == "keep-alive" and len(received) == 3:  # caught up: the job prints more, then ends
+                with sessions() as session:
+                    crud.record_logs(session, job_id, claimed, [(7, 1, "line 7"), (8, 0, "line 8"), (9, 1, "line 9")])
+                finish_job(settings, claimed)
+    lines = [json.loads(m["data"])["line"] for m in received if m.get("event") == "line"]
+    assert lines == ["line 3", "line 5", "line 7", "line 9"] and received[-1] == END
+
+    # Resuming after a cut: the lines after the last id received, as a cursor or Last-Event-ID.
+    ids = [m["id"] for m in received if m.get("event") == "line"]
+    for resume in ({"cursor": ids[1]}, {}):
+        headers = {**auth(tokens["alice"]), **({} if resume else {"Last-Event-ID": ids[1]})}
+        response = fast.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true", "rank": 1, **resume}, headers=headers)
+        again = list(sse_messages(response.text.splitlines()))
+        assert [json.loads(m["data"])["line"] for m in again[:-1]] == ["line 7", "line 9"] and again[-1] == END
+
+
 def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api, tokens, settings):
     cuda_job = tiny_spec(**{"resources.device": "cuda"})
     # No host registered yet: hosts may still join, so the job is accepted and waits.
@@ -405,4 +428,78 @@ def test_a_classifier_spec_names_its_fields_without_the_union_tag(api, tokens, d
     assert locs == {("body", "model", "num_labels"), ("body", "dataset", "text_column")}
     mismatched = classifier_spec(**{"dataset": {"kind": "text", "path": "tinyshakespeare.txt"}})
     [error] = api.post("/v1/jobs", json=mismatched, headers=auth(tokens["alice"])).json()["detail"]
-    assert "an `mlp` classifier on `jsonl` or `csv`" in error["msg"]
+    assert "a classifier (`mlp`, an `hf` …ForSequenceClassification) on `jsonl`, `csv` or `hf_disk`" in error["msg"]
+
+
+@pytest.mark.parametrize(
+    ("model", "loc", "reason"),
+    [
+        ({"architecture": "ResNetForImageClassification"}, ["body", "model", "architecture"], "'DistilBertForSequenceClassification'"),
+        ({"config": {"vocab_size": 99}}, ["body", "model", "config"], "vocab_size: set by the engine"),
+        ({"num_labels": None}, ["body", "model"], "needs num_labels"),
+        ({"path": "models/absent"}, ["body", "model", "path"], "no directory 'models/absent' with a config.json"),
+        ({"path": "../models"}, ["body", "model", "path"], "'..'"),
+    ],
+    ids=["unknown-architecture", "engine-key", "no-num-labels", "missing-directory", "outside-root"],
+)
+def test_an_hf_model_spec_the_engine_cannot_build_gets_422_naming_the_field(api, tokens, data_root, model, loc, reason):
+    write_labelled_jsonl(data_root / "labels.jsonl")
+    hf = {"kind": "hf", "architecture": "DistilBertForSequenceClassification", "num_labels": 3, "config": {"dim": 32, "n_heads": 2}}
+    assert api.post("/v1/jobs", json=classifier_spec(model=hf), headers=auth(tokens["alice"])).status_code == 201
+    response = api.post("/v1/jobs", json=classifier_spec(model={**hf, **model}), headers=auth(tokens["alice"]))
+    assert response.status_code == 422, response.text
+    assert any(error["loc"][: len(loc)] == loc and reason in error["msg"] for error in response.json()["detail"]), response.json()
+
+
+def test_a_custom_job_needs_its_entrypoint_module_in_the_plugin_directory_and_no_dataset(api, tokens, settings, tmp_path):
+    plugins = settings.resolved_plugin_dir
+    plugins.mkdir()
+    (plugins / "gan_example.py").write_text("def train(ctx):\n    pass\n")
+    (tmp_path / "outside.py").write_text("def train(ctx):\n    pass\n")
+    (plugins / "linked.py").symlink_to(tmp_path / "outside.py")
+    spec = {**tiny_spec(), "model": {"kind": "custom", "entrypoint": "gan_example:train", "config": {"hidden": 8}}}
+    del spec["dataset"]
+    response = api.post("/v1/jobs", json=spec, headers=auth(tokens["alice"]))
+    assert response.status_code == 201, response.text
+    assert response.json()["spec"]["model"]["config"] == {"hidden": 8}
+
+    for entrypoint, reason in [
+        ("absent:train", "no module absent.py in the plugin directory"),
+        ("linked:train", "no module linked.py in the plugin directory"),  # a symlink out of it
+        ("os.path:join", "String should match pattern"),
+        ("../outside:train", "String should match pattern"),
+    ]:
+        response = api.post("/v1/jobs", json={**spec, "model": {**spec["model"], "entrypoint": entrypoint}}, headers=auth(tokens["alice"]))
+        assert response.status_code == 422, response.text
+        [error] = response.json()["detail"]
+        assert error["loc"] == ["body", "model", "entrypoint"] and reason in error["msg"], error
+
+    gpt_without_data = {**tiny_spec()}
+    del gpt_without_data["dataset"]
+    [error] = api.post("/v1/jobs", json=gpt_without_data, headers=auth(tokens["alice"])).json()["detail"]
+    assert "dataset: required, except for a `custom` model" in error["msg"]
+
+
+@pytest.mark.parametrize(
+    ("dataset", "overrides", "reason"),
+    [
+        ({"text_column": "body"}, {}, "no column 'body' among ['text', 'label']"),
+        ({}, {"model.num_labels": 3}, "holds 2 distinct labels (neg, pos) but model.num_labels is 3"),
+        ({"split": None}, {}, "holds the splits ['test', 'train']: dataset.split must name one of them"),
+        ({"path": "absent"}, {}, "no dataset directory 'absent' under the data root"),
+        ({"path": "tinyshakespeare.txt"}, {}, "no dataset directory 'tinyshakespeare.txt'"),
+    ],
+    ids=["missing-column", "label-count", "no-split", "missing-directory", "a-file"],
+)
+def test_a_saved_dataset_the_model_cannot_use_gets_422_naming_the_problem(api, tokens, data_root, dataset, overrides, reason):
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    split = datasets.Dataset.from_dict({"text": ["good", "bad", "fine"], "label": ["pos", "neg", "pos"]})
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(data_root / "reviews"))
+    base = {"kind": "hf_disk", "path": "reviews", "split": "train"}
+    assert api.post("/v1/jobs", json=classifier_spec(dataset=base, **{"model.num_labels": 2}), headers=auth(tokens["alice"])).status_code == 201
+    spec = classifier_spec(dataset={**base, **dataset}, **{"model.num_labels": 2, **overrides})
+    response = api.post("/v1/jobs", json=spec, headers=auth(tokens["alice"]))
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert error["loc"] == ["body", "dataset", "path"] and reason in error["msg"], error

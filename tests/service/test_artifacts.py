@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, write_manifest
+from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, sha256_file, write_manifest
 from service.artifacts import ArtifactStore
 
 
@@ -62,3 +62,15 @@ def test_a_tar_download_under_way_survives_retention_deleting_its_checkpoint(tmp
     contents = {member.name: archive.extractfile(member).read() for member in archive.getmembers()}
     assert contents["job7-step10/model.safetensors"] == b"weights" * 100
     assert contents["job7-step10/state/optimizer.bin"] == b"optimizer" and "job7-step10/manifest.json" in contents
+
+
+def test_a_checkpoint_without_model_weights_is_stored_and_described_by_its_manifest(tmp_path):
+    # What a script's save_state may write: no model.safetensors, just its own files.
+    source = tmp_path / "run" / "checkpoint_0"
+    source.mkdir(parents=True)
+    (source / "optimizer.bin").write_bytes(b"optimizer")
+    (source / "custom_checkpoint_0.pkl").write_bytes(b"state!")
+    write_manifest(source, 5)
+    store = ArtifactStore(tmp_path / "store")
+    relative, sha256, size = store.ingest_checkpoint(source, job_id=3, step=5)
+    assert sha256 == sha256_file(store.path(relative) / "manifest.json") and size == len(b"optimizer") + len(b"state!")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -14,8 +15,9 @@ from sqlalchemy import select
 from api_schemas import AttemptStatus, JobStatus
 from service import state
 from service.db import crud
-from service.db.models import Attempt, Base, Job, Metric, WorkerHost, utcnow
+from service.db.models import Attempt, Base, Job, LogLine, Metric, User, WorkerHost, utcnow
 from service.db.session import session_factory
+from service.doorbell import Doorbell, ring
 from service.scheduler import schedule_pass
 from service.settings import Settings
 from tests.helpers import job_spec
@@ -509,3 +511,82 @@ def test_a_higher_priority_job_preempts_only_a_lower_priority_preemptible_one(se
         assert session.get(Job, urgent).attempts[0].host_name == session.get(Job, spot).attempts[0].host_name
         assert session.get(Job, spot).status == JobStatus.queued and session.get(Job, spot).restarts == 0
         assert session.get(Job, peer).status == JobStatus.queued
+
+
+def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_by_a_rolled_back_one(postgres_url):
+    sessions, doorbell = session_factory(postgres_url), Doorbell(postgres_url)
+    doorbell.listen()
+    try:
+        assert not doorbell.wait(0.2)  # nothing happened
+
+        with sessions() as session:
+            user = crud.create_user(session, "alice")[0]
+            crud.create_job(session, user, job_spec())
+        assert doorbell.wait(30)
+
+        with sessions() as session:  # a submit that never commits makes no work
+            session.add(Job(owner_id=user.id, name="x", spec={}, status=JobStatus.queued, max_steps=1))
+            session.flush()
+            ring(session)
+            session.rollback()
+        assert not doorbell.wait(0.2)
+
+        settings = Settings(database_url=postgres_url, lease_seconds=30)
+        claimed = place_and_claim(sessions, settings)
+        doorbell.wait(0.2)  # the host's registration rang
+        with sessions() as session:
+            crud.finish_attempt(session, claimed, AttemptStatus.succeeded, None)
+        assert doorbell.wait(30)  # the attempt's devices are free
+    finally:
+        doorbell.close()
+
+
+def test_concurrent_submits_at_the_quota_create_exactly_the_jobs_it_allows(sessions):
+    with sessions() as session:
+        crud.create_user(session, "alice")
+    start = threading.Barrier(8)
+
+    def submit(_) -> bool:
+        start.wait()  # all eight at once (a session holding SQLite's write lock can't wait on the others)
+        with sessions() as session:
+            user = crud.user_by_name(session, "alice")
+            try:
+                crud.create_job(session, user, job_spec(), max_active=3)
+                return True
+            except crud.QuotaExceeded:
+                return False
+
+    with ThreadPoolExecutor(8) as pool:
+        created = list(pool.map(submit, range(8)))
+    assert created.count(True) == 3
+    with sessions() as session:
+        assert session.query(Job).count() == 3
+
+
+def test_only_a_hash_of_a_token_is_stored_and_the_token_finds_its_user(sessions):
+    with sessions() as session:
+        user, token = crud.create_user(session, "alice")
+        stored = session.execute(select(User.token_hash).where(User.id == user.id)).scalar_one()
+        everything = " ".join(str(v) for v in session.execute(select(User.__table__)).one())
+        assert token not in everything and stored == hashlib.sha256(token.encode()).hexdigest()
+        assert crud.user_by_token(session, token).id == user.id and crud.user_by_token(session, token + "x") is None
+
+
+def test_log_lines_of_concurrent_writers_get_ids_in_commit_order(sessions, settings):
+    job_id = queue_job(sessions, **{"resources.nodes": 2})
+    with sessions() as session:
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        crud.register_host(session, "host-b", "cpu", 1, {})
+        node_0, node_1 = [crud.claim_attempt(session, attempt_id, f"w{i}", 30) for i, (attempt_id, _) in enumerate(schedule_pass(session, settings))]
+    first = sessions()
+    crud.lock_job_logs(first, job_id)  # node 0 is writing, not yet committed
+    first.execute(LogLine.__table__.insert(), [{"job_id": job_id, "attempt_id": node_0.attempt_id, "attempt_number": 1, "seq": 0, "line": "node 0"}])
+    with ThreadPoolExecutor(1) as pool:
+        later = pool.submit(lambda: crud.record_logs(sessions(), job_id, node_1, [(0, 1, "node 1")]))
+        with pytest.raises(TimeoutError):
+            later.result(timeout=1.0)  # node 1 waits for node 0's commit (SQLite: for its write lock)
+        first.commit()
+        later.result(timeout=30)
+    first.close()
+    with sessions() as session:
+        assert [line.line for line in crud.log_lines_after(session, job_id, 0, 10)] == ["node 0", "node 1"]

@@ -7,6 +7,7 @@ import signal
 import pytest
 import torch
 
+from tests.helpers import write_labelled_jsonl
 from tests.training.support import reset_accelerate
 
 
@@ -30,3 +31,12 @@ def fresh_process_state():
     yield
     reset_accelerate()
     signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.fixture
+def labelled_root(tmp_path):
+    """A data root holding labels.jsonl: texts whose label shows in their letters."""
+    root = tmp_path / "data"
+    root.mkdir()
+    write_labelled_jsonl(root / "labels.jsonl")
+    return root

@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 import torch
+from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, verify_manifest
-from tests.training.support import run_training, spec_of, write_corpus
-from workers.training import GPT, eval_dataloader, evaluate, load_model, load_model_from_checkpoint, load_text_corpus
+from tests.training.support import Collector, run_training, spec_of, write_corpus
+from workers.training import GPT, CheckpointWriter, eval_dataloader, evaluate, load_model, load_model_from_checkpoint, load_text_corpus
 
 STEPS = 6
 
@@ -83,3 +84,43 @@ def test_weights_loaded_into_a_fresh_model_reproduce_the_reported_eval_loss(trai
     recomputed = evaluate(model, eval_dataloader(corpus.val, spec))
     assert recomputed == pytest.approx(run.steps[step]["eval_loss"], abs=1e-4)  # measured: equal
     assert all(t.dtype == torch.float32 for t in tensors.values())
+
+
+def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_for_byte(tmp_path):
+    """save() returns once the step's state is taken; training then changes the weights and the
+    optimizer's moments in place while the main process writes and hashes in the background. What
+    lands is what a save waited for at once writes: every file, state/ included, the same bytes."""
+    data_root = tmp_path / "data"
+    spec = spec_of(**{"dataset.path": write_corpus(data_root, 50_000), "model.n_layer": 2, "model.n_embd": 64})
+    corpus = load_text_corpus(spec.dataset, data_root)
+    accelerator = Accelerator(cpu=True)
+    model = GPT(spec.model, corpus.tokenizer.vocab_size)
+    model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01))
+    windows = corpus.train[: 4 * 16 + 1]
+    inputs, targets = windows[:-1].view(4, 16), windows[1:].view(4, 16)
+
+    def train_one_step() -> None:
+        _, loss = model(inputs, targets)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_one_step()
+    waited_for = Collector()
+    synchronous = CheckpointWriter(accelerator, tmp_path / "waited-for", spec, waited_for, corpus.tokenizer)
+    synchronous.save(model, {"step": 1})
+    synchronous.finish()
+
+    reported = Collector()
+    writer = CheckpointWriter(accelerator, tmp_path / "background", spec, reported, corpus.tokenizer)
+    path = writer.save(model, {"step": 1})
+    assert reported.checkpoints == {}  # reported only once complete, and by the training thread
+    saved = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    train_one_step()  # while the background thread writes
+    assert any(not torch.equal(saved[name], tensor) for name, tensor in model.state_dict().items())
+    writer.finish()
+
+    assert reported.checkpoints == {1: path} and path.name == "step-00000001" and not list(path.parent.glob(".tmp-*"))
+    assert verify_manifest(path) == verify_manifest(waited_for.checkpoints[1])  # size and sha256 of every file
+    assert (path / MODEL_FILE).read_bytes() == (waited_for.checkpoints[1] / MODEL_FILE).read_bytes()
+    assert all(torch.equal(tensor, saved[name]) for name, tensor in load_file(str(path / MODEL_FILE)).items())

@@ -9,20 +9,12 @@ import subprocess
 import pytest
 
 from api_schemas.manifest import MODEL_FILE
-from tests.helpers import classifier_spec, write_labelled_jsonl
+from tests.helpers import classifier_spec
 from tests.training.support import REPO, read_events, run_training, spec_of, subprocess_env
 from workers.supervisor import free_port, launch_command
 from workers.training import MLPClassifier, eval_dataloader, evaluate_metrics, load_labelled_corpus, load_model_from_checkpoint
 
 STEPS = 60
-
-
-@pytest.fixture
-def labelled_root(tmp_path):
-    root = tmp_path / "data"
-    root.mkdir()
-    write_labelled_jsonl(root / "labels.jsonl")
-    return root
 
 
 def test_a_classifier_learns_and_its_checkpoint_scores_the_same_when_reloaded(labelled_root, tmp_path):

@@ -26,3 +26,19 @@ def test_api_schemas_import_nothing_of_the_project():
 def test_the_training_loop_knows_nothing_of_the_database_or_http():
     loaded = modules_after_import("workers.training")
     assert not any(name.split(".")[0] in ("service", "sqlalchemy", "httpx", "fastapi", "celery") for name in loaded)
+
+
+def test_checking_a_saved_dataset_at_submit_loads_neither_torch_nor_transformers(tmp_path):
+    pytest.importorskip("datasets")
+    code = f"""
+import json, sys
+import datasets
+datasets.disable_progress_bars()
+datasets.Dataset.from_dict({{"text": ["a", "b"], "label": [0, 1]}}).save_to_disk({str(tmp_path / "saved")!r})
+from service.datasets import check_disk_dataset
+from pathlib import Path
+check_disk_dataset(Path({str(tmp_path)!r}), "saved", None, "text", "label", "classify", 2)
+print(json.dumps(sorted(sys.modules)))
+"""
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout))
+    assert "datasets" in loaded and "torch" not in loaded and "transformers" not in loaded

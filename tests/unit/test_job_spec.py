@@ -50,3 +50,13 @@ def test_default_warmup_is_ten_percent_of_steps():
 def test_invalid_specs_name_the_field_and_the_reason(overrides, field, reason):
     errors = errors_of(spec_dict(**overrides))
     assert any(loc[: len(field)] == field and reason in msg for loc, msg in errors), errors
+
+
+def test_custom_and_hf_models_name_their_fields_without_the_union_tag():
+    custom = {**spec_dict(**{"model": {"kind": "custom", "entrypoint": "plugins/gan:train"}})}
+    assert errors_of(custom)[0][0] == ("model", "entrypoint")
+    hf = spec_dict(**{"model": {"kind": "hf", "architecture": "GPT2LMHeadModel", "num_labels": 2}})
+    assert errors_of(hf) == [(("model",), "Value error, num_labels: GPT2LMHeadModel is a language model, it has no labels")]
+    del custom["dataset"]
+    custom["model"]["entrypoint"] = "gan_example:train"
+    assert JobSpec.model_validate(custom).dataset is None  # a custom loop may make its own data

@@ -1,4 +1,4 @@
-"""Entry point: `accelerate launch -m workers.training --spec spec.json --data-root DIR --run-dir DIR [--resume-from CKPT]`.
+"""Entry point: `accelerate launch -m workers.training --spec spec.json --data-root DIR --run-dir DIR [--resume-from CKPT] [--plugin-dir DIR]`.
 
 Parse → build → train → close. Exits 0 when done, 2 on a bad spec (one line on stderr naming the
 field), 75 when preempted (SIGTERM) after saving a checkpoint, anything else on a failure.
@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from api_schemas import JobSpec, field_location
 from api_schemas.worker_protocol import EXIT_PREEMPTED
+from workers.training.custom import run_custom
 from workers.training.data import SpecError
 from workers.training.loop import train
 from workers.training.reporter import reporter_from_env
@@ -27,6 +28,7 @@ def main() -> int:
     parser.add_argument("--data-root", type=Path, required=True, help="directory that dataset.path is relative to")
     parser.add_argument("--run-dir", type=Path, required=True, help="where checkpoints are written")
     parser.add_argument("--resume-from", type=Path, help="checkpoint directory to resume from")
+    parser.add_argument("--plugin-dir", type=Path, help="the only directory a `custom` job's entrypoint module is loaded from")
     args = parser.parse_args()
 
     try:
@@ -38,7 +40,10 @@ def main() -> int:
 
     reporter = reporter_from_env()
     try:
-        result = train(spec, args.data_root, args.run_dir, reporter, args.resume_from)
+        if spec.model.kind == "custom":
+            result = run_custom(spec, args.data_root, args.run_dir, reporter, args.resume_from, args.plugin_dir)
+        else:
+            result = train(spec, args.data_root, args.run_dir, reporter, args.resume_from)
     except SpecError as exc:
         return bad_spec(str(exc))
     finally:

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from api_schemas import DatasetConfig, LabelledDatasetConfig, MLPConfig
-from api_schemas.labelled_data import LabelledDataError, read_labelled
+from api_schemas import DatasetConfig, DiskDatasetConfig, HFModelConfig, LabelledDatasetConfig, MLPConfig
+from api_schemas.labelled_data import LabelledDataError, read_disk_dataset, read_labelled
 
 
 class SpecError(ValueError):
@@ -23,32 +23,62 @@ class SpecError(ValueError):
 
 
 class Tokenizer:
-    """`char`: one id per distinct character of the corpus; `byte`: one id per byte value."""
+    """`char`: one id per distinct character of the corpus; `byte`: one id per byte value; `file`: a
+    Hugging Face `tokenizers` tokenizer.json (its whole definition is kept, so a checkpoint carries it)."""
 
-    def __init__(self, kind: str, chars: list[str] | None = None):
-        self.kind, self.chars = kind, chars
+    def __init__(self, kind: str, chars: list[str] | None = None, definition: str | None = None):
+        self.kind, self.chars, self.definition = kind, chars, definition
         self._ids = {c: i for i, c in enumerate(chars)} if chars is not None else None
+        self._file = _tokenizers().Tokenizer.from_str(definition) if kind == "file" else None
 
     @classmethod
     def build(cls, kind: str, text: str) -> Tokenizer:
         return cls("char", sorted(set(text))) if kind == "char" else cls("byte")
 
     @classmethod
+    def for_dataset(cls, config: DatasetConfig | LabelledDatasetConfig | DiskDatasetConfig, data_root: Path, text: str) -> Tokenizer:
+        """The dataset's tokenizer: its `tokenizer_file` if it names one, else char or byte over `text`."""
+        if config.tokenizer_file is None:
+            return cls.build(config.tokenizer, text)
+        root = data_root.resolve()
+        path = (root / config.tokenizer_file).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            raise SpecError(f"dataset.tokenizer_file: no file {config.tokenizer_file!r} under the data root")
+        try:
+            return cls("file", definition=path.read_text(encoding="utf-8"))
+        except Exception as exc:  # the tokenizers library raises its own exception type for a bad file
+            raise SpecError(f"dataset.tokenizer_file: not a tokenizer.json: {exc}") from None
+
+    @classmethod
     def from_json(cls, data: dict) -> Tokenizer:
-        return cls(data["kind"], data.get("chars"))
+        return cls(data["kind"], data.get("chars"), data.get("definition"))
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "chars": self.chars}
+        return {"kind": self.kind, "chars": self.chars} if self.kind != "file" else {"kind": "file", "definition": self.definition}
 
     @property
     def vocab_size(self) -> int:
+        if self.kind == "file":
+            return self._file.get_vocab_size()
         return len(self.chars) if self.kind == "char" else 256
 
     def encode(self, text: str) -> list[int]:
+        if self.kind == "file":
+            return self._file.encode(text, add_special_tokens=False).ids
         return [self._ids[c] for c in text] if self.kind == "char" else list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
+        if self.kind == "file":
+            return self._file.decode(ids)
         return "".join(self.chars[i] for i in ids) if self.kind == "char" else bytes(ids).decode("utf-8", "replace")
+
+
+def _tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise SpecError("dataset.tokenizer_file: needs the tokenizers package: pip install 'trainyard[hf]'") from None
+    return tokenizers
 
 
 class EpochSelection(Dataset):
@@ -106,20 +136,40 @@ class TextCorpus:
     tokenizer: Tokenizer
 
 
-def dataset_file(config: DatasetConfig | LabelledDatasetConfig, data_root: Path) -> Path:
+def dataset_file(config: DatasetConfig | LabelledDatasetConfig | DiskDatasetConfig, data_root: Path) -> Path:
+    """The dataset's file (its directory for `hf_disk`) under the data root."""
     root = data_root.resolve()
-    path = (root / config.path).resolve()
+    path = (root / config.relative_path).resolve()
     if not path.is_relative_to(root):
-        raise SpecError(f"dataset.path: {config.path!r} resolves outside the data root")
-    if not path.is_file():
-        raise SpecError(f"dataset.path: {config.path!r} is not a file under the data root")
+        raise SpecError(f"dataset.path: {config.relative_path!r} resolves outside the data root")
+    if config.kind == "hf_disk" and not path.is_dir():
+        raise SpecError(f"dataset.path: {config.relative_path!r} is not a directory under the data root")
+    if config.kind != "hf_disk" and not path.is_file():
+        raise SpecError(f"dataset.path: {config.relative_path!r} is not a file under the data root")
     return path
 
 
-def load_text_corpus(config: DatasetConfig, data_root: Path) -> TextCorpus:
-    """Read and tokenise the corpus; the last `val_fraction` of it is held out for evaluation."""
-    text = dataset_file(config, data_root).read_text(encoding="utf-8")
-    tokenizer = Tokenizer.build(config.tokenizer, text)
+def read_texts(
+    config: LabelledDatasetConfig | DiskDatasetConfig, data_root: Path, labelled: bool = True
+) -> tuple[list[str], list[str] | None]:
+    """(texts, labels) of a JSON-lines, CSV or `datasets` directory; no labels read when not `labelled`."""
+    path = dataset_file(config, data_root)
+    try:
+        if config.kind == "hf_disk":
+            return read_disk_dataset(path, config.split, config.text_column, config.label_column if labelled else None)
+        return read_labelled(path, config.kind, config.text_column, config.label_column)
+    except LabelledDataError as exc:
+        raise SpecError(f"dataset.path: {exc}") from None
+
+
+def load_text_corpus(config: DatasetConfig | DiskDatasetConfig, data_root: Path) -> TextCorpus:
+    """Read and tokenise the corpus (a `datasets` directory's texts joined by newlines); the last
+    `val_fraction` of it is held out for evaluation."""
+    if config.kind == "hf_disk":
+        text = "\n".join(read_texts(config, data_root, labelled=False)[0])
+    else:
+        text = dataset_file(config, data_root).read_text(encoding="utf-8")
+    tokenizer = Tokenizer.for_dataset(config, data_root, text)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     split = int(len(tokens) * (1 - config.val_fraction))
     return TextCorpus(train=tokens[:split], val=tokens[split:], tokenizer=tokenizer)
@@ -133,17 +183,16 @@ class LabelledCorpus:
     labels: list[str]  # label id i is labels[i]
 
 
-def load_labelled_corpus(config: LabelledDatasetConfig, model: MLPConfig, data_root: Path) -> LabelledCorpus:
+def load_labelled_corpus(
+    config: LabelledDatasetConfig | DiskDatasetConfig, model: MLPConfig | HFModelConfig, data_root: Path
+) -> LabelledCorpus:
     """Labelled texts, each cut or padded to `model.max_length` ids; the last `val_fraction` of the
     rows is held out for evaluation. Label ids follow the labels' sorted order."""
-    try:
-        texts, labels = read_labelled(dataset_file(config, data_root), config.kind, config.text_column, config.label_column)
-    except LabelledDataError as exc:
-        raise SpecError(f"dataset.path: {exc}") from None
+    texts, labels = read_texts(config, data_root)
     names = sorted(set(labels))
     if len(names) != model.num_labels:
         raise SpecError(f"model.num_labels is {model.num_labels} but the dataset holds {len(names)} distinct labels")
-    tokenizer = Tokenizer.build(config.tokenizer, "".join(texts))
+    tokenizer = Tokenizer.for_dataset(config, data_root, "".join(texts))
     pad_id = tokenizer.vocab_size  # one past the vocabulary: the classifier ignores it
     ids = torch.full((len(texts), model.max_length), pad_id, dtype=torch.long)
     for row, text in enumerate(texts):

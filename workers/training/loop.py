@@ -20,7 +20,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 
 from api_schemas import JobSpec
-from workers.training.checkpoint import load_trainer_state, prune_checkpoints, save_checkpoint
+from workers.training.checkpoint import CheckpointWriter, load_trainer_state
 from workers.training.data import LabelledTexts, TokenWindows, load_labelled_corpus, load_text_corpus
 from workers.training.evaluate import eval_dataloader, evaluate_metrics
 from workers.training.model import build_model
@@ -62,7 +62,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     # still divides its loss by the full window length, which would shrink that step.
     samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
     labels = None
-    if spec.model.kind == "gpt":
+    if spec.model.task == "lm":
         corpus = load_text_corpus(spec.dataset, data_root)
         train_set = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step)
         tokens_per_sample = spec.model.block_size
@@ -74,7 +74,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     eval_dl = eval_dataloader(corpus.val, spec)
 
     # Model, optimizer, schedule: built once, prepared once.
-    model = build_model(spec.model, corpus.tokenizer.vocab_size)
+    model = build_model(spec.model, corpus.tokenizer.vocab_size, data_root)
     optimizer = make_optimizer(model, spec)
     scheduler = make_scheduler(optimizer, spec, accelerator.num_processes)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
@@ -93,6 +93,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     last_eval = None
     preempted = False
     lagged = LaggedMetrics(accelerator.device)
+    checkpoints = CheckpointWriter(accelerator, run_dir, spec, reporter, corpus.tokenizer, labels)
 
     def report(read: tuple[int, dict[str, float]] | None) -> bool:
         """Report a step's metrics from the main process; True if any process voted to stop."""
@@ -164,22 +165,20 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                     {
                         "train_loss": accelerator.reduce(window_loss / window_batches, reduction="mean"),
                         "grad_norm": grad_norm,
-                        "stop_votes": _stop_votes(accelerator, bool(stop_requested)),
+                        "stop_votes": stop_votes(accelerator, bool(stop_requested)),
                     },
                     values,
                 )
                 # SIGTERM on any process, seen one step late by all of them alike: stop here.
                 preempted = report(previous) and not last_step
+                checkpoints.report_finished()  # a checkpoint written meanwhile in the background
 
                 # Checkpoint on schedule, at the end, and when asked to stop; this step's metrics first.
+                # The loop waits only for the state of this step to be taken; the files are finished
+                # in the background (CheckpointWriter), and a save waits for the previous one.
                 if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
                     report(lagged.take())
-                    state = {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch}
-                    path = save_checkpoint(accelerator, model, run_dir, state, spec, corpus.tokenizer, labels)
-                    if accelerator.is_main_process:
-                        reporter.checkpoint(step, path)
-                        if not reporter.takes_checkpoints:
-                            prune_checkpoints(run_dir, spec.checkpoint.keep_last)
+                    checkpoints.save(model, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch})
                 if last_step or preempted:
                     break
                 window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
@@ -187,6 +186,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                 epoch, batch_in_epoch = epoch + 1, 0
 
         report(lagged.take())
+        checkpoints.finish()  # the last checkpoint is complete and reported before the process exits
     accelerator.end_training()
     return TrainResult(step=step, preempted=preempted, last_eval_loss=last_eval)
 
@@ -209,7 +209,7 @@ def _peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def _stop_votes(accelerator: Accelerator, stop: bool) -> torch.Tensor:
+def stop_votes(accelerator: Accelerator, stop: bool) -> torch.Tensor:
     """How many processes were asked to stop; checkpointing is collective, so all must agree."""
     votes = torch.tensor(float(stop), device=accelerator.device)
     return accelerator.reduce(votes, reduction="sum") if accelerator.num_processes > 1 else votes

@@ -1,15 +1,20 @@
 """The built-in models: a nanoGPT-style causal language model (pre-norm transformer, tied
-input/output embeddings) and a small text classifier."""
+input/output embeddings) and a small text classifier; and `build_model` for every model kind
+(`hf` models live in workers/training/hf.py).
+
+Every model answers `model(ids, targets)` with `(logits, loss)`: the loop needs nothing else."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from api_schemas import MLPConfig, ModelConfig
+from api_schemas import HFModelConfig, MLPConfig, ModelConfig
+from workers.training.hf import build_hf_model
 
 
 class CausalSelfAttention(nn.Module):
@@ -115,5 +120,8 @@ class MLPClassifier(nn.Module):
         return logits, loss
 
 
-def build_model(config: ModelConfig | MLPConfig, vocab_size: int) -> nn.Module:
+def build_model(config: ModelConfig | MLPConfig | HFModelConfig, vocab_size: int, data_root: Path | None = None) -> nn.Module:
+    """A fresh model for a tokenizer of `vocab_size` ids; `data_root` holds an `hf` model's `path`."""
+    if config.kind == "hf":
+        return build_hf_model(config, vocab_size, data_root)
     return GPT(config, vocab_size) if config.kind == "gpt" else MLPClassifier(config, vocab_size)

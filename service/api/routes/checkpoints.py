@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated, BinaryIO, Literal
 
 from fastapi import APIRouter, Query
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import FileResponse, Response, StreamingResponse
 
-from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, StoreDep, not_found
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, StoreDep, not_found
 from api_schemas.manifest import MODEL_FILE
 from service.db import crud
 
@@ -23,8 +23,12 @@ def download_checkpoint(
     session: SessionDep,
     user: CurrentUser,
     store: StoreDep,
-    format: Annotated[Literal["safetensors", "tar"], Query(description="`tar`: the full resumable state.")] = "safetensors",
-) -> FileResponse | StreamingResponse:
+    settings: SettingsDep,
+    format: Annotated[
+        Literal["safetensors", "tar"],
+        Query(description="`tar`: the full resumable state (always, for a script's checkpoint without model.safetensors)."),
+    ] = "safetensors",
+) -> Response:
     checkpoint = crud.checkpoint_visible_to(session, user, checkpoint_id)
     if checkpoint is None:
         raise not_found("checkpoint")
@@ -32,11 +36,22 @@ def download_checkpoint(
     if not directory.is_dir():
         raise not_found("checkpoint files")  # pruned by retention after the listing was read
     name = f"job{checkpoint.job_id}-step{checkpoint.step}"
-    if format == "tar":
+    if format == "tar" or not (directory / MODEL_FILE).is_file():  # a script's checkpoint may hold no weights file
         return StreamingResponse(
             _stream_tar(_open_files(directory), name),
             media_type="application/x-tar",
             headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
+        )
+    if settings.download_redirect_prefix:
+        # nginx sends the file (and answers Range requests) once we said who may have it: the bytes
+        # then never pass through Python, which capped a download at a fraction of the disk's speed.
+        return Response(
+            headers={
+                "X-Accel-Redirect": f"{settings.download_redirect_prefix}{checkpoint.path}/{MODEL_FILE}",
+                "Content-Type": "application/octet-stream",
+                "Content-Disposition": f'attachment; filename="{name}.safetensors"',
+                "X-Checkpoint-SHA256": checkpoint.sha256,
+            }
         )
     # FileResponse answers Range requests (206/416) itself, so interrupted downloads can resume.
     return _LargeChunkFileResponse(

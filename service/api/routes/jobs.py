@@ -5,13 +5,15 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, status
 from fastapi.responses import StreamingResponse
 
-from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut
+from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut, ScriptConfig
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep, VisibleJob
-from service.api.events import job_event_stream
+from service.api.events import job_events, job_log_lines, polled_stream
 from service.api.views import checkpoint_out, job_out, job_outs
-from service.datasets import DatasetError, check_labelled, resolve_dataset
+from api_schemas.requirements import package_name
+from service.datasets import DatasetError, check_spec_paths
 from service.db import crud
 from service.placement import never_fits
+from service.uploads import CODE, DATASET, UploadRefused, code_directory
 from service.db.session import session_factory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
@@ -24,7 +26,10 @@ QUOTA_RETRY_AFTER_SECONDS = 60
     "",
     status_code=status.HTTP_201_CREATED,
     response_model=JobOut,
-    responses={429: {"description": "The user already has `max_active_jobs_per_user` active jobs; see Retry-After."}},
+    responses={
+        403: {"description": "A `script` job from a user without the can_run_code permission."},
+        429: {"description": "The user already has `max_active_jobs_per_user` active jobs; see Retry-After."},
+    },
 )
 def submit_job(
     spec: JobSpec,
@@ -33,14 +38,10 @@ def submit_job(
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
-    try:
-        path = resolve_dataset(settings.resolved_data_root, spec.dataset.path)
-        if spec.dataset.kind != "text":
-            dataset = spec.dataset
-            check_labelled(path, dataset.kind, dataset.text_column, dataset.label_column, spec.model.num_labels)
-    except DatasetError as exc:
-        detail = [{"loc": ["body", "dataset", "path"], "msg": str(exc), "type": "value_error"}]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail) from exc
+    if spec.script is not None:
+        _check_script(spec.script, session, user, settings)
+    else:
+        _check_dataset(spec, session, user, settings)
     if reason := never_fits(spec.resources, crud.all_hosts(session)):
         detail = [{"loc": ["body", "resources"], "msg": reason, "type": "value_error"}]
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
@@ -52,6 +53,48 @@ def submit_job(
             status.HTTP_429_TOO_MANY_REQUESTS, detail, headers={"Retry-After": str(QUOTA_RETRY_AFTER_SECONDS)}
         ) from exc
     return job_out(job)
+
+
+def _unprocessable(loc: list[str], msg: str) -> HTTPException:
+    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["body", *loc], "msg": msg, "type": "value_error"}])
+
+
+def _check_dataset(spec: JobSpec, session, user, settings) -> None:
+    """What the spec names exists (an upload only if it is the user's), and the data fits the model."""
+    if spec.dataset is not None and spec.dataset.upload_id is not None:
+        if crud.upload_visible_to(session, user, spec.dataset.upload_id, DATASET) is None:
+            raise _unprocessable(["dataset", "upload_id"], f"no uploaded dataset {spec.dataset.upload_id} of yours")
+    try:
+        check_spec_paths(spec, settings.resolved_data_root, settings.resolved_plugin_dir)
+    except DatasetError as exc:
+        raise _unprocessable(list(exc.field), str(exc)) from exc
+
+
+def _check_script(script: ScriptConfig, session, user, settings) -> None:
+    """The user may run code, and the code and its entrypoint exist (a bundle only if it is theirs)."""
+    if not user.can_run_code:
+        raise HTTPException(
+            status.HTTP_403_FORBIDDEN,
+            "script jobs run your own code on worker hosts and need the can_run_code permission; "
+            "an admin grants it with `trainyard user create NAME --can-run-code`",
+        )
+    named_by = "path" if script.code.path is not None else "upload_id"
+    if script.code.upload_id is not None and crud.upload_visible_to(session, user, script.code.upload_id, CODE) is None:
+        raise _unprocessable(["script", "code", "upload_id"], f"no code bundle {script.code.upload_id} of yours")
+    try:
+        directory = code_directory(settings, script.code)
+    except UploadRefused as exc:
+        raise _unprocessable(["script", "code", named_by], str(exc)) from exc
+    entrypoint = (directory / script.entrypoint).resolve()
+    if not entrypoint.is_relative_to(directory) or not entrypoint.is_file():
+        raise _unprocessable(["script", "entrypoint"], f"no file {script.entrypoint!r} in the code")
+    provided = {package_name(name) for name in settings.script_packages}
+    for i, requirement in enumerate(script.requirements):
+        if package_name(requirement) not in provided:
+            raise _unprocessable(
+                ["script", "requirements", str(i)],
+                f"the workers provide no {package_name(requirement)!r} and install nothing per job; they provide: {', '.join(sorted(provided))}",
+            )
 
 
 @router.get("", response_model=JobPage)
@@ -92,7 +135,11 @@ def get_metrics(
     return MetricsOut(series={name: MetricSeries(steps=s, values=v) for name, (s, v) in series.items()})
 
 
-@router.get("/{job_id}/logs", response_model=LogsOut)
+@router.get(
+    "/{job_id}/logs",
+    response_model=LogsOut,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "JSON (LogsOut), or with `follow=true` a stream."}},
+)
 def get_logs(
     job: VisibleJob,
     session: SessionDep,
@@ -100,13 +147,26 @@ def get_logs(
     tail: Annotated[int, Query(ge=1, description="The last N lines (without `cursor`), or the page size (with it).")] = 100,
     cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of a previous read: the lines after it.")] = None,
     rank: Annotated[int | None, Query(ge=0, le=1_000_000, description="Only what this process (global rank) printed.")] = None,
-) -> LogsOut:
+    follow: Annotated[
+        bool,
+        Query(description="Stream as Server-Sent Events (`line` events, id = cursor) the last `tail` lines or those after `cursor`, then each new one, until the job has ended."),
+    ] = False,
+    last_event_id: Annotated[int | None, Header(ge=0, lt=10**18, description="With `follow`: resume after this line (as `cursor`).")] = None,
+):
     limit = min(tail, settings.log_tail_max)
-    if cursor:
-        lines = crud.log_lines_after(session, job.id, int(cursor), limit, rank)
+    after = last_event_id if last_event_id is not None else int(cursor) if cursor else None
+    if follow:
+        if after is None:  # start at the tail: the line just before its first
+            first = crud.log_tail(session, job.id, limit, rank)[:1]
+            after = first[0].id - 1 if first else 0
+        session.close()  # the stream polls with short sessions of its own (see stream_events)
+        poll = job_log_lines(session_factory(settings.resolved_database_url), job.id, rank)
+        return _event_stream(polled_stream(poll, after, follow=True, poll_seconds=settings.events_poll_seconds, heartbeat_seconds=settings.events_heartbeat_seconds))
+    if after is not None:
+        lines = crud.log_lines_after(session, job.id, after, limit, rank)
     else:
         lines = crud.log_tail(session, job.id, limit, rank)
-    next_cursor = str(lines[-1].id) if lines else (cursor or "0")
+    next_cursor = str(lines[-1].id) if lines else str(after or 0)
     out = [LogLineOut(attempt=line.attempt_number, rank=line.rank, seq=line.seq, line=line.line) for line in lines]
     return LogsOut(lines=out, next_cursor=next_cursor)
 
@@ -122,19 +182,18 @@ def stream_events(
     session: SessionDep,
     settings: SettingsDep,
     follow: Annotated[bool, Query(description="false: send the events there are now, then end.")] = True,
-    last_event_id: Annotated[int | None, Header(ge=0, description="Resume after this event id.")] = None,
+    last_event_id: Annotated[int | None, Header(ge=0, lt=2**31, description="Resume after this event id.")] = None,
 ) -> StreamingResponse:
     """Status changes, metric points and checkpoints as Server-Sent Events, until the job is final."""
     # The stream polls with short sessions of its own. The request's session would otherwise stay
     # open until the stream ends, holding a connection (and, on SQLite, the write lock).
     session.close()
-    stream = job_event_stream(
-        session_factory(settings.resolved_database_url),
-        job.id,
-        after=last_event_id or 0,
-        follow=follow,
-        poll_seconds=settings.events_poll_seconds,
-        heartbeat_seconds=settings.events_heartbeat_seconds,
+    poll = job_events(session_factory(settings.resolved_database_url), job.id)
+    return _event_stream(
+        polled_stream(poll, last_event_id or 0, follow=follow, poll_seconds=settings.events_poll_seconds, heartbeat_seconds=settings.events_heartbeat_seconds)
     )
+
+
+def _event_stream(messages) -> StreamingResponse:
     # no-cache and X-Accel-Buffering: proxies must pass each message on as it comes.
-    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(messages, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

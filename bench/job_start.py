@@ -1,0 +1,121 @@
+"""Job start: submit → first optimizer step, against a bare `accelerate launch` of the same training.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/job_start.py [--rounds 5]
+
+The peer launches the training entry point directly (`accelerate launch -m workers.training`, the
+command a worker runs) and times process start → the first step's line in its events file. The
+Trainyard side is an embedded stack already running (`trainyard up`: API, scheduler, SQLite broker
+and database, one worker): POST /v1/jobs → the same line in the attempt's events file, so the
+difference is everything the service adds: the API, the scheduler's pass, the broker, the worker's
+claim and its launch. One poller (every 5 ms) watches both files. The job is the README example,
+five steps. Rounds alternate. Target: overhead ≤ 2 s. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from api_schemas.worker_protocol import EVENTS_FILE_ENV  # noqa: E402
+from trainyard.server_cli import embedded_stack  # noqa: E402
+from workers.supervisor import free_port  # noqa: E402
+
+
+def start_spec() -> dict:
+    spec = json.loads((REPO / "examples" / "shakespeare-char.json").read_text())
+    spec["training"].update(max_steps=5, eval_every=5, eval_batches=1)
+    spec["checkpoint"] = {"every_steps": None, "keep_last": 1}
+    spec["schedule"]["warmup_steps"] = 1
+    return spec
+
+
+def first_step_seen(events: Path, since: float, timeout: float = 120) -> float:
+    """Seconds from `since` until `events` holds a metrics line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if '"type": "metrics"' in events.read_text():
+                return time.perf_counter() - since
+        except FileNotFoundError:
+            pass
+        time.sleep(0.005)
+    raise SystemExit(f"no step reported in {events} within {timeout:.0f} s")
+
+
+def run_peer(spec_file: Path, run_dir: Path) -> float:
+    run_dir.mkdir(parents=True)
+    threads = str(os.cpu_count() or 1)
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--cpu", "--num_cpu_threads_per_process", threads,
+        "-m", "workers.training", "--spec", str(spec_file), "--data-root", str(REPO / "data"), "--run-dir", str(run_dir),
+    ]
+    env = {**os.environ, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONPATH": str(REPO)}
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    seconds = first_step_seen(run_dir / "events.jsonl", start)
+    process.wait(120)
+    return seconds
+
+
+def run_trainyard(client: httpx.Client, spec: dict, work_root: Path) -> tuple[float, dict[str, float]]:
+    """(submit → first step, where the time went: queued → placed → claimed by the worker, in seconds)."""
+    start = time.perf_counter()
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    seconds = first_step_seen(work_root / f"job-{job_id}" / "attempt-1" / "events.jsonl", start)
+    while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):
+        time.sleep(0.2)  # the next round starts on an idle worker
+    at = {key: datetime.fromisoformat(value) for key, value in [("queued", job["created_at"]), *[(k, job["attempts"][0][k]) for k in ("created_at", "started_at")]]}
+    placed, claimed = (at["created_at"] - at["queued"]).total_seconds(), (at["started_at"] - at["created_at"]).total_seconds()
+    return seconds, {"scheduler": placed, "broker_and_claim": claimed, "launch_to_first_step": seconds - placed - claimed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+
+    spec = start_spec()
+    peer, trainyard, splits = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        data_dir = Path(tmp) / "yard"
+        with embedded_stack(data_dir, free_port(), workers=1) as stack:
+            client = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.token}"}, timeout=30)
+            run_trainyard(client, spec, data_dir / "work")  # warm-up: page cache, the worker's first import
+            run_peer(spec_file, Path(tmp) / "peer-warmup")
+            for round_ in range(args.rounds):
+                peer.append(run_peer(spec_file, Path(tmp) / f"peer-{round_}"))
+                seconds, split = run_trainyard(client, spec, data_dir / "work")
+                trainyard.append(seconds)
+                splits.append(split)
+
+    print(json.dumps({
+        "benchmark": "job_start",
+        "machine": f"{os.cpu_count()} CPU cores",
+        "stack": "embedded (SQLite database and broker)",
+        "peer_launch_to_first_step_s": round(statistics.median(peer), 2),
+        "trainyard_submit_to_first_step_s": round(statistics.median(trainyard), 2),
+        "overhead_s": round(statistics.median(trainyard) - statistics.median(peer), 2),
+        "target_overhead_s": 2.0,
+        "trainyard_split_median_s": {key: round(statistics.median(split[key] for split in splits), 2) for key in splits[0]},
+        "rounds": {"peer": [round(x, 2) for x in peer], "trainyard": [round(x, 2) for x in trainyard]},
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""A 2-node job across two worker hosts in separate network namespaces (each its own address; the
+only way between them is the bridge) trains like the same job as 1 node × 2 processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+from sqlalchemy import select
+
+from service.db.models import Attempt
+from service.db.session import session_factory
+from tests.conftest import IN_CI
+from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
+from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_faults import assert_same_run, final_weights, run_reference, training_ranks
+from tests.helpers import tiny_spec
+from trainyard.server_cli import embedded_stack, stop_children
+from workers.supervisor import free_port
+
+pytestmark = pytest.mark.timeout(400)
+
+STEPS = 20
+
+
+@pytest.fixture
+def two_hosts(tmp_path, monkeypatch):
+    """(API client, the two hosts, the stack's data dir) with the API and scheduler on this machine's own network."""
+    if reason := can_make_namespaces():
+        pytest.fail(f"CI=true: {reason}", pytrace=False) if IN_CI else pytest.skip(reason)
+    # Checkpoints are registered (and seen by the test) within half a second, not the production 5 s.
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
+    with namespaced_hosts(2) as hosts, embedded_stack(tmp_path / "yard", free_port(), workers=0) as info:
+        env = {**os.environ, "TRAINYARD_DATA_DIR": str(info.data_dir)}
+        with open(tmp_path / "workers.log", "ab") as log:
+            workers = [start_worker(host, f"ns-{i}", "cpu:2", env, log) for i, host in enumerate(hosts)]
+        try:
+            with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+                yield client, hosts, info.data_dir
+        finally:
+            stop_children(workers)
+
+
+def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_processes(two_hosts):
+    client, hosts, data_dir = two_hosts
+    base = {"training.max_steps": STEPS, "training.eval_every": 10, "checkpoint.every_steps": 10, "checkpoint.keep_last": 1}
+    two_nodes = tiny_spec(**{**base, "name": "two-nodes", "resources.nodes": 2, "resources.processes_per_node": 1})
+    one_node = tiny_spec(**{**base, "name": "one-node", "resources.nodes": 1, "resources.processes_per_node": 2})
+
+    deadline = time.monotonic() + 60
+    while len(workers := client.get("/v1/workers").json()) < 2:
+        assert time.monotonic() < deadline, "the namespaced workers did not register"
+        time.sleep(0.2)
+    assert sorted(w["address"] for w in workers) == sorted(h.address for h in hosts)
+
+    gang_id = client.post("/v1/jobs", json=two_nodes).json()["id"]
+    gang = wait_for(client, gang_id, {"succeeded", "failed", "cancelled"})
+    assert gang["status"] == "succeeded", gang["failure_reason"]
+    assert sorted(a["host_name"] for a in gang["attempts"]) == ["ns-0", "ns-1"]
+    # The ranks met at node 0's namespace address: from the other namespace, only the bridge leads there.
+    with session_factory(f"sqlite:///{data_dir}/trainyard.db")() as session:
+        node_0 = session.scalars(select(Attempt).where(Attempt.job_id == gang_id, Attempt.node_rank == 0)).one()
+        assert node_0.rendezvous.rpartition(":")[0] == {f"ns-{i}": h.address for i, h in enumerate(hosts)}[node_0.host_name]
+
+    single_id = client.post("/v1/jobs", json=one_node).json()["id"]
+    single = wait_for(client, single_id, {"succeeded", "failed", "cancelled"})
+    assert single["status"] == "succeeded", single["failure_reason"]
+
+    names = {"names": "train_loss,eval_loss"}
+    gang_series = client.get(f"/v1/jobs/{gang_id}/metrics", params=names).json()["series"]
+    single_series = client.get(f"/v1/jobs/{single_id}/metrics", params=names).json()["series"]
+    assert gang_series["train_loss"]["steps"] == list(range(1, STEPS + 1))
+    for name in names["names"].split(","):
+        assert gang_series[name]["values"] == pytest.approx(single_series[name]["values"], rel=1e-5)
+    gang_weights, single_weights = final_weights(client, gang_id), final_weights(client, single_id)
+    for name in gang_weights:
+        torch.testing.assert_close(gang_weights[name], single_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_that_dies_ends_the_whole_gang_which_resumes_on_both_hosts_with_every_step_once(two_hosts):
+    client, hosts, data_dir = two_hosts
+    steps = 400
+    spec = tiny_spec(**{
+        "name": "gang", "resources.nodes": 2, "resources.processes_per_node": 1, "training.max_steps": steps,
+        "training.eval_every": 100, "checkpoint.every_steps": 40, "checkpoint.keep_last": 10, "max_restarts": 1,
+    })
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    deadline = time.monotonic() + 180
+    while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
+        assert time.monotonic() < deadline, "no checkpoint was registered"
+        time.sleep(0.2)
+    ranks = training_ranks(data_dir / "work" / f"job-{job_id}" / "attempt-1-node-1")
+    assert ranks and client.get(f"/v1/jobs/{job_id}").json()["step"] < steps
+    for pid in ranks:
+        os.kill(pid, signal.SIGKILL)
+
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["failure_reason"]
+    first = [a for a in job["attempts"] if a["number"] == 1]
+    second = [a for a in job["attempts"] if a["number"] == 2]
+    assert {a["status"] for a in first} == {"failed"} and job["restarts"] == 1  # both nodes ended, one restart used
+    node_0 = next(a for a in first if a["node_rank"] == 0)
+    assert "node 1 of this gang ended failed" in node_0["failure_reason"]
+    assert {a["status"] for a in second} == {"succeeded"} and sorted(a["host_name"] for a in second) == ["ns-0", "ns-1"]
+    assert all(a["resumed_from_step"] >= 40 for a in second)
+    assert_same_run(client, job_id, run_reference(client, spec), steps)

@@ -1,0 +1,78 @@
+"""Long metric series: charted from bucket summaries kept at ingest, with every spike kept (SQLite and PostgreSQL)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from sqlalchemy import delete, select
+
+from service.db import crud
+from service.db.models import MetricBucket
+from service.db.session import session_factory
+from tests.helpers import job_spec
+
+STEPS = 20_000
+HIGH, LOW, DIVERGED = 12_345, 777, 15_000
+
+
+@pytest.fixture
+def long_run(database_url):
+    """A job of 20,000 steps of train_loss and lr, flushed 300 steps at a time as a worker does,
+    with a spike up, a spike down and two NaN steps; steps 9,000–9,599 are recomputed after a
+    resume with other values. Returns (sessions, job id, the values stored)."""
+    sessions, rng = session_factory(database_url), random.Random(0)
+    with sessions() as session:
+        user = crud.create_user(session, "alice")[0]
+        job_id = crud.create_job(session, user, job_spec()).id
+    stored: dict[int, float | None] = {}
+
+    def flush(first: int, last: int) -> None:
+        batch = []
+        for step in range(first, last + 1):
+            value = {HIGH: 100.0, LOW: -100.0, DIVERGED: float("nan"), DIVERGED + 1: float("inf")}.get(step, rng.random())
+            stored[step] = value if value == value and abs(value) != float("inf") else None
+            batch += [(step, "train_loss", value), (step, "lr", 0.001)]
+        with sessions() as session:
+            crud.record_metrics(session, job_id, 0, batch)
+
+    for first in range(1, STEPS + 1, 300):
+        flush(first, min(first + 299, STEPS))
+        if first == 9_301:  # the attempt died after step 9,600; its successor resumed from 9,000
+            flush(9_000, 9_599)
+    return sessions, job_id, stored
+
+
+def test_a_long_series_is_downsampled_with_its_spikes_divergence_and_last_point_kept(long_run):
+    sessions, job_id, stored = long_run
+    with sessions() as session:
+        steps, values = crud.metric_series(session, job_id, ["train_loss"], None, max_points=300)["train_loss"]
+    assert steps == sorted(set(steps)) and len(steps) <= 300 + 100  # a group's first NaN may add a point
+    assert all(values[i] == stored[step] for i, step in enumerate(steps))  # real points, not averages
+    kept = dict(zip(steps, values))
+    assert kept[HIGH] == 100.0 and kept[LOW] == -100.0 and kept[DIVERGED] is None and STEPS in kept
+
+
+def test_an_incremental_read_from_a_step_returns_exactly_the_points_after_it(long_run):
+    sessions, job_id, stored = long_run
+    with sessions() as session:
+        series = crud.metric_series(session, job_id, None, 19_950, max_points=1000)
+        assert series["train_loss"] == (list(range(19_950, STEPS + 1)), [stored[s] for s in range(19_950, STEPS + 1)])
+        steps, _ = crud.metric_series(session, job_id, ["train_loss"], 10_001, max_points=300)["train_loss"]
+        assert steps[0] >= 10_001 and HIGH in steps and steps[-1] == STEPS
+
+
+def test_buckets_kept_up_at_ingest_equal_buckets_built_from_scratch(long_run):
+    sessions, job_id, _ = long_run
+    query = select(MetricBucket).order_by(MetricBucket.name, MetricBucket.level, MetricBucket.bucket)
+
+    def bucket_rows(session) -> list[dict]:
+        return [{c.key: getattr(row, c.key) for c in MetricBucket.__table__.columns} for row in session.scalars(query)]
+
+    with sessions() as session:
+        incremental = bucket_rows(session)
+        session.execute(delete(MetricBucket))
+        crud.refresh_metric_buckets(session, job_id)
+        session.commit()
+        assert bucket_rows(session) == incremental
+    assert {row["level"] for row in incremental} == {1, 2, 3, 4}

@@ -1,0 +1,196 @@
+"""Submitting `script` jobs: who may, which code they may name, and what the worker launches."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from api_schemas import JobSpec
+from service.db import crud
+from service.db.migrate import upgrade
+from service.db.session import session_factory
+from service.scheduler import schedule_pass
+from service.settings import Settings
+from tests.helpers import auth, tiny_spec
+from trainyard.cli import main
+from workers.supervisor import launch_command, script_environment, training_environment
+
+OCTETS = {"Content-Type": "application/octet-stream"}
+
+
+@pytest.fixture
+def settings(database_url, data_root, tmp_path) -> Settings:
+    (tmp_path / "code" / "project").mkdir(parents=True)
+    (tmp_path / "code" / "project" / "train.py").write_text("print('hi')\n")
+    return Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root)
+
+
+@pytest.fixture
+def tokens(settings) -> dict[str, str]:
+    with session_factory(settings.resolved_database_url)() as session:
+        return {
+            "coder": crud.create_user(session, "coder", can_run_code=True)[1],
+            "other_coder": crud.create_user(session, "other_coder", can_run_code=True)[1],
+            "plain": crud.create_user(session, "plain")[1],
+        }
+
+
+def script_spec(**script) -> dict:
+    return {"name": "mine", "script": {"entrypoint": "train.py", "code": {"path": "project"}, **script}}
+
+
+def bundle(api, token: str) -> int:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w") as tar:
+        data = b"print('bundled')\n"
+        info = tarfile.TarInfo("train.py")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    response = api.post("/v1/code", params={"name": "b.tar"}, content=out.getvalue(), headers={**auth(token), **OCTETS})
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def test_a_script_job_is_queued_for_a_user_who_may_run_code(api, tokens):
+    response = api.post("/v1/jobs", json=script_spec(args=["--lr", "3e-4"]), headers=auth(tokens["coder"]))
+    assert response.status_code == 201, response.text
+    job = response.json()
+    assert job["spec"]["script"]["args"] == ["--lr", "3e-4"] and job["max_steps"] == 0 and job["effective_batch_size"] is None
+
+
+def test_a_user_without_can_run_code_gets_403_saying_so(api, tokens):
+    response = api.post("/v1/jobs", json=script_spec(), headers=auth(tokens["plain"]))
+    assert response.status_code == 403 and "can_run_code" in response.json()["detail"]
+
+
+def test_another_users_code_bundle_cannot_be_run(api, tokens):
+    theirs = bundle(api, tokens["other_coder"])
+    spec = script_spec(code={"upload_id": theirs})
+    response = api.post("/v1/jobs", json=spec, headers=auth(tokens["coder"]))
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "script", "code", "upload_id"]
+    assert api.post("/v1/jobs", json=spec, headers=auth(tokens["other_coder"])).status_code == 201
+
+
+@pytest.mark.parametrize(
+    "script, loc, reason",
+    [
+        ({"code": {"path": "../project"}}, ["body", "script", "code", "path"], "'..'"),
+        ({"code": {"path": "/etc"}}, ["body", "script", "code", "path"], "relative path"),
+        ({"code": {"path": "nowhere"}}, ["body", "script", "code", "path"], "no such code directory"),
+        ({"code": {"path": "project", "upload_id": 1}}, ["body", "script", "code"], "exactly one"),
+        ({"entrypoint": "missing.py"}, ["body", "script", "entrypoint"], "no file 'missing.py'"),
+        ({"entrypoint": "../train.py"}, ["body", "script", "entrypoint"], "'..'"),
+    ],
+)
+def test_bad_script_code_gets_422_naming_the_field(api, tokens, script, loc, reason):
+    response = api.post("/v1/jobs", json=script_spec(**script), headers=auth(tokens["coder"]))
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert error["loc"] == loc and reason in error["msg"]
+
+
+def test_requirements_must_be_packages_the_workers_provide(api, tokens):
+    def submit(requirements: list[str]):
+        return api.post("/v1/jobs", json=script_spec(requirements=requirements), headers=auth(tokens["coder"]))
+
+    assert submit(["torch>=2.0", "Accelerate", "numpy"]).status_code == 201
+    refused = submit(["torch", "left-pad==1.0"])
+    assert refused.status_code == 422
+    [error] = refused.json()["detail"]
+    assert error["loc"] == ["body", "script", "requirements", "1"] and "no 'left-pad'" in error["msg"]
+    for malformed in ["git+https://example.com/x.git", "../pkg", "torch; os_name == 'nt'"]:
+        [error] = submit([malformed]).json()["detail"]
+        assert error["loc"][:3] == ["body", "script", "requirements"]
+
+
+def test_a_code_root_symlink_out_is_refused(api, tokens, settings, tmp_path):
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "train.py").write_text("")
+    (settings.resolved_code_root / "escape").symlink_to(tmp_path / "outside")
+    response = api.post("/v1/jobs", json=script_spec(code={"path": "escape"}), headers=auth(tokens["coder"]))
+    assert response.status_code == 422 and "outside the code root" in response.json()["detail"][0]["msg"]
+
+
+def test_a_script_job_leaves_out_model_dataset_and_optimizer_and_built_in_jobs_need_them():
+    mixed = {**tiny_spec(), "script": script_spec()["script"]}
+    with pytest.raises(ValueError, match="leave out model, dataset, optimizer"):
+        JobSpec.model_validate(mixed)
+    builtin = tiny_spec()
+    del builtin["optimizer"], builtin["training"]["max_steps"]
+    with pytest.raises(ValueError, match="optimizer, training.max_steps: required"):
+        JobSpec.model_validate(builtin)
+
+
+def test_the_worker_launches_the_script_with_the_jobs_settings_in_a_clean_environment(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
+    monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
+    spec = JobSpec.model_validate({
+        **script_spec(args=["--lr", "3e-4"], resume_args=["--resume_from_checkpoint", "{checkpoint}"]),
+        "training": {"precision": "bf16", "gradient_accumulation_steps": 4},
+        "resources": {"nodes": 2, "processes_per_node": 2},
+    })
+    checkpoint = tmp_path / "jobs" / "1" / "checkpoints" / "step-00000050"
+    command = launch_command(spec, tmp_path, tmp_path / "data", checkpoint, "10.0.0.1:29500", node_rank=1)
+    def flag(name: str) -> str:
+        return command[command.index(name) + 1]
+
+    assert flag("--num_processes") == "4" and flag("--num_machines") == "2" and flag("--machine_rank") == "1"
+    assert flag("--main_process_ip") == "10.0.0.1" and flag("--main_process_port") == "29500" and flag("--mixed_precision") == "bf16"
+    assert command[-5:] == ["train.py", "--lr", "3e-4", "--resume_from_checkpoint", str(checkpoint)]
+
+    env = training_environment(spec, tmp_path, checkpoint)
+    assert env == script_environment(spec, tmp_path, checkpoint)
+    assert not any("secret" in value for value in env.values())
+    assert set(env) <= {"PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED", "ACCELERATE_USE_CPU",
+                        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "TRAINYARD_EVENTS_FILE", "TRAINYARD_CHECKPOINT_DIR", "TRAINYARD_RESUME_FROM"}
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4" and env["TRAINYARD_RESUME_FROM"] == str(checkpoint)
+    assert (Path(env["PYTHONPATH"]) / "sitecustomize.py").is_file()
+
+
+def test_a_built_in_jobs_processes_get_the_workers_environment_without_the_service_credentials(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
+    monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = training_environment(JobSpec.model_validate(tiny_spec()), tmp_path, None)
+    assert not any("secret" in value for value in env.values()) and env["OMP_NUM_THREADS"] == "3"
+    assert env["TRAINYARD_EVENTS_FILE"] == str(tmp_path / "events.jsonl")
+
+
+def test_user_create_grants_can_run_code_only_when_asked(tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path}/users.db"
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", url)
+    monkeypatch.setenv("TRAINYARD_DATA_DIR", str(tmp_path))
+    upgrade(url)
+    assert main(["user", "create", "carol", "--can-run-code"]) == 0 and main(["user", "create", "dave"]) == 0
+    carol_token, dave_token = capsys.readouterr().out.split()
+    with session_factory(url)() as session:
+        assert crud.user_by_token(session, carol_token).can_run_code
+        assert not crud.user_by_token(session, dave_token).can_run_code
+
+
+def test_a_checkpoint_without_model_weights_downloads_as_a_tar_of_its_folder(api, tokens, settings):
+    job_id = api.post("/v1/jobs", json=script_spec(), headers=auth(tokens["coder"])).json()["id"]
+    directory = settings.resolved_artifact_root / "jobs" / str(job_id) / "checkpoints" / "step-00000004"
+    directory.mkdir(parents=True)
+    (directory / "optimizer.bin").write_bytes(b"optimizer state")
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.register_host(session, "host-a", "cpu", 1, {})
+        [(attempt_id, _)] = schedule_pass(session, settings)
+        crud.record_checkpoint(session, job_id, attempt_id, 4, str(directory.relative_to(settings.resolved_artifact_root)), "0" * 64, 15, 2)
+        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+    response = api.get(f"/v1/checkpoints/{checkpoint_id}/download", headers=auth(tokens["coder"]))
+    assert response.status_code == 200 and response.headers["content-type"] == "application/x-tar"
+    with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:
+        assert tar.extractfile(f"job{job_id}-step4/optimizer.bin").read() == b"optimizer state"
+    assert api.get(f"/v1/checkpoints/{checkpoint_id}/download", headers=auth(tokens["plain"])).status_code == 404
+
+
+def test_settings_a_script_decides_itself_are_refused_rather_than_ignored():
+    spec = {**script_spec(), "training": {"micro_batch_size": 8, "precision": "bf16"}, "checkpoint": {"every_steps": 5, "keep_last": 3}}
+    with pytest.raises(ValueError, match=r"training.micro_batch_size, checkpoint.every_steps would have no effect"):
+        JobSpec.model_validate(spec)
+    spec = {**script_spec(), "training": {"precision": "bf16", "gradient_accumulation_steps": 2, "max_steps": 100}, "checkpoint": {"keep_last": 3}}
+    assert JobSpec.model_validate(spec).checkpoint.keep_last == 3

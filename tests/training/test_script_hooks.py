@@ -1,0 +1,78 @@
+"""What a `script` job's own Accelerate code gets from Trainyard's sitecustomize, in a real process
+with the environment the worker gives it (workers.supervisor.script_environment)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from api_schemas import JobSpec
+from api_schemas.manifest import verify_manifest
+from workers.supervisor import script_environment
+
+SPEC = JobSpec.model_validate({"name": "s", "script": {"entrypoint": "train.py", "code": {"path": "p"}}})
+
+
+def run_script(tmp_path: Path, body: str) -> list[dict]:
+    """Run `body` as a script in tmp_path/code with a script job's environment; returns its events."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "train.py").write_text(textwrap.dedent(body))
+    env = {**script_environment(SPEC, tmp_path, None), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "train.py"], cwd=code, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    events = tmp_path / "events.jsonl"
+    return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+
+
+def test_accelerator_log_reaches_the_events_file_with_no_tracker_configured(tmp_path):
+    events = run_script(tmp_path, """
+        from accelerate import Accelerator
+        accelerator = Accelerator(cpu=True)
+        accelerator.log({"loss": 2.5, "lr": 1e-3}, step=1)
+        accelerator.log({"loss": 2.0, "note": "text", "done": True, "bad": float("nan")})  # no step: the next one
+        accelerator.init_trackers("project", config={"lr": 1e-3})  # with trackers set up later, still once per call
+        accelerator.log({"loss": 1.5}, step=10)
+        accelerator.end_training()
+    """)
+    assert events == [
+        {"type": "metrics", "step": 1, "values": {"loss": 2.5, "lr": 1e-3}},
+        {"type": "metrics", "step": 2, "values": {"loss": 2.0}},
+        {"type": "metrics", "step": 10, "values": {"loss": 1.5}},
+    ]
+
+
+def test_save_state_is_reported_as_a_checkpoint_with_a_manifest_at_the_last_logged_step(tmp_path):
+    events = run_script(tmp_path, """
+        import torch
+        from accelerate import Accelerator
+        accelerator = Accelerator(cpu=True)
+        model = accelerator.prepare(torch.nn.Linear(2, 2))
+        accelerator.save_state("early_7")  # nothing logged yet: numbered by the folder's name
+        accelerator.log({"loss": 1.0}, step=12)
+        accelerator.save_state("ckpt/latest")
+    """)
+    checkpoints = [e for e in events if e["type"] == "checkpoint"]
+    assert [(e["step"], Path(e["path"])) for e in checkpoints] == [
+        (7, tmp_path / "code" / "early_7"), (12, tmp_path / "code" / "ckpt" / "latest"),
+    ]
+    assert "model.safetensors" in verify_manifest(Path(checkpoints[-1]["path"]))["files"]
+
+
+def test_automatic_checkpoint_naming_saves_under_the_jobs_checkpoint_dir(tmp_path):
+    events = run_script(tmp_path, """
+        import torch
+        from accelerate import Accelerator
+        from accelerate.utils import ProjectConfiguration
+        accelerator = Accelerator(cpu=True, project_config=ProjectConfiguration(automatic_checkpoint_naming=True))
+        accelerator.prepare(torch.nn.Linear(2, 2))
+        for step in (1, 2):
+            accelerator.log({"loss": 1.0 / step}, step=step)
+            accelerator.save_state()
+    """)
+    checkpoints = [(e["step"], e["path"]) for e in events if e["type"] == "checkpoint"]
+    root = tmp_path / "checkpoints" / "checkpoints"  # TRAINYARD_CHECKPOINT_DIR is the project_dir
+    assert checkpoints == [(1, str(root / "checkpoint_0")), (2, str(root / "checkpoint_1"))]
