@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,8 +37,19 @@ def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_th
 
     write(range(0, 5))
     with serve_app(create_app(settings)) as url, Client(url, token) as client, ThreadPoolExecutor(1) as background:
-        followed = background.submit(lambda: [line.line for line in client.follow_logs(job_id, tail=2)])
-        time.sleep(0.3)
+        tail_read = threading.Event()
+
+        def follow() -> list[str]:
+            lines = []
+            for line in client.follow_logs(job_id, tail=2):
+                lines.append(line.line)
+                if len(lines) == 2:
+                    tail_read.set()
+            return lines
+
+        followed = background.submit(follow)
+        # The tail is taken when the client connects: the lines below must come after it.
+        assert tail_read.wait(30)
         write(range(5, 12))  # more than a page while following
         write(range(5, 8))  # a re-sent batch is stored once
         time.sleep(0.3)
