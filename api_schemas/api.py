@@ -63,7 +63,7 @@ class JobOut(BaseModel):
     owner: str
     status: JobStatus
     step: int = Field(description="Last optimizer step reported by the training loop.")
-    max_steps: int
+    max_steps: int | None = Field(description="Optimizer steps the job runs; null for a script job that gave no training.max_steps.")
     priority: int
     effective_batch_size: int | None = Field(description="Samples per optimizer step, all processes; null for a script job.")
     restarts: int = Field(description="Attempts that ended without success so far.")
@@ -167,8 +167,8 @@ class RunningJobOut(BaseModel):
     name: str
     owner: str
     step: int
-    max_steps: int
-    progress: float
+    max_steps: int | None = Field(description="null for a script job that gave no training.max_steps.")
+    progress: float | None = Field(description="step / max_steps; null when max_steps is.")
     last_train_loss: float | None
     host_name: str | None
 

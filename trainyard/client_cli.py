@@ -19,7 +19,7 @@ import yaml
 
 from api_schemas import JobOut, JobStatus
 from trainyard.client import Client, TrainyardError
-from trainyard.progress import follow_job
+from trainyard.progress import follow_job, steps_text
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
@@ -77,7 +77,7 @@ def human_bytes(size: float) -> str:
 def report_outcome(job: JobOut) -> int:
     """Exit status for a finished job; the reason goes to stderr when it did not succeed."""
     if job.status == JobStatus.succeeded:
-        print(f"job {job.id} succeeded at step {job.step}/{job.max_steps}")
+        print(f"job {job.id} succeeded at step {steps_text(job.step, job.max_steps)}")
         return 0
     reason = f": {job.failure_reason}" if job.failure_reason else ""
     print(f"job {job.id} {job.status.value}{reason}", file=sys.stderr)
@@ -149,7 +149,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         jobs = list(itertools.islice(client.jobs(status=args.status, limit=min(args.limit, 200)), args.limit))
     print_table(
         ["ID", "NAME", "STATUS", "STEP", "OWNER", "CREATED"],
-        [[j.id, j.name, j.status.value, f"{j.step}/{j.max_steps}", j.owner, local_time(j.created_at)] for j in jobs],
+        [[j.id, j.name, j.status.value, steps_text(j.step, j.max_steps), j.owner, local_time(j.created_at)] for j in jobs],
     )
     return 0
 
@@ -159,7 +159,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         job = client.job(args.id)
     print(f"job {job.id}: {job.name} (owner {job.owner}, priority {job.priority})")
     print(f"  status    {job.status.value}")
-    print(f"  progress  {job.step}/{job.max_steps} steps, batch {job.effective_batch_size}, restarts {job.restarts}")
+    print(f"  progress  {steps_text(job.step, job.max_steps)} steps, batch {job.effective_batch_size or '-'}, restarts {job.restarts}")
     print(f"  created   {local_time(job.created_at)}  started {local_time(job.started_at)}  finished {local_time(job.finished_at)}")
     if job.failure_reason:
         print("  reason    " + job.failure_reason.replace("\n", "\n" + " " * 12))  # keeps a multi-line reason indented
@@ -249,7 +249,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         print_table(
             ["ID", "NAME", "OWNER", "PROGRESS", "LOSS", "HOST"],
             [
-                [r.id, r.name, r.owner, f"{r.step}/{r.max_steps} ({r.progress:.0%})",
+                [r.id, r.name, r.owner, steps_text(r.step, r.max_steps) + (f" ({r.progress:.0%})" if r.progress is not None else ""),
                  "-" if r.last_train_loss is None else f"{r.last_train_loss:.4f}", r.host_name or "-"]
                 for r in dashboard.running
             ],

@@ -38,9 +38,14 @@ def format_rate(tokens_per_sec: float) -> str:
     return f"{tokens_per_sec:.0f} tok/s"
 
 
+def steps_text(step: int, max_steps: int | None) -> str:
+    """"12/100", or "12" for a job that gave no max_steps (a script may not know)."""
+    return f"{step}/{max_steps}" if max_steps else str(step)
+
+
 def format_progress(
     step: int,
-    max_steps: int,
+    max_steps: int | None,
     *,
     status: str | None = None,
     train_loss: float | None = None,
@@ -50,9 +55,12 @@ def format_progress(
     width: int = 24,
 ) -> str:
     """One line describing a job's progress; the parts not known yet are left out."""
-    fraction = min(max(step / max_steps, 0.0), 1.0) if max_steps > 0 else 0.0
-    filled = int(fraction * width)
-    parts = [f"[{'#' * filled}{'.' * (width - filled)}]", f"{step}/{max_steps}", f"{fraction:4.0%}"]
+    if max_steps:
+        fraction = min(max(step / max_steps, 0.0), 1.0)
+        filled = int(fraction * width)
+        parts = [f"[{'#' * filled}{'.' * (width - filled)}]", steps_text(step, max_steps), f"{fraction:4.0%}"]
+    else:  # a script that gave no max_steps: no bar to fill
+        parts = [f"step {step}"]
     if status is not None:
         parts.insert(0, f"{status:<9}")  # 9 = len("scheduled"), so the bars line up
     if train_loss is not None:
@@ -105,7 +113,7 @@ class ProgressBar:
         self,
         status: str,
         step: int,
-        max_steps: int,
+        max_steps: int | None,
         train_loss: float | None = None,
         tokens_per_step: int | None = None,
         restarts: int = 0,
@@ -127,7 +135,7 @@ class ProgressBar:
             self.stream.write("\r" + line.ljust(self._drawn))
             self._drawn = len(line)
         else:
-            decile = int(10 * step / max_steps) if max_steps > 0 else 0
+            decile = int(10 * step / max_steps) if max_steps else 0
             if decile > self._printed_decile or status != self._printed_status:
                 self.stream.write(line + "\n")
                 self._printed_decile, self._printed_status = decile, status

@@ -15,7 +15,7 @@ def test_format_progress_with_everything_known():
 def test_format_progress_leaves_out_what_is_unknown_and_clamps():
     assert format_progress(0, 100, width=4) == "[....]  0/100    0%"
     assert format_progress(120, 100, width=4) == "[####]  120/100  100%"
-    assert format_progress(5, 0, width=4) == "[....]  5/0    0%"
+    assert format_progress(5, None, width=4) == "step 5"  # a script job that gave no max_steps
 
 
 def test_durations_and_rates():

@@ -14,7 +14,9 @@ from service.db.migrate import upgrade
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import auth, tiny_spec
+from service.api.main import create_app
+from tests.client.fake_server import serve_app
+from tests.helpers import auth, start_job, tiny_spec
 from trainyard.cli import main
 from workers.supervisor import launch_command, script_environment, training_environment
 
@@ -58,7 +60,28 @@ def test_a_script_job_is_queued_for_a_user_who_may_run_code(api, tokens):
     response = api.post("/v1/jobs", json=script_spec(args=["--lr", "3e-4"]), headers=auth(tokens["coder"]))
     assert response.status_code == 201, response.text
     job = response.json()
-    assert job["spec"]["script"]["args"] == ["--lr", "3e-4"] and job["max_steps"] == 0 and job["effective_batch_size"] is None
+    assert job["spec"]["script"]["args"] == ["--lr", "3e-4"] and job["max_steps"] is None and job["effective_batch_size"] is None
+
+
+def test_a_running_script_without_max_steps_shows_its_step_on_the_dashboard_and_in_the_cli(api, tokens, settings, capsys):
+    coder = auth(tokens["coder"])
+    job_id = api.post("/v1/jobs", json=script_spec(), headers=coder).json()["id"]
+    claimed = start_job(settings, job_id)
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(7, "loss", 1.5)])
+
+    dashboard = api.get("/v1/dashboard", headers=coder)
+    assert dashboard.status_code == 200, dashboard.text
+    [running] = dashboard.json()["running"]
+    assert (running["id"], running["step"], running["max_steps"], running["progress"]) == (job_id, 7, None, None)
+    job = api.get(f"/v1/jobs/{job_id}", headers=coder).json()
+    assert job["status"] == "running" and job["step"] == 7 and job["max_steps"] is None and job["eta_seconds"] is None
+
+    with serve_app(create_app(settings)) as url:
+        for command in (["status", str(job_id)], ["dashboard"], ["ls"]):
+            assert main([*command, "--server", url, "--token", tokens["coder"]]) == 0
+            out = capsys.readouterr().out
+            assert " 7 " in out.replace("\n", " ") and "None" not in out, (command, out)
 
 
 def test_a_user_without_can_run_code_gets_403_saying_so(api, tokens):
