@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, or_, select, text, union_all, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, contains_eager
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
@@ -109,10 +110,9 @@ def create_job(
     """Queue a job. A retried request with the same Idempotency-Key returns the job it created.
 
     Raises QuotaExceeded if the owner already has `max_active` active jobs."""
-    if idempotency_key:
-        existing = session.scalar(select(Job).where(Job.owner_id == owner.id, Job.idempotency_key == idempotency_key))
-        if existing:
-            return existing
+    by_key = select(Job).where(Job.owner_id == owner.id, Job.idempotency_key == idempotency_key)
+    if idempotency_key and (existing := session.scalar(by_key)):
+        return existing
     if max_active is not None:
         # Lock the owner's row so two concurrent submits can't both see room for one more job
         # (PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers).
@@ -131,7 +131,14 @@ def create_job(
         idempotency_key=idempotency_key,
     )
     session.add(job)
-    session.flush()
+    try:
+        session.flush()
+    except IntegrityError:
+        if not idempotency_key:
+            raise
+        # A concurrent retry with the same key inserted first (the unique constraint decided): its job.
+        session.rollback()
+        return session.scalar(by_key)
     state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
     ring(session)
     session.commit()

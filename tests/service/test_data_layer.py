@@ -563,6 +563,22 @@ def test_concurrent_submits_at_the_quota_create_exactly_the_jobs_it_allows(sessi
         assert session.query(Job).count() == 3
 
 
+def test_concurrent_retries_with_one_idempotency_key_create_one_job_and_all_get_it(sessions):
+    with sessions() as session:
+        crud.create_user(session, "alice")
+    start = threading.Barrier(8)
+
+    def submit(_) -> int:
+        start.wait()  # all eight at once: each looks for the key before any has committed
+        with sessions() as session:
+            return crud.create_job(session, crud.user_by_name(session, "alice"), job_spec(), idempotency_key="retry-1").id
+
+    with ThreadPoolExecutor(8) as pool:
+        ids = set(pool.map(submit, range(8)))
+    with sessions() as session:
+        assert ids == {session.scalar(select(Job.id))} and session.query(Job).count() == 1
+
+
 def test_only_a_hash_of_a_token_is_stored_and_the_token_finds_its_user(sessions):
     with sessions() as session:
         user, token = crud.create_user(session, "alice")
