@@ -15,7 +15,7 @@ from service.db.session import session_factory
 from service.settings import Settings
 from tests.client.fake_server import serve_app
 from tests.helpers import finish_job, job_spec, start_job
-from trainyard.client import Client
+from trainyard import Client  # the import the README shows
 
 
 @pytest.fixture
