@@ -1,5 +1,6 @@
-# One image for every role: api, scheduler, worker. CPU torch by default; for GPU workers build
-# with --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 (or a CUDA base image).
+# One image for every role: api, scheduler, worker. CPU torch by default; GPU workers use the same
+# image built with CUDA torch: --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu130 -t trainyard:gpu
+# (docker-compose.yml's worker-gpu and the Kubernetes DaemonSet do).
 FROM python:3.11-slim
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # `hf`: transformers models and load_from_disk datasets; build with --build-arg EXTRAS= for a leaner image.

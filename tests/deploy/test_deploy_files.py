@@ -11,6 +11,7 @@ from service.settings import Settings
 from trainyard.cli import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
+TRAINYARD_IMAGES = {"trainyard:latest", "trainyard:gpu"}  # CPU torch, CUDA torch (see the Dockerfile)
 SETTINGS_ENV = {f"TRAINYARD_{name.upper()}" for name in Settings.model_fields}
 
 
@@ -32,12 +33,19 @@ def test_compose_services_run_real_commands_with_real_settings():
     services = compose()["services"]
     assert {"postgres", "redis", "api", "scheduler", "worker-cpu", "worker-gpu"} <= set(services)
     for name, service in services.items():
-        if service.get("image") != "trainyard:latest":
+        if service.get("image") not in TRAINYARD_IMAGES:
             continue
         assert_cli_accepts(service["command"])
         trainyard_env = {key for key in service["environment"] if key.startswith("TRAINYARD_")}
         assert trainyard_env <= SETTINGS_ENV, (name, trainyard_env - SETTINGS_ENV)
-    assert services["worker-gpu"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    gpu = services["worker-gpu"]
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    # `--devices cuda:all` needs CUDA torch: the GPU worker's image is built with a CUDA index, the others' not.
+    assert gpu["image"] == "trainyard:gpu" and "/whl/cu" in gpu["build"]["args"]["TORCH_INDEX"]
+    assert "TORCH_INDEX" in (REPO / "Dockerfile").read_text()
+    for name, service in services.items():
+        if service.get("image") == "trainyard:gpu":
+            assert "cuda" in " ".join(service["command"]), name
 
 
 def test_compose_proxy_serves_downloads_from_the_volume_the_api_redirects_into():
@@ -62,8 +70,10 @@ def test_kubernetes_manifests_run_real_commands_with_real_settings():
             assert set(data) <= SETTINGS_ENV, set(data) - SETTINGS_ENV
         if doc["kind"] in ("Deployment", "DaemonSet", "Job"):
             for container in doc["spec"]["template"]["spec"]["containers"]:
-                assert container["image"] == "trainyard:latest"
                 assert_cli_accepts(container["args"])
+                # A worker of GPUs runs the image built with CUDA torch; everything else the CPU one.
+                gpu = "cuda" in " ".join(container["args"])
+                assert container["image"] == ("trainyard:gpu" if gpu else "trainyard:latest"), doc["metadata"]["name"]
 
 
 def test_dockerfile_copies_every_package_the_project_installs():
