@@ -64,6 +64,32 @@ def test_a_tar_download_under_way_survives_retention_deleting_its_checkpoint(tmp
     assert contents["job7-step10/state/optimizer.bin"] == b"optimizer" and "job7-step10/manifest.json" in contents
 
 
+@pytest.mark.parametrize("byte_range", [None, "bytes=100-299"])
+def test_a_weights_download_answered_survives_retention_deleting_its_checkpoint_before_the_body(tmp_path, byte_range):
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from service.api.routes.checkpoints import OpenedFileResponse
+
+    store = ArtifactStore(tmp_path / "store")
+    relative, _, _ = store.ingest_checkpoint(make_checkpoint(tmp_path / "run" / "step-10"), job_id=7, step=10)
+
+    def download(request):
+        response = OpenedFileResponse(store.path(relative) / MODEL_FILE, filename="w.safetensors")  # what the route answers
+        store.delete(relative)  # keep_last pruned it before a byte was sent (it used to be a 500)
+        return response
+
+    client = TestClient(Starlette(routes=[Route("/download", download)]))
+    response = client.get("/download", headers={"Range": byte_range} if byte_range else {})
+    assert not store.path(relative).exists()
+    weights = b"weights" * 100
+    if byte_range:
+        assert response.status_code == 206 and response.content == weights[100:300]
+    else:
+        assert response.status_code == 200 and response.content == weights
+
+
 def test_a_checkpoint_without_model_weights_is_stored_and_described_by_its_manifest(tmp_path):
     # What a script's save_state may write: no model.safetensors, just its own files.
     source = tmp_path / "run" / "checkpoint_0"

@@ -37,8 +37,12 @@ def download_checkpoint(
         raise not_found("checkpoint files")  # pruned by retention after the listing was read
     name = f"job{checkpoint.job_id}-step{checkpoint.step}"
     if format == "tar" or not (directory / MODEL_FILE).is_file():  # a script's checkpoint may hold no weights file
+        try:
+            files = _open_files(directory)
+        except FileNotFoundError:
+            raise not_found("checkpoint files") from None  # retention won the race to the files
         return StreamingResponse(
-            _stream_tar(_open_files(directory), name),
+            _stream_tar(files, name),
             media_type="application/x-tar",
             headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
         )
@@ -54,19 +58,37 @@ def download_checkpoint(
             }
         )
     # FileResponse answers Range requests (206/416) itself, so interrupted downloads can resume.
-    return _LargeChunkFileResponse(
-        directory / MODEL_FILE,
-        media_type="application/octet-stream",
-        filename=f"{name}.safetensors",
-        headers={"X-Checkpoint-SHA256": checkpoint.sha256},
-    )
+    try:
+        return OpenedFileResponse(
+            directory / MODEL_FILE,
+            media_type="application/octet-stream",
+            filename=f"{name}.safetensors",
+            headers={"X-Checkpoint-SHA256": checkpoint.sha256},
+        )
+    except FileNotFoundError:
+        raise not_found("checkpoint files") from None  # retention won the race to the file
 
 
-class _LargeChunkFileResponse(FileResponse):
-    """FileResponse reading 1 MiB at a time, not 64 KiB: each chunk costs a thread hop and a send,
-    which capped a download near 100 MB/s on a 2-core host (about 600 MB/s with 1 MiB)."""
+class OpenedFileResponse(FileResponse):
+    """A FileResponse of a file opened when the route answers, read 1 MiB at a time.
+
+    Opened at once: retention may delete the checkpoint between the route's check and the first
+    byte sent, and an open file stays readable after its deletion (Starlette reopens it through
+    /proc/self/fd where there is one). 1 MiB, not Starlette's 64 KiB: each chunk costs a thread hop
+    and a send, which capped a download near 100 MB/s on a 2-core host (about 600 MB/s with 1 MiB)."""
 
     chunk_size = 1 << 20
+
+    def __init__(self, path: Path, **kwargs) -> None:
+        self._fd = os.open(path, os.O_RDONLY)
+        opened = Path(f"/proc/self/fd/{self._fd}")
+        super().__init__(opened if opened.exists() else path, stat_result=os.fstat(self._fd), **kwargs)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            os.close(self._fd)
 
 
 class _Chunks(io.RawIOBase):
