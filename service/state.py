@@ -139,9 +139,9 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     """Record how an attempt ended and decide what its job does next.
 
     succeeded → job succeeded (a multi-node gang: once every node has). Any other end of one node
-    ends the rest of its gang as failed: they cannot go on without it; their workers see their
-    lease gone and stop. cancelled, or any end of a job whose cancel was requested → job
-    cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
+    ends the rest of its gang as failed (cancelled, when the job's cancel was asked for): they
+    cannot go on without it; their workers see their lease gone and stop. cancelled, or any end
+    of a job whose cancel was requested → job cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
     lost → queued again while restarts remain, else failed with the attempt's reason. A queued
     job resumes from its latest complete checkpoint.
     """
@@ -152,10 +152,12 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
         if any(other.status != AttemptStatus.succeeded for other in gang):
             return True
         return move_job(session, job, JobStatus.succeeded)
+    cancelled = outcome == AttemptStatus.cancelled or job.cancel_requested
     for other in gang:
         if not other.status.is_final:
-            move_attempt(session, other, AttemptStatus.failed, reason=f"node {attempt.node_rank} of this gang ended {outcome.value}: {reason}")
-    if outcome == AttemptStatus.cancelled or job.cancel_requested:
+            ended = AttemptStatus.cancelled if cancelled else AttemptStatus.failed
+            move_attempt(session, other, ended, reason=f"node {attempt.node_rank} of this gang ended {outcome.value}: {reason}")
+    if cancelled:
         return move_job(session, job, JobStatus.cancelled)
     if outcome == AttemptStatus.preempted:
         return move_job(session, job, JobStatus.queued, reason=f"attempt {attempt.number} preempted: {reason}")

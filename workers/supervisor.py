@@ -289,7 +289,9 @@ class AttemptRunner:
                 if lease is not None and not lease.held:
                     _stop(process)
                     return None, "lease lost"
-                if lease is not None and lease.cancel_requested and not finished:
+                # A rank that failed after the cancel failed because of it: in a gang, the ranks of
+                # another node stopped first and took this node's collectives down with them.
+                if lease is not None and lease.cancel_requested and not (finished and exit_code == 0):
                     _stop(process)
                     self._sync(claimed, spec, outbox)
                     return AttemptStatus.cancelled, "cancelled by user"

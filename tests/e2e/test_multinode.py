@@ -1,14 +1,18 @@
 """A 2-node job across two worker hosts of the running stack (separate worker processes, each its
-own host, meeting over gloo at node 0's address) trains like the same job as 1 node × 2 processes."""
+own host, meeting over gloo at node 0's address) trains like the same job as 1 node × 2 processes,
+and a cancel stops every rank of it on every host."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import psutil
 import pytest
 import torch
 
 from tests.e2e.test_end_to_end import wait_for
-from tests.e2e.test_faults import final_weights
+from tests.e2e.test_faults import final_weights, stack_pids_matching
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
@@ -52,3 +56,32 @@ def test_a_two_node_job_trains_like_one_node_with_two_processes(tmp_path):
             assert gang_weights.keys() == single_weights.keys()
             for name in gang_weights:
                 torch.testing.assert_close(gang_weights[name], single_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_cancelling_a_two_node_job_stops_every_rank_on_both_hosts_within_seconds(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")  # how often a worker looks at its lease (5 s in production)
+    spec = tiny_spec(**{"training.max_steps": 100_000, "checkpoint.every_steps": 100_000,
+                        "resources.nodes": 2, "resources.processes_per_node": 2})
+    with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:2") as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            job_id = client.post("/v1/jobs", json=spec).json()["id"]
+            deadline = time.monotonic() + 180
+            while client.get(f"/v1/jobs/{job_id}").json()["step"] < 3:
+                assert time.monotonic() < deadline, "the job never started training"
+                time.sleep(0.3)
+            # Each node's launcher and its two ranks: their command lines name the attempt's run dir.
+            processes = stack_pids_matching(f"/job-{job_id}/attempt-")
+            ranks = [pid for pid in processes if "workers.training" in " ".join(psutil.Process(pid).cmdline())]
+            assert len(ranks) >= 4, ranks
+
+            asked = time.monotonic()
+            assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+            job = wait_for(client, job_id, {"cancelled", "failed", "succeeded"}, timeout=60)
+            took = time.monotonic() - asked
+            assert job["status"] == "cancelled" and [a["status"] for a in job["attempts"]] == ["cancelled", "cancelled"], [(a["status"], a["failure_reason"]) for a in job["attempts"]]
+            assert {a["node_rank"] for a in job["attempts"]} == {0, 1}
+            assert not [pid for pid in processes if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+            assert took < 20, f"cancel took {took:.1f} s"
+            workers = client.get("/v1/workers").json()
+            assert len(workers) == 2 and all(w["busy_slots"] == 0 and not w["attempts"] for w in workers)
+            print(f"cancel → every rank of 2 nodes × 2 processes stopped and the job cancelled: {took:.1f} s")
