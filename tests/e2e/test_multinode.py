@@ -4,6 +4,8 @@ and a cancel stops every rank of it on every host."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
@@ -77,11 +79,69 @@ def test_cancelling_a_two_node_job_stops_every_rank_on_both_hosts_within_seconds
             asked = time.monotonic()
             assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
             job = wait_for(client, job_id, {"cancelled", "failed", "succeeded"}, timeout=60)
+            while alive(processes) and time.monotonic() < asked + 30:  # a node stops its ranks at its next lease renewal
+                time.sleep(0.1)
             took = time.monotonic() - asked
             assert job["status"] == "cancelled" and [a["status"] for a in job["attempts"]] == ["cancelled", "cancelled"], [(a["status"], a["failure_reason"]) for a in job["attempts"]]
             assert {a["node_rank"] for a in job["attempts"]} == {0, 1}
-            assert not [pid for pid in processes if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+            assert not alive(processes)
             assert took < 20, f"cancel took {took:.1f} s"
             workers = client.get("/v1/workers").json()
             assert len(workers) == 2 and all(w["busy_slots"] == 0 and not w["attempts"] for w in workers)
             print(f"cancel → every rank of 2 nodes × 2 processes stopped and the job cancelled: {took:.1f} s")
+
+
+@pytest.mark.parametrize("frozen_host", ["local-0", "local-1"])  # where node 0, then node 1, is placed
+def test_a_gang_placed_on_a_host_that_stopped_gives_both_hosts_back_and_runs_once_it_returns(tmp_path, monkeypatch, frozen_host):
+    # Seconds, not the production half-minutes, for a silent host to count as gone.
+    for name, value in {"HEARTBEAT_SECONDS": "0.5", "LEASE_SECONDS": "4", "HOST_TIMEOUT_SECONDS": "4", "DISPATCH_TIMEOUT_SECONDS": "6"}.items():
+        monkeypatch.setenv(f"TRAINYARD_{name}", value)
+    steps = 20
+    spec = tiny_spec(**{"training.max_steps": steps, "checkpoint.every_steps": 10, "resources.nodes": 2, "max_restarts": 2})
+    with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1") as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            # A host freezes (hung) while its last heartbeat is still fresh: the scheduler places one
+            # node of the gang there, and that node never starts; the other waits for it.
+            frozen = stack_pids_matching(f"worker --host-name {frozen_host}")
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                job_id = client.post("/v1/jobs", json=spec).json()["id"]
+                deadline = time.monotonic() + 60
+                while True:
+                    job = client.get(f"/v1/jobs/{job_id}").json()
+                    if len(job["attempts"]) == 2 and all(a["finished_at"] for a in job["attempts"]):
+                        break
+                    assert time.monotonic() < deadline, f"the stranded gang was never given back: {job}"
+                    time.sleep(0.3)
+                # Both nodes of that try ended, the live host is free again, and the job waits for two hosts.
+                assert {a["status"] for a in job["attempts"]} <= {"lost", "failed"}, job["attempts"]
+                assert job["status"] == "queued" and job["restarts"] == 0  # a node that never started used no restart
+                live = next(w for w in client.get("/v1/workers").json() if w["name"] != frozen_host)
+                assert live["busy_slots"] == 0
+                # The node that did start (and waited for its peer in the rendezvous) is stopped too.
+                while alive(stack_pids_matching(f"/job-{job_id}/attempt-1")):
+                    assert time.monotonic() < deadline + 30, "the first try's processes were left running"
+                    time.sleep(0.3)
+            finally:
+                for pid in frozen:
+                    os.kill(pid, signal.SIGCONT)
+
+            job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+            assert job["status"] == "succeeded", job["failure_reason"]
+            second_try = [a for a in job["attempts"] if a["number"] == 2]
+            assert sorted(a["host_name"] for a in second_try) == ["local-0", "local-1"] and {a["status"] for a in second_try} == {"succeeded"}
+            series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]
+            assert series["train_loss"]["steps"] == list(range(1, steps + 1))
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The processes of `pids` still running (not ended, not zombies awaiting their parent)."""
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
