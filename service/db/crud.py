@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -183,6 +184,18 @@ def request_cancel(session: Session, job: Job) -> Job:
 
 # --- metrics and logs --------------------------------------------------------------------------
 
+def pg_array(items: list[int | float | str | None]) -> str:
+    """A PostgreSQL array literal of numbers (None is NULL) or of strings, for `CAST(:param AS type[])`.
+
+    psycopg dumps a list parameter element by element in Python, a regex per string: for a
+    metrics batch that cost more than the statement itself. Floats are finite here (record_metrics
+    stores NaN and infinity as None); repr keeps every bit of them."""
+    if not items or not isinstance(items[0], str):  # a column of numbers (None among them)
+        return "{" + ",".join(map(repr, items)).replace("None", "NULL") + "}"
+    quoted = {name: '"' + name.replace("\\", "\\\\").replace('"', '\\"') + '"' for name in set(items)}  # a few names, repeated
+    return "{" + ",".join(map(quoted.__getitem__, items)) + "}"
+
+
 _UPSERT_METRIC_ARRAYS = text("""
     INSERT INTO metrics (job_id, attempt_id, step, name, value)
     SELECT CAST(:job_id AS bigint), CAST(:attempt_id AS bigint), step, name, value
@@ -207,7 +220,9 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
         # row per point would cost a statement (or 5 bind parameters) per point.
         session.execute(_UPSERT_METRIC_ARRAYS, {
             "job_id": job_id, "attempt_id": attempt_id,
-            "steps": [s for s, _, _ in points], "names": [n for _, n, _ in points], "values": [v for _, _, v in points],
+            "steps": pg_array([s for s, _, _ in points]),
+            "names": pg_array([n for _, n, _ in points]),
+            "values": pg_array([v for _, _, v in points]),
         })
     else:
         # SQLite runs in-process: executemany of one cached statement is as fast as it gets there.
@@ -278,10 +293,11 @@ def refresh_metric_buckets(session: Session, job_id: int, points: list[tuple[int
     for step, name, value in points:
         values.setdefault(name, {})[step] = value
     names, fanout = sorted(values), rollups.FANOUT
-    touched = {
-        level: {name: sorted({step // rollups.width(level) for step in steps}) for name, steps in values.items()}
-        for level in rollups.LEVELS
-    }
+    # The buckets the batch falls in, level by level: a bucket's parent is its number // fanout.
+    touched: dict[int, dict[str, list[int]]] = {}
+    keys: dict[str, Iterable[int]] = values  # steps, then the buckets of the level below
+    for level in rollups.LEVELS:
+        touched[level] = keys = {name: sorted({key // fanout for key in below}) for name, below in keys.items()}
     # The stored points of the level-1 buckets the batch covers only in part.
     partial = {
         (0, bucket * fanout, bucket * fanout + fanout - 1)
@@ -323,7 +339,7 @@ def _upsert_buckets(session: Session, rows: list[dict]) -> None:
         return
     if session.get_bind().dialect.name == "postgresql":
         # One statement of a column array each, as for the points (record_metrics).
-        session.execute(_UPSERT_BUCKET_ARRAYS, {column: [row[column] for row in rows] for column in _BUCKET_COLUMNS})
+        session.execute(_UPSERT_BUCKET_ARRAYS, {column: pg_array([row[column] for row in rows]) for column in _BUCKET_COLUMNS})
         return
     statement = _insert(session)(MetricBucket)
     key, summary = _BUCKET_COLUMNS[:4], _BUCKET_COLUMNS[4:]

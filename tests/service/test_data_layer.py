@@ -138,6 +138,21 @@ def test_metrics_are_idempotent_per_job_step_and_name(sessions, settings):
         assert session.get(Job, job_id).step == 3
 
 
+def test_any_metric_name_and_value_a_script_logs_is_stored_and_read_back_exactly(sessions, settings):
+    # accelerator.log keys are the user's: names that need quoting in an array literal, values at the edges of a double.
+    names = ['eval/loss', 'a "quoted" name', 'back\\slash', 'comma,brace}{', ' spaced ', 'NULL', 'ünïcode λ', '']
+    values = [1e-300, -2.5e300, 0.1 + 0.2, 5e-324, -0.0, 123456789.123456789, 1 / 3, 7.0]
+    job_id = queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        crud.record_metrics(session, job_id, claimed.attempt_id, [(4, name, value) for name, value in zip(names, values)])
+        stored = dict(session.execute(select(Metric.name, Metric.value).where(Metric.job_id == job_id)).all())
+    assert stored == dict(zip(names, values))
+    with sessions() as session:
+        series = crud.metric_series(session, job_id, None, None, 100)
+    assert {name: values for name, (_, values) in series.items()} == {name: [value] for name, value in zip(names, values)}
+
+
 def test_scheduler_places_by_priority_and_only_where_slots_are_free(sessions, settings):
     low = queue_job(sessions, priority=0)
     high = queue_job(sessions, priority=5)
