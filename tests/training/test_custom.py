@@ -160,3 +160,55 @@ def test_the_gan_on_two_processes_reports_each_step_once_and_checkpoints_togethe
     checkpoints = [Path(e["path"]) for e in events if e["type"] == "checkpoint"]
     assert [verify_manifest(path)["step"] for path in checkpoints] == [10, 20]
     assert {name.split(".")[0] for name in load_file(str(checkpoints[-1] / MODEL_FILE))} == {"generator", "discriminator"}
+
+
+SHARD_PLUGIN = '''
+import json
+
+from torch.utils.data import Dataset
+
+from workers.training.data import TokenWindows
+
+
+class Indices(Dataset):
+    def __init__(self, count):
+        self.count = count
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, index):
+        return index
+
+
+def train(ctx):
+    windows = TokenWindows(ctx.dataset.train, 8)  # the job's corpus, as the context hands it over
+    seen = [int(i) for batch in ctx.dataloader(Indices(len(windows))) for i in batch]
+    rank = ctx.accelerator.process_index
+    (ctx.run_dir / f"seen-{rank}.json").write_text(json.dumps({"windows": len(windows), "seen": seen}))
+    ctx.log_metric(1, {"samples": len(seen)})
+'''
+
+
+def test_a_custom_loop_gets_the_jobs_corpus_and_a_dataloader_that_shards_it_across_processes(tmp_path, plugin_dir):
+    (plugin_dir / "shards.py").write_text(SHARD_PLUGIN)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "corpus.txt").write_text("abcdefgh" * 500)
+    spec = JobSpec.model_validate({
+        "name": "shards", "model": {"kind": "custom", "entrypoint": "shards:train"},
+        "dataset": {"kind": "text", "path": "corpus.txt", "val_fraction": 0.1},
+        "training": {"max_steps": 1, "micro_batch_size": 16, "seed": 3}, "optimizer": {"name": "adamw", "lr": 0.001},
+        "resources": {"processes_per_node": 2},
+    })
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "spec.json").write_text(spec.model_dump_json())
+    command = launch_command(spec, run_dir, tmp_path / "data", None, f"127.0.0.1:{free_port()}", plugin_dir=plugin_dir)
+    done = subprocess.run(command, cwd=REPO, env=subprocess_env(tmp_path / "events.jsonl"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    first, second = (json.loads((run_dir / f"seen-{rank}.json").read_text()) for rank in (0, 1))
+    windows = first["windows"]  # 3,600 training characters: 449 windows of 8 (+1) tokens
+    whole_rounds = windows // (16 * 2) * 16  # each process gets 16 per batch; the last, short round is dropped
+    assert len(first["seen"]) == len(second["seen"]) == whole_rounds
+    assert not set(first["seen"]) & set(second["seen"])  # a shard each: no window read twice
+    assert first["seen"] != sorted(first["seen"])  # shuffled (by training.seed)

@@ -5,7 +5,7 @@
 loads `<plugin dir>/gan_example.py` (only from there: the name is one identifier, and a file that
 resolves elsewhere, through a symlink say, is refused) and calls `train(context)`. The context gives
 what the built-in loop has and a custom one needs: an Accelerator set up from the spec, the job's
-dataset if it names one, `log_metric`, `save_checkpoint` (the same checkpoint format, manifest
+dataset if it names one, `dataloader` to batch and shard any dataset across the processes, `log_metric`, `save_checkpoint` (the same checkpoint format, manifest
 and all, through the same reporter), `load_checkpoint` for `resume_from`, and `should_stop` for
 preemption. examples/plugins/gan_example.py is a complete example.
 """
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from torch.utils.data import DataLoader, Dataset
 from accelerate.utils import set_seed
 
 from api_schemas import JobSpec
@@ -73,6 +74,16 @@ class CustomContext:
     def register_model(self, name: str, model: torch.nn.Module) -> None:
         """Include `model` (prepared or not) in every checkpoint's model.safetensors, its tensors named `name.…`."""
         self.models[name] = model
+
+    def dataloader(self, dataset: Dataset, shuffle: bool = True) -> DataLoader:
+        """`dataset` (any map-style torch Dataset, e.g. `TokenWindows(context.dataset.train, 64)`)
+        in batches of training.micro_batch_size, prepared: each process reads its own shard.
+        Shuffled by training.seed (and the epoch: call `set_epoch` on it, as the built-in loop
+        does), so every process, every run and a resumed run agree on the order; a shuffled loader
+        drops the last, short batch."""
+        generator = torch.Generator().manual_seed(self.spec.training.seed)
+        loader = DataLoader(dataset, batch_size=self.spec.training.micro_batch_size, shuffle=shuffle, drop_last=shuffle, generator=generator)
+        return self.accelerator.prepare(loader)
 
     def log_metric(self, step: int, values: dict[str, float]) -> None:
         """Report `values` (plain numbers) for `step`; only the main process's are sent, so log the same on every one."""
