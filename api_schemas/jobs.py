@@ -247,7 +247,10 @@ class TrainingConfig(_Config):
     compile: bool = Field(False, description="Wrap the model with torch.compile.")
     seed: int = Field(1337, ge=0, le=2**32 - 1, description="Seed for weights, data order and dropout.")
     eval_every: int = Field(250, ge=1, description="Evaluate every this many steps (and always at the last step).")
-    eval_batches: int = Field(20, ge=1, le=100_000, description="Validation batches per evaluation (per process).")
+    eval_batches: int | None = Field(
+        20, ge=1, le=100_000,
+        description="Validation batches per evaluation (per process); null: the whole validation split, every sample once.",
+    )
     stall_timeout_s: float | None = Field(
         None,
         gt=0.0,

@@ -12,14 +12,16 @@ from workers.training.data import LabelledTexts, TokenWindows
 
 
 def eval_dataloader(val: torch.Tensor | LabelledTexts, spec: JobSpec) -> DataLoader:
-    """The first `eval_batches` batches of every process's micro-batch size, in order: validation
-    tokens cut into windows (gpt), or labelled texts (mlp).
+    """The first `eval_batches` batches of every process's micro-batch size (all of them when
+    null), in order: validation tokens cut into windows (gpt), or labelled texts (mlp).
 
     The count comes from the spec, not from the processes running: the same samples whether one
     process with micro-batch 12 or two with 6 evaluate, and anyone can recompute the loss from a
     downloaded checkpoint on one process."""
     samples = val if isinstance(val, LabelledTexts) else TokenWindows(val, spec.model.block_size)
-    count = min(len(samples), spec.training.eval_batches * spec.training.micro_batch_size * spec.world_size)
+    count = len(samples)
+    if spec.training.eval_batches is not None:
+        count = min(count, spec.training.eval_batches * spec.training.micro_batch_size * spec.world_size)
     return DataLoader(Subset(samples, range(count)), batch_size=spec.training.micro_batch_size, shuffle=False)
 
 
