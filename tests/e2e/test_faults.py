@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -113,6 +114,38 @@ def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_i
     first, second = job["attempts"]
     assert first["status"] == "lost" and "stopped renewing its lease" in first["failure_reason"]
     assert second["host_name"] != host and second["resumed_from_step"] >= 50
+    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
+
+
+def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_one_before_it(two_host_stack, tmp_path):
+    client = two_host_stack
+    job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
+    host = wait_until_training(client, job_id)["attempts"][0]["host_name"]  # a complete checkpoint exists
+
+    # The next save's staging directory appears: kill the host and its training while it is there.
+    checkpoints = tmp_path / "yard" / "work" / f"job-{job_id}" / "attempt-1" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not (staging := [p.name for p in checkpoints.glob(".tmp-*")]):
+        assert time.monotonic() < deadline, "no checkpoint was caught being written"
+        time.sleep(0.002)
+    for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(f"job-{job_id}/attempt-1/"):
+        os.kill(pid, signal.SIGKILL)
+    partial_step = int(staging[0].rsplit("-", 1)[1])
+    finished_anyway = (checkpoints / staging[0].removeprefix(".tmp-")).is_dir()  # renamed in the millisecond before the kill
+
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+    assert job["status"] == "succeeded", job["failure_reason"]
+    first, second = job["attempts"]
+    assert first["status"] == "lost" and second["host_name"] != host
+    # Resumed from the last complete checkpoint: the one before the partial one.
+    every = FAULT_SPEC["checkpoint"]["every_steps"]
+    assert second["resumed_from_step"] in ({partial_step - every, partial_step} if finished_anyway else {partial_step - every})
+    # Every listed checkpoint downloads whole and matches its sha256; the partial one never entered the store.
+    for checkpoint in client.get(f"/v1/jobs/{job_id}/checkpoints").json():
+        body = client.get(f"/v1/checkpoints/{checkpoint['id']}/download")
+        assert hashlib.sha256(body.content).hexdigest() == checkpoint["sha256"] == body.headers["x-checkpoint-sha256"]
+    store = tmp_path / "yard" / "artifacts" / "jobs" / str(job_id) / "checkpoints"
+    assert not list(store.glob(".tmp-*"))
     assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
 
 
