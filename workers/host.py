@@ -24,11 +24,15 @@ def parse_devices(devices: str) -> tuple[str, int, dict]:
             raise ValueError(f"--devices {devices!r}: expected cpu:N with N >= 1")
         return "cpu", int(which), {}
     if kind == "cuda":
+        if which not in ("", "all") and not all(i.isdigit() for i in which.split(",")):
+            raise ValueError(f"--devices {devices!r}: expected cuda:all or GPU indices, cuda:0,1,…")
         import torch  # only GPU hosts pay for importing torch here
 
         if not torch.cuda.is_available():
             raise ValueError("--devices cuda: no CUDA device is visible on this host")
         indices = range(torch.cuda.device_count()) if which in ("", "all") else [int(i) for i in which.split(",")]
+        if missing := [i for i in indices if i >= torch.cuda.device_count()]:
+            raise ValueError(f"--devices {devices!r}: no GPU {missing[0]} here (this host has {torch.cuda.device_count()})")
         gpus = [
             {"index": i, "name": torch.cuda.get_device_name(i), "memory_gb": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
             for i in indices
