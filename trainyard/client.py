@@ -1,6 +1,6 @@
 """Python client of the Trainyard REST API (sync, httpx), typed with the api_schemas models.
 
-    with Client() as client:             # server and token from args, env, or `trainyard up`'s token file
+    with Client() as client:             # server and token from args, env, the config file, or `trainyard up`'s token file
         job = client.submit(spec)
         for event in client.events(job.id):  # or job = client.wait(job.id)
             print(event.type, event.data)
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import yaml
 from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
@@ -53,9 +54,28 @@ def token_file() -> Path:
     return Path(os.environ.get("TRAINYARD_DATA_DIR", ".trainyard")) / "token"
 
 
-def _default_token() -> str | None:
-    if token := os.environ.get("TRAINYARD_TOKEN"):
-        return token
+def config_file() -> Path:
+    """The client's config file: $TRAINYARD_CONFIG, else ~/.config/trainyard/config.yaml."""
+    return Path(os.environ.get("TRAINYARD_CONFIG") or Path.home() / ".config" / "trainyard" / "config.yaml")
+
+
+def read_config() -> dict[str, str]:
+    """`server` and `token` from the config file (YAML: `server: https://…` and `token: ty_…`); none without one."""
+    path = config_file()
+    try:
+        config = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise TrainyardError(f"cannot read the config file {path}: {exc}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict) or set(config) - {"server", "token"}:
+        raise TrainyardError(f"config file {path}: expected only `server:` and `token:` keys")
+    return {key: str(value) for key, value in config.items()}
+
+
+def _token_from_file() -> str | None:
     try:
         return token_file().read_text().strip() or None
     except OSError:
@@ -114,8 +134,10 @@ def _validation_problem(error: Any) -> str:
 
 class Client:
     def __init__(self, server: str | None = None, token: str | None = None, timeout: float = 30.0):
-        self.server = (server or os.environ.get("TRAINYARD_SERVER") or DEFAULT_SERVER).rstrip("/")
-        self.token = token or _default_token()
+        # Each from the first place that has it: argument, environment, config file, then defaults.
+        config = {} if server and token else read_config()
+        self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or DEFAULT_SERVER).rstrip("/")
+        self.token = token or os.environ.get("TRAINYARD_TOKEN") or config.get("token") or _token_from_file()
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
 

@@ -292,8 +292,10 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 def add_client_commands(subparsers) -> None:
     # Every client command takes the connection options, so they work after the command name.
     connection = argparse.ArgumentParser(add_help=False)
-    connection.add_argument("--server", help="API URL (default: $TRAINYARD_SERVER or http://127.0.0.1:8000)")
-    connection.add_argument("--token", help="bearer token (default: $TRAINYARD_TOKEN or the token file of `trainyard up`)")
+    connection.add_argument("--server", help="API URL (default: $TRAINYARD_SERVER, the config file's server:, or http://127.0.0.1:8000)")
+    connection.add_argument(
+        "--token", help="bearer token (default: $TRAINYARD_TOKEN, the config file's token:, or the token file of `trainyard up`)"
+    )
 
     def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(name, help=help, parents=[connection])

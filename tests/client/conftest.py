@@ -33,8 +33,9 @@ def fake_api(fake_server) -> tuple[str, FakeState]:
 
 @pytest.fixture(autouse=True)
 def no_ambient_config(monkeypatch, tmp_path: Path) -> None:
-    """Tests see neither the developer's TRAINYARD_* variables nor a .trainyard/token in the checkout."""
+    """Tests see neither the developer's TRAINYARD_* variables, config file nor a .trainyard/token in the checkout."""
     for name in ("TRAINYARD_SERVER", "TRAINYARD_TOKEN"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TRAINYARD_CONFIG", str(tmp_path / "no-such-config.yaml"))
     monkeypatch.setenv("TRAINYARD_DATA_DIR", str(tmp_path / "no-such-dir"))
 

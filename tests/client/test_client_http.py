@@ -114,15 +114,31 @@ def test_an_unreachable_server_gets_a_hint_not_a_traceback():
             Client(url, TOKEN).job(1)
 
 
-def test_server_and_token_come_from_args_then_env_then_token_file(monkeypatch, tmp_path):
+def test_server_and_token_come_from_args_then_env_then_config_file_then_token_file(monkeypatch, tmp_path):
     assert Client().server == "http://127.0.0.1:8000" and Client().token is None
     monkeypatch.setenv("TRAINYARD_DATA_DIR", str(tmp_path))
     (tmp_path / "token").write_text("from-file\n")
     assert Client().token == "from-file"
+    config = tmp_path / "config.yaml"
+    monkeypatch.setenv("TRAINYARD_CONFIG", str(config))
+    config.write_text("server: https://yard.example\ntoken: from-config\n")
+    assert (Client().server, Client().token) == ("https://yard.example", "from-config")
     monkeypatch.setenv("TRAINYARD_TOKEN", "from-env")
     monkeypatch.setenv("TRAINYARD_SERVER", "http://trainyard.example:9000/")
     assert (Client().server, Client().token) == ("http://trainyard.example:9000", "from-env")
     assert (Client("http://a:1", "from-arg").server, Client("http://a:1", "from-arg").token) == ("http://a:1", "from-arg")
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [("server: [unclosed", "cannot read the config file"), ("- a list", "expected only `server:` and `token:`"),
+     ("sever: https://typo.example", "expected only `server:` and `token:`")],
+)
+def test_a_config_file_that_cannot_be_used_says_why(monkeypatch, tmp_path, text, reason):
+    (tmp_path / "config.yaml").write_text(text)
+    monkeypatch.setenv("TRAINYARD_CONFIG", str(tmp_path / "config.yaml"))
+    with pytest.raises(TrainyardError, match=reason):
+        Client()
 
 
 @pytest.mark.parametrize(
