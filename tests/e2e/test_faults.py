@@ -84,6 +84,14 @@ def assert_same_run(client: httpx.Client, job_id: int, reference_id: int, max_st
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
 
 
+def killed_and_resumed(job: dict, dead_host: str) -> tuple[dict, dict]:
+    """The attempt that was killed and the one that finished the job. Between them there may be
+    attempts placed on the dead host in the seconds before it counted as offline, given back unstarted."""
+    first, *between, last = job["attempts"]
+    assert all(a["host_name"] == dead_host and a["started_at"] is None and a["status"] == "lost" for a in between), between
+    return first, last
+
+
 FAULT_SPEC = spec_dict(
     **{"training.max_steps": 300, "training.eval_every": 100, "checkpoint.every_steps": 50, "checkpoint.keep_last": 10, "max_restarts": 2}
 )
@@ -111,7 +119,7 @@ def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_i
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
     assert job["status"] == "succeeded", job["failure_reason"]
-    first, second = job["attempts"]
+    first, second = killed_and_resumed(job, host)
     assert first["status"] == "lost" and "stopped renewing its lease" in first["failure_reason"]
     assert second["host_name"] != host and second["resumed_from_step"] >= 50
     assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
@@ -135,7 +143,7 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
     assert job["status"] == "succeeded", job["failure_reason"]
-    first, second = job["attempts"]
+    first, second = killed_and_resumed(job, host)
     assert first["status"] == "lost" and second["host_name"] != host
     # Resumed from the last complete checkpoint: the one before the partial one.
     every = FAULT_SPEC["checkpoint"]["every_steps"]
