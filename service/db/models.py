@@ -89,6 +89,11 @@ class Job(Base):
     owner: Mapped[User] = relationship(lazy="joined")
     attempts: Mapped[list[Attempt]] = relationship(back_populates="job", order_by="Attempt.number", lazy="selectin")
 
+    @property
+    def planned_steps(self) -> int | None:
+        """max_steps as the API shows it: None for a script job that gave none (stored as 0)."""
+        return self.max_steps or None
+
     __table_args__ = (
         Index("ix_jobs_queue", "status", "priority", "id"),
         UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),

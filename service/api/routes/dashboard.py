@@ -53,8 +53,8 @@ def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> 
             name=job.name,
             owner=job.owner.name,
             step=job.step,
-            max_steps=job.max_steps or None,  # stored as 0 when a script gave none
-            progress=job.step / job.max_steps if job.max_steps else None,
+            max_steps=job.planned_steps,
+            progress=job.step / job.planned_steps if job.planned_steps else None,
             last_train_loss=latest.get(job.id, {}).get("train_loss"),
             host_name=job.attempts[-1].host_name if job.attempts else None,
         )
