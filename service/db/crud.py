@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, or_, select, text, union_all, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, contains_eager
+from sqlalchemy.orm import Session, contains_eager, joinedload
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
 from service import state
@@ -518,7 +518,8 @@ def claim_attempt(
     """Take ownership of a scheduled attempt. None if it is not ours to run: already claimed (a
     duplicate delivery of the task), ended, or its job was cancelled meanwhile. `rendezvous` is the
     host:port this worker's node 0 of a gang would listen on; the other nodes read it from here."""
-    attempt = session.get(Attempt, attempt_id)
+    # The job in the same read: a claim is on the path of every job's start.
+    attempt = session.get(Attempt, attempt_id, options=[joinedload(Attempt.job)])
     if attempt is None or attempt.status != AttemptStatus.scheduled:
         session.rollback()
         return None
