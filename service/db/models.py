@@ -148,7 +148,7 @@ class MetricBucket(Base):
     at ingest, so a long series is charted from a few thousand of these rather than every point."""
 
     __tablename__ = "metric_buckets"
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigId, primary_key=True, doc="No foreign key: made of the job's metrics, which have one (migration 0006).")
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     level: Mapped[int] = mapped_column(Integer, primary_key=True)
     bucket: Mapped[int] = mapped_column(Integer, primary_key=True, doc="step // 16 ** level")
@@ -204,7 +204,7 @@ class JobEvent(Base):
     """
 
     __tablename__ = "job_events"
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigId, primary_key=True, doc="No foreign key: every write updates the job row first (migration 0006).")
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
     type: Mapped[JobEventType] = mapped_column(_enum_column(JobEventType))
     data: Mapped[dict] = mapped_column(JSON)

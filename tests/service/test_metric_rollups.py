@@ -63,6 +63,8 @@ def test_an_incremental_read_from_a_step_returns_exactly_the_points_after_it(lon
 
 
 def test_buckets_kept_up_at_ingest_equal_buckets_built_from_scratch(long_run):
+    # On PostgreSQL ingest has the server summarise the buckets (SQL) while a rebuild runs
+    # service/rollups.py: the two must agree, ties (lr is constant), NaNs and recomputed steps included.
     sessions, job_id, _ = long_run
     query = select(MetricBucket).order_by(MetricBucket.name, MetricBucket.level, MetricBucket.bucket)
 
