@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from safetensors.torch import load_file
 from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, verify_manifest
 from tests.training.support import Collector, run_training, spec_of, write_corpus
 from workers.training import GPT, CheckpointWriter, eval_dataloader, evaluate, load_model, load_model_from_checkpoint, load_text_corpus
+from workers.training.checkpoint import StateSnapshot
 
 STEPS = 6
 
@@ -86,10 +88,19 @@ def test_weights_loaded_into_a_fresh_model_reproduce_the_reported_eval_loss(trai
     assert all(t.dtype == torch.float32 for t in tensors.values())
 
 
-def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_for_byte(tmp_path):
+def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_for_byte(tmp_path, monkeypatch):
     """save() returns once the step's state is taken; training then changes the weights and the
     optimizer's moments in place while the main process writes and hashes in the background. What
-    lands is what a save waited for at once writes: every file, state/ included, the same bytes."""
+    lands is what a save waited for at once writes: every file, state/ included, the same bytes.
+    The weights and moments are copied by the writer thread, slowed down here: the next optimizer
+    step must wait for that copy, or the checkpoint would hold the step after its own."""
+    copy_later = StateSnapshot.copy_later
+
+    def slow_copy(pending):
+        time.sleep(0.5)
+        copy_later(pending)
+
+    monkeypatch.setattr(StateSnapshot, "copy_later", staticmethod(slow_copy))
     data_root = tmp_path / "data"
     spec = spec_of(**{"dataset.path": write_corpus(data_root, 50_000), "model.n_layer": 2, "model.n_embd": 64})
     corpus = load_text_corpus(spec.dataset, data_root)
@@ -106,6 +117,7 @@ def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_f
         optimizer.zero_grad(set_to_none=True)
 
     train_one_step()
+    accelerator.save_state(str(tmp_path / "plain"))  # what Accelerate itself writes at this step
     waited_for = Collector()
     synchronous = CheckpointWriter(accelerator, tmp_path / "waited-for", spec, waited_for, corpus.tokenizer)
     synchronous.save(model, {"step": 1})
@@ -124,3 +136,7 @@ def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_f
     assert verify_manifest(path) == verify_manifest(waited_for.checkpoints[1])  # size and sha256 of every file
     assert (path / MODEL_FILE).read_bytes() == (waited_for.checkpoints[1] / MODEL_FILE).read_bytes()
     assert all(torch.equal(tensor, saved[name]) for name, tensor in load_file(str(path / MODEL_FILE)).items())
+    # state/ is written from a snapshot of the step, not by save_state: the same files, the same bytes.
+    plain = sorted((tmp_path / "plain").iterdir())
+    assert [file.name for file in plain] == sorted(file.name for file in (path / "state").iterdir())
+    assert all((path / "state" / file.name).read_bytes() == file.read_bytes() for file in plain)

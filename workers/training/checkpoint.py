@@ -11,13 +11,19 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
 import shutil
 import threading
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.checkpointing import save_accelerator_state, save_custom_state
+from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, DistributedType, save
 from safetensors.torch import load_file, save_file
 
 from api_schemas import JobSpec
@@ -27,22 +33,80 @@ from workers.training.model import build_model
 from workers.training.reporter import Reporter
 
 
+log = logging.getLogger(__name__)
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+class StateSnapshot:
+    """The tensors of a checkpoint copied into CPU buffers that are kept from one save to the next.
+
+    Copying into memory already mapped is a plain memcpy (a fresh copy pays a page fault per 4 KiB,
+    4× slower here), and on a GPU an asynchronous copy into pinned memory, ordered before the next
+    step's kernels by the stream. Tensors sharing storage (tied weights) share a buffer, so the
+    files written from a snapshot are those save_state writes from the live state."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+
+    def take(self, tree: Any, later: set[int] = frozenset()) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]], torch.cuda.Event | None]:
+        """A copy of `tree` (dicts, lists and tuples of tensors and plain values). Tensors whose
+        storage (data_ptr) is in `later` are left for copy_later(): (buffer, source) pairs. For a
+        GPU copy, also the event to wait for before reading the snapshot."""
+        taken: dict[tuple, torch.Tensor] = {}  # by storage: an alias is copied once
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def copied(node: Any, path: tuple) -> Any:
+            if isinstance(node, torch.Tensor):
+                storage = (node.device, node.data_ptr(), node.dtype, tuple(node.shape), node.stride())
+                if storage not in taken:
+                    buffer = self._buffers.get(path)
+                    if buffer is None or buffer.shape != node.shape or buffer.dtype != node.dtype:
+                        buffer = self._buffers[path] = torch.empty(node.shape, dtype=node.dtype, pin_memory=node.is_cuda)
+                    if node.data_ptr() in later:
+                        pending.append((buffer, node.detach()))
+                    else:
+                        buffer.copy_(node.detach(), non_blocking=node.is_cuda)
+                    taken[storage] = buffer
+                return taken[storage]
+            if type(node) in (dict, OrderedDict):  # OrderedDict: Accelerate's save() dedups model states by it
+                return type(node)((key, copied(value, (*path, key))) for key, value in node.items())
+            if type(node) in (list, tuple):
+                return type(node)(copied(value, (*path, i)) for i, value in enumerate(node))
+            return copy.deepcopy(node)
+
+        snapshot = copied(tree, ())
+        ready = None
+        if any(buffer.is_pinned() for buffer in taken.values()):
+            ready = torch.cuda.Event()
+            ready.record()
+        return snapshot, pending, ready
+
+    @staticmethod
+    def copy_later(pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for buffer, source in pending:
+            buffer.copy_(source)
 
 
 class CheckpointWriter:
     """Saves checkpoints, finishing each in the background so that training goes on meanwhile.
 
-    save() blocks only for what must match its step: Accelerate's save_state on every process (the
-    format resume loads; on the CPU it writes into the page cache as fast as any copy of the state
-    would be made) and a CPU copy of the weights. The main process then writes model.safetensors
-    from that copy, the JSON files and the manifest (a sha256 of every file, the slowest part), and
-    renames the directory into place, in a thread. The training thread reports the checkpoint at
-    the next report_finished() once it is complete (reporters write from one thread only), or
-    at finish(). Only one is ever in flight: save() and finish() wait for the previous one first,
-    so the loop never starts a second save, nor exits, while one is being written. A crash
-    meanwhile leaves only the `.tmp-` staging directory, never reported.
+    save() blocks only for what must match its step: Accelerate's small files (RNG states,
+    samplers, grad scaler) on every process, and a snapshot of the models' and optimizers' tensors
+    (StateSnapshot). On the CPU the parameters and optimizer moments, which only an optimizer step
+    changes, are copied by the writer thread during the next step's forward and backward, and the
+    optimizers wait for that copy before stepping. The main process's thread then writes what
+    save_state would write of the models, optimizers and schedulers, from the snapshot, then
+    model.safetensors, the JSON files and the manifest (a sha256 of every file), and renames the
+    directory into place. The training
+    thread reports the checkpoint at the next report_finished() once it is complete (reporters
+    write from one thread only), or at finish(). Only one is ever in flight: save() and finish()
+    wait for the previous one first, so the loop never starts a second save, nor exits, while one
+    is being written. A crash meanwhile leaves only the `.tmp-` staging directory, never reported.
+    Setups whose state Accelerate saves its own way (FSDP, DeepSpeed, save hooks) get a plain
+    save_state, as does a host without the memory for the snapshot.
     """
 
     def __init__(
@@ -53,6 +117,11 @@ class CheckpointWriter:
         self.tokenizer, self.labels = tokenizer, labels
         self._pending: tuple[int, Path, threading.Thread] | None = None
         self._error: BaseException | None = None
+        self._snapshot: StateSnapshot | None = StateSnapshot() if snapshots_supported(accelerator) else None
+        # Set while no snapshot copy is pending; an optimizer step waits for it (see _take_snapshot).
+        self._copied = threading.Event()
+        self._copied.set()
+        self._hooked: set[int] = set()
 
     def save(self, model: torch.nn.Module | dict[str, torch.nn.Module], trainer_state: dict) -> Path | None:
         """Start a complete checkpoint (every process takes part); returns on the main process the
@@ -66,7 +135,8 @@ class CheckpointWriter:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True)
         accelerator.wait_for_everyone()
-        accelerator.save_state(str(staging / "state"))
+        models = model if isinstance(model, dict) else {"": model}
+        state, pending, ready = self._take_state(staging / "state", models)
         accelerator.wait_for_everyone()  # every process's files are written before the main process hashes them
         if not accelerator.is_main_process:
             if accelerator.is_local_main_process:
@@ -74,14 +144,6 @@ class CheckpointWriter:
                 # RNG states written here are not needed to resume, the loop reseeds per step).
                 shutil.rmtree(staging, ignore_errors=True)
             return None
-        models = model if isinstance(model, dict) else {"": model}
-        weights = {
-            # A copy: training changes the weights in place from the next step on. Distinct tensors
-            # also for tied weights, which safetensors refuses to save as two names of one storage.
-            f"{prefix}.{name}" if prefix else name: tensor.detach().to("cpu", copy=True).contiguous()
-            for prefix, each in models.items()
-            for name, tensor in accelerator.unwrap_model(each, keep_torch_compile=False).state_dict().items()
-        }
         texts = {"trainer_state.json": json.dumps(trainer_state), "spec.json": self.spec.model_dump_json()}
         for each in models.values():  # e.g. an `hf` model's config.json: the checkpoint is a transformers model directory
             texts.update(getattr(accelerator.unwrap_model(each), "checkpoint_files", dict)())
@@ -89,13 +151,90 @@ class CheckpointWriter:
             texts["tokenizer.json"] = json.dumps(self.tokenizer.to_json())
         if self.labels is not None:  # a classifier's label names, by label id
             texts["labels.json"] = json.dumps(self.labels)
-        thread = threading.Thread(target=self._write, args=(staging, final, step, weights, texts), daemon=True)
+        if pending:
+            self._copied.clear()
+        thread = threading.Thread(target=self._write, args=(staging, final, step, state, pending, ready, texts), daemon=True)
         self._pending = (step, final, thread)
         thread.start()
         return final
 
-    def _write(self, staging: Path, final: Path, step: int, weights: dict[str, torch.Tensor], texts: dict[str, str]) -> None:
+    def _take_state(self, state_dir: Path, models: dict[str, torch.nn.Module]) -> tuple[dict, list, torch.cuda.Event | None]:
+        """On every process: what save_state writes at once, or only its small files and a snapshot
+        of the rest. Returns on the main process what _write writes: Accelerate's model, optimizer
+        and scheduler states (none when save_state wrote them) and the unwrapped weights, with the
+        copies left to do (StateSnapshot.take)."""
+        accelerator = self.accelerator
+        unwrapped = {
+            f"{prefix}.{name}" if prefix else name: tensor
+            for prefix, each in models.items()
+            for name, tensor in accelerator.unwrap_model(each, keep_torch_compile=False).state_dict().items()
+        } if accelerator.is_main_process else {}
+        if self._snapshot is not None:
+            try:
+                return self._take_snapshot(state_dir, unwrapped)
+            except (RuntimeError, MemoryError):  # no room for the buffers (pinned memory is scarce)
+                log.warning("no memory for a checkpoint snapshot; saving synchronously from now on", exc_info=True)
+                self._snapshot = None
+        accelerator.save_state(str(state_dir))
+        # The live weights, copied: training changes them in place from the next step on.
+        return {"weights": {name: tensor.detach().to("cpu", copy=True) for name, tensor in unwrapped.items()}}, [], None
+
+    def _take_snapshot(self, state_dir: Path, unwrapped: dict[str, torch.Tensor]) -> tuple[dict, list, torch.cuda.Event | None]:
+        accelerator = self.accelerator
+        config = accelerator.project_configuration
+        # The small files, as save_state writes them, now: the RNG states must be this step's.
+        state_dir.mkdir(parents=True, exist_ok=True)
+        save_accelerator_state(
+            str(state_dir), [], [], [], accelerator._dataloaders, accelerator.state.process_index, accelerator.step,
+            accelerator.scaler, save_on_each_node=config.save_on_each_node,
+        )
+        for i, custom in enumerate(accelerator._custom_objects):
+            save_custom_state(custom, str(state_dir), i, save_on_each_node=config.save_on_each_node)
+        if not accelerator.is_main_process:  # Accelerate writes the rest from the main process only
+            return {}, [], None
+        # What only an optimizer step changes (its parameters and their moments) on the CPU is
+        # copied by the writer thread, beside the next step's forward and backward; each optimizer
+        # waits for that copy before its next step. The rest (buffers such as running statistics,
+        # which a forward changes; the optimizers' settings) is copied now. GPU copies are
+        # asynchronous anyway, queued before the next step's kernels.
+        for optimizer in accelerator._optimizers:
+            if id(optimizer) not in self._hooked:
+                optimizer.optimizer.register_step_pre_hook(self._wait_for_copy)
+                self._hooked.add(id(optimizer))
+        stepped = [
+            tensor
+            for optimizer in accelerator._optimizers
+            for tensors in ([p for group in optimizer.param_groups for p in group["params"]], *optimizer.state.values())
+            for tensor in (tensors.values() if isinstance(tensors, dict) else tensors)
+        ]
+        later = {tensor.data_ptr() for tensor in stepped if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"}
+        return self._snapshot.take({
+            "models": [accelerator.get_state_dict(each, unwrap=False) for each in accelerator._models],
+            "optimizers": [optimizer.state_dict() for optimizer in accelerator._optimizers],
+            "schedulers": [scheduler.state_dict() for scheduler in accelerator._schedulers],
+            "weights": unwrapped,
+        }, later)
+
+    def _wait_for_copy(self, *_) -> None:
+        self._copied.wait()
+
+    def _write(
+        self, staging: Path, final: Path, step: int, state: dict, pending: list, ready: torch.cuda.Event | None, texts: dict[str, str]
+    ) -> None:
         try:
+            try:
+                StateSnapshot.copy_later(pending)
+            finally:
+                self._copied.set()  # the optimizers may step again
+            if ready is not None:
+                ready.synchronize()  # the snapshot's GPU → CPU copies are done
+            write_accelerate_state(staging / "state", state)
+            # Distinct tensors for tied weights, which safetensors refuses to save as two names of one storage.
+            seen: set[int] = set()
+            weights = {}
+            for name, tensor in state["weights"].items():
+                weights[name] = tensor.clone() if tensor.data_ptr() in seen else tensor.contiguous()
+                seen.add(tensor.data_ptr())
             save_file(weights, staging / MODEL_FILE)
             for name, text in texts.items():
                 (staging / name).write_text(text)
@@ -123,6 +262,25 @@ class CheckpointWriter:
         if self._pending is not None:
             self._pending[2].join()
             self.report_finished()
+
+
+def snapshots_supported(accelerator: Accelerator) -> bool:
+    """Whether save_state's files can be written from a snapshot: plain and data-parallel models,
+    no save hooks (FSDP, DeepSpeed and Megatron shard or save their state themselves)."""
+    return (
+        accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+        and not accelerator._save_model_state_pre_hook
+    )
+
+
+def write_accelerate_state(state_dir: Path, state: dict) -> None:
+    """The model, optimizer and scheduler files of accelerator.save_state, under its names (see
+    accelerate.checkpointing.save_accelerator_state), from a snapshot of their state dicts."""
+    for i, weights in enumerate(state.get("models", [])):
+        save(weights, state_dir / (SAFE_WEIGHTS_NAME if i == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{i}.")), safe_serialization=True)
+    for key, name in (("optimizers", OPTIMIZER_NAME), ("schedulers", SCHEDULER_NAME)):
+        for i, each in enumerate(state.get(key, [])):
+            save(each, state_dir / (f"{name}.bin" if i == 0 else f"{name}_{i}.bin"))
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:

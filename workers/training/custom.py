@@ -101,7 +101,9 @@ class CustomContext:
         """A complete checkpoint (every process must call it): accelerator.save_state() of everything
         prepared, the registered models' weights, spec, manifest. `state` (JSON) comes back from
         load_checkpoint(). Returns once the state of this step is taken; the files are finished in the
-        background (see CheckpointWriter). Returns the path it will have, on the main process."""
+        background (see CheckpointWriter). Returns the path it will have, on the main process.
+        On the CPU the optimizers' parameters are still being copied until their next step(), which
+        waits for the copy: change them only through an optimizer step until then."""
         if not self.models:
             raise RuntimeError("save_checkpoint: register_model() the models first")
         return self.checkpoints.save(self.models, {**(state or {}), "step": step})
