@@ -28,13 +28,14 @@ from service.settings import Settings
 log = logging.getLogger("trainyard.scheduler")
 
 
-def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]:
-    """Run one pass and commit it; returns (attempt_id, host_name) pairs to dispatch."""
+def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> list[tuple[int, str]]:
+    """Run one pass and commit it; returns (attempt_id, host_name) pairs to dispatch. Without
+    `reap`, only placement: lost workers and unclaimed dispatches are looked for by other passes."""
     now = utcnow()
     crud.lock_scheduler(session)
 
     # Attempts whose worker stopped renewing the lease: the worker (or its host) is gone.
-    for attempt in crud.expired_leases(session, now):
+    for attempt in crud.expired_leases(session, now) if reap else []:
         state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"worker on host {attempt.host_name} stopped renewing its lease")
         log.warning("attempt %s of job %s lost (lease expired)", attempt.id, attempt.job_id, extra=job_fields(attempt.job_id, attempt.id))
 
@@ -45,7 +46,7 @@ def schedule_pass(session: Session, settings: Settings) -> list[tuple[int, str]]
     # timeout if it is alive (the message may have been lost; a duplicate is harmless).
     to_dispatch: list[tuple[int, str]] = []
     resend_before = now - timedelta(seconds=settings.dispatch_timeout_seconds)
-    for attempt in crud.unclaimed_attempts(session, online, resend_before):
+    for attempt in crud.unclaimed_attempts(session, online, resend_before) if reap else []:
         if attempt.host_name not in online:
             state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
         elif attempt.dispatched_at < resend_before:
@@ -127,15 +128,20 @@ def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, st
     host registered), and at least every `scheduler_interval_seconds`, until `stop()`."""
     log.info("scheduler started")
     doorbell = Doorbell(settings.resolved_database_url)
+    rang, last_reaped = False, 0.0
     while not stop():
+        # A ring means work to place, so that pass only places, a few statements sooner; leases
+        # and dispatches are looked at by the other passes, at least every interval.
+        reap = not rang or time.monotonic() - last_reaped >= settings.scheduler_interval_seconds
         try:
             with sessions() as session:
-                dispatches = schedule_pass(session, settings)
+                dispatches = schedule_pass(session, settings, reap=reap)
+            last_reaped = time.monotonic() if reap else last_reaped
             for attempt_id, host in dispatches:
                 _send(celery, attempt_id, host)
         except Exception:
             # A database or broker restart must not kill the scheduler; the next pass retries.
             log.exception("scheduler pass failed; retrying")
             time.sleep(2)
-        doorbell.wait(settings.scheduler_interval_seconds)
+        rang = doorbell.wait(settings.scheduler_interval_seconds)
     doorbell.close()

@@ -568,8 +568,9 @@ def claim_attempt(
     """Take ownership of a scheduled attempt. None if it is not ours to run: already claimed (a
     duplicate delivery of the task), ended, or its job was cancelled meanwhile. `rendezvous` is the
     host:port this worker's node 0 of a gang would listen on; the other nodes read it from here."""
-    # The job in the same read: a claim is on the path of every job's start.
-    attempt = session.get(Attempt, attempt_id, options=[joinedload(Attempt.job)])
+    # The job in the same read, its other attempts only if a rule needs them: a claim is on the
+    # path of every job's start.
+    attempt = session.get(Attempt, attempt_id, options=[joinedload(Attempt.job).lazyload(Job.attempts)])
     if attempt is None or attempt.status != AttemptStatus.scheduled:
         session.rollback()
         return None

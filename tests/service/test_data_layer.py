@@ -106,6 +106,25 @@ def test_an_expired_lease_requeues_the_job_and_the_old_worker_cannot_finish_it(s
         assert not crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
 
 
+def test_a_placing_pass_leaves_expired_leases_to_the_next_reaping_pass(sessions, settings):
+    # The scheduler's passes woken by the doorbell only place (a job's start is sooner by the
+    # statements saved); the passes at least every interval reap.
+    queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        session.get(Attempt, claimed.attempt_id).lease_expires_at = utcnow() - timedelta(seconds=1)
+        session.commit()
+    waiting_id = queue_job(sessions)  # host-a has a second slot for it
+    with sessions() as session:
+        schedule_pass(session, settings, reap=False)
+    with sessions() as session:
+        assert session.get(Attempt, claimed.attempt_id).status == AttemptStatus.running
+        assert session.get(Job, waiting_id).status == JobStatus.scheduled
+        schedule_pass(session, settings)
+    with sessions() as session:
+        assert session.get(Attempt, claimed.attempt_id).status == AttemptStatus.lost
+
+
 def test_restarts_exhausted_fail_the_job_with_the_attempt_reason(sessions, settings):
     job_id = queue_job(sessions, max_restarts=0)
     claimed = place_and_claim(sessions, settings)
