@@ -6,6 +6,7 @@ import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
@@ -17,7 +18,7 @@ from service import state
 from service.db import crud
 from service.db.models import Attempt, Base, Job, LogLine, Metric, User, WorkerHost, utcnow
 from service.db.session import session_factory
-from service.doorbell import Doorbell, ring
+from service.doorbell import Doorbell, ring, socket_path
 from service.scheduler import schedule_pass
 from service.settings import Settings
 from tests.helpers import job_spec
@@ -547,8 +548,9 @@ def test_a_higher_priority_job_preempts_only_a_lower_priority_preemptible_one(se
         assert session.get(Job, peer).status == JobStatus.queued
 
 
-def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_by_a_rolled_back_one(postgres_url):
-    sessions, doorbell = session_factory(postgres_url), Doorbell(postgres_url)
+def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_by_a_rolled_back_one(database_url):
+    # PostgreSQL: NOTIFY in the transaction. SQLite: a datagram to the scheduler's socket after commit.
+    sessions, doorbell = session_factory(database_url), Doorbell(database_url)
     doorbell.listen()
     try:
         assert not doorbell.wait(0.2)  # nothing happened
@@ -565,7 +567,7 @@ def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_b
             session.rollback()
         assert not doorbell.wait(0.2)
 
-        settings = Settings(database_url=postgres_url, lease_seconds=30)
+        settings = Settings(database_url=database_url, lease_seconds=30)
         claimed = place_and_claim(sessions, settings)
         doorbell.wait(0.2)  # the host's registration rang
         with sessions() as session:
@@ -573,6 +575,7 @@ def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_b
         assert doorbell.wait(30)  # the attempt's devices are free
     finally:
         doorbell.close()
+    assert socket_path(database_url) is None or not Path(socket_path(database_url)).exists()  # no socket file left
 
 
 def test_concurrent_submits_at_the_quota_create_exactly_the_jobs_it_allows(sessions):
