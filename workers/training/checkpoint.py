@@ -3,7 +3,8 @@
     step-00000500/
       model.safetensors     unwrapped, consolidated weights: load_file() + load_state_dict() into a fresh GPT
                             (a custom job's models by name: `generator.0.weight`, `discriminator.0.weight`, …)
-      state/                accelerator.save_state(): model, optimizer, scheduler, RNG of every process
+      state/                what accelerator.save_state() writes (load_state() resumes from it): model,
+                            optimizer, scheduler, RNG of every process
       trainer_state.json    where the loop was: step, epoch, batch index within the epoch
       spec.json, tokenizer.json (none for a custom job), labels.json (classifiers), config.json (`hf` models)
       manifest.json         sha256 and size of every other file
