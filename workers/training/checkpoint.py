@@ -101,11 +101,11 @@ class CheckpointWriter:
     optimizers wait for that copy before stepping. The main process's thread then writes what
     save_state would write of the models, optimizers and schedulers, from the snapshot, then
     model.safetensors, the JSON files and the manifest (a sha256 of every file), and renames the
-    directory into place. The training
-    thread reports the checkpoint at the next report_finished() once it is complete (reporters
-    write from one thread only), or at finish(). Only one is ever in flight: save() and finish()
-    wait for the previous one first, so the loop never starts a second save, nor exits, while one
-    is being written. A crash meanwhile leaves only the `.tmp-` staging directory, never reported.
+    directory into place. The training thread reports the checkpoint at the next report_finished()
+    once it is complete (reporters write from one thread only), or at finish(). Only one is ever in
+    flight: save() and finish() wait for the previous one first, so the loop never starts a second
+    save, nor exits, while one is being written. A crash meanwhile leaves only the `.tmp-` staging
+    directory, never reported.
     Setups whose state Accelerate saves its own way (FSDP, DeepSpeed, save hooks) get a plain
     save_state, as does a host without the memory for the snapshot.
     """
