@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import JSON, TypeDecorator, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, TypeDecorator, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
+from service import rollups
 
 
 def utcnow() -> datetime:
@@ -143,6 +144,9 @@ class Metric(Base):
     attempt_id: Mapped[int] = mapped_column(BigId)
 
 
+TOP_LEVEL = f"level = {rollups.LEVELS[-1]}"  # the coarsest bucket summaries
+
+
 class MetricBucket(Base):
     """A `rollups.Summary` of one series over one bucket of `16 ** level` steps, kept up to date
     at ingest, so a long series is charted from a few thousand of these rather than every point."""
@@ -161,6 +165,12 @@ class MetricBucket(Base):
     last_step: Mapped[int] = mapped_column(Integer)
     last_value: Mapped[float | None] = mapped_column(Float, nullable=True)
     null_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+    # The counts of the coarsest summaries, which add up to every point stored: the total that
+    # /metrics reports (crud.metric_point_count) reads these instead of counting every point.
+    __table_args__ = (
+        Index("ix_metric_buckets_top_counts", "count", postgresql_where=text(TOP_LEVEL), sqlite_where=text(TOP_LEVEL)),
+    )
 
 
 class LogLine(Base):
