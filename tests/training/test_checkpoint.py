@@ -88,19 +88,8 @@ def test_weights_loaded_into_a_fresh_model_reproduce_the_reported_eval_loss(trai
     assert all(t.dtype == torch.float32 for t in tensors.values())
 
 
-def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_for_byte(tmp_path, monkeypatch):
-    """save() returns once the step's state is taken; training then changes the weights and the
-    optimizer's moments in place while the main process writes and hashes in the background. What
-    lands is what a save waited for at once writes: every file, state/ included, the same bytes.
-    The weights and moments are copied by the writer thread, slowed down here: the next optimizer
-    step must wait for that copy, or the checkpoint would hold the step after its own."""
-    copy_later = StateSnapshot.copy_later
-
-    def slow_copy(pending):
-        time.sleep(0.5)
-        copy_later(pending)
-
-    monkeypatch.setattr(StateSnapshot, "copy_later", staticmethod(slow_copy))
+def tiny_training(tmp_path):
+    """(spec, corpus, accelerator, model, train_one_step) of a 2-layer GPT prepared on the CPU."""
     data_root = tmp_path / "data"
     spec = spec_of(**{"dataset.path": write_corpus(data_root, 50_000), "model.n_layer": 2, "model.n_embd": 64})
     corpus = load_text_corpus(spec.dataset, data_root)
@@ -116,6 +105,23 @@ def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_f
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return spec, corpus, accelerator, model, train_one_step
+
+
+def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_for_byte(tmp_path, monkeypatch):
+    """save() returns once the step's state is taken; training then changes the weights and the
+    optimizer's moments in place while the main process writes and hashes in the background. What
+    lands is what a save waited for at once writes: every file, state/ included, the same bytes.
+    The weights and moments are copied by the writer thread, slowed down here: the next optimizer
+    step must wait for that copy, or the checkpoint would hold the step after its own."""
+    copy_later = StateSnapshot.copy_later
+
+    def slow_copy(pending):
+        time.sleep(0.5)
+        copy_later(pending)
+
+    monkeypatch.setattr(StateSnapshot, "copy_later", staticmethod(slow_copy))
+    spec, corpus, accelerator, model, train_one_step = tiny_training(tmp_path)
     train_one_step()
     accelerator.save_state(str(tmp_path / "plain"))  # what Accelerate itself writes at this step
     waited_for = Collector()
@@ -140,3 +146,19 @@ def test_a_checkpoint_finished_in_the_background_is_the_state_of_its_step_byte_f
     plain = sorted((tmp_path / "plain").iterdir())
     assert [file.name for file in plain] == sorted(file.name for file in (path / "state").iterdir())
     assert all((path / "state" / file.name).read_bytes() == file.read_bytes() for file in plain)
+
+
+def test_a_setup_with_a_save_hook_is_saved_by_save_state_itself(tmp_path):
+    # A snapshot would skip the hook (FSDP and DeepSpeed save their own way too): save_state runs.
+    spec, corpus, accelerator, model, train_one_step = tiny_training(tmp_path)
+    train_one_step()
+    hooked = []
+    accelerator.register_save_state_pre_hook(lambda models, weights, output_dir: hooked.append(output_dir))
+    reported = Collector()
+    writer = CheckpointWriter(accelerator, tmp_path / "run", spec, reported, corpus.tokenizer)
+    path = writer.save(model, {"step": 1})
+    train_one_step()
+    writer.finish()
+    assert len(hooked) == 1 and reported.checkpoints == {1: path}
+    assert {"model.safetensors", "optimizer.bin", "random_states_0.pkl"} <= {file.name for file in (path / "state").iterdir()}
+    verify_manifest(path)
