@@ -38,14 +38,21 @@ def write_manifest(directory: Path, step: int) -> dict:
     return manifest
 
 
-def verify_manifest(directory: Path) -> dict:
-    """Check every listed file against its size and sha256; returns the manifest."""
+def read_manifest(directory: Path) -> dict:
+    """The manifest as written, without checking the files against it."""
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError) as exc:
+        if not isinstance(manifest["files"], dict):
+            raise ValueError("'files' is not an object")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpoint(f"{directory}: unreadable manifest ({exc})") from exc
-    for relative, expected in files.items():
+    return manifest
+
+
+def verify_manifest(directory: Path) -> dict:
+    """Check every listed file against its size and sha256; returns the manifest."""
+    manifest = read_manifest(directory)
+    for relative, expected in manifest["files"].items():
         path = directory / relative
         if not path.is_file() or path.stat().st_size != expected["size"] or sha256_file(path) != expected["sha256"]:
             raise CorruptCheckpoint(f"{directory}: {relative} does not match its manifest")

@@ -1,18 +1,20 @@
 """The checkpoint store: a directory tree shared by the API (reads) and workers (writes).
 
-A checkpoint enters the store by copy into a temporary directory, verification against its
-manifest, and an atomic rename; only then is it recorded in the database. So a listed checkpoint
-is always complete, and a crash mid-copy leaves only a `.tmp-*` directory nobody reads.
+A checkpoint enters the store by a move (same filesystem) or a copy into a temporary directory,
+verification against its manifest, and an atomic rename; only then is it recorded in the
+database. So a listed checkpoint is always complete, and a crash mid-copy leaves only a `.tmp-*`
+directory nobody reads.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
 from pathlib import Path
 
-from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, sha256_file, verify_manifest
+from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, read_manifest, sha256_file, verify_manifest
 
 
 class ArtifactStore:
@@ -27,22 +29,31 @@ class ArtifactStore:
         return path
 
     def ingest_checkpoint(self, source: Path, job_id: int, step: int) -> tuple[str, str, int]:
-        """Copy a finished checkpoint directory in; returns (relative path, sha256, size) of its
+        """Take a finished checkpoint directory in; returns (relative path, sha256, size) of its
         model.safetensors, or for a checkpoint without one (a script's), of its manifest.json and
-        the total size of its files."""
+        the total size of its files. The directory is moved in when it is on the store's
+        filesystem (its writer hands it over: a copy would cost a second write of every byte on
+        the training host), else copied; either way verified before it is renamed into place. A
+        checkpoint already stored (a retry after the database missed it) is described as it is."""
         relative = f"jobs/{job_id}/checkpoints/step-{step:08d}"
         final = self.path(relative)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        if not final.exists():
+        if final.exists():
+            manifest = read_manifest(final)  # verified on the way in
+        else:
+            if not source.is_dir():
+                raise CorruptCheckpoint(f"{source} is gone")
+            final.parent.mkdir(parents=True, exist_ok=True)
             staging = final.parent / f".tmp-{uuid.uuid4().hex}"
-            shutil.copytree(source, staging)
+            moved = _move_or_copy(source, staging)
             try:
-                verify_manifest(staging)
+                manifest = verify_manifest(staging)
                 os.replace(staging, final)
             except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
+                if moved:
+                    os.rename(staging, source)  # left where it was, as a copy would have left it
+                else:
+                    shutil.rmtree(staging, ignore_errors=True)
                 raise
-        manifest = verify_manifest(final)
         if model := manifest["files"].get(MODEL_FILE):
             return relative, model["sha256"], model["size"]
         total = sum(entry["size"] for entry in manifest["files"].values())
@@ -50,3 +61,15 @@ class ArtifactStore:
 
     def delete(self, relative: str) -> None:
         shutil.rmtree(self.path(relative), ignore_errors=True)
+
+
+def _move_or_copy(source: Path, destination: Path) -> bool:
+    """True if moved (same filesystem), False if copied."""
+    try:
+        os.rename(source, destination)
+        return True
+    except OSError as exc:
+        if exc.errno != errno.EXDEV:
+            raise
+    shutil.copytree(source, destination)
+    return False

@@ -7,8 +7,8 @@ Installed by workers/script_site/sitecustomize.py when Accelerate is imported:
   `ProjectConfiguration(automatic_checkpoint_naming=True)` saves under it;
 - `accelerator.save_state(...)`, once every process has written its part, gets a manifest (sha256
   of each file) and is reported as a checkpoint, numbered by the last step passed to
-  `accelerator.log` (else the number at the end of the folder's name). The worker then copies it
-  into the artifact store and deletes it here.
+  `accelerator.log` (else the number at the end of the folder's name). The worker then moves it
+  into the artifact store (copies it and deletes it here, across filesystems).
 """
 
 from __future__ import annotations

@@ -346,8 +346,6 @@ class AttemptRunner:
                 while outbox.checkpoints:
                     step, source = outbox.checkpoints[0]
                     try:
-                        if not source.is_dir():
-                            raise CorruptCheckpoint(f"{source} is gone")
                         relative, sha256, size = self.store.ingest_checkpoint(source, claimed.job_id, step)
                     except CorruptCheckpoint:
                         # Retrying can't mend a missing or corrupt directory; the next checkpoint will do.
@@ -360,7 +358,7 @@ class AttemptRunner:
                     for path in stale:
                         self.store.delete(path)
                     outbox.checkpoints.pop(0)
-                    shutil.rmtree(source, ignore_errors=True)  # the store has it now (the loop leaves it to us)
+                    shutil.rmtree(source, ignore_errors=True)  # the store has it now (moved, or copied: the loop leaves it to us)
                 return crud.renew_lease(session, claimed, self.settings.lease_seconds)
         except Exception:
             log.exception("could not reach the database for job %s; will retry", claimed.job_id)

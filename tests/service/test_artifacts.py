@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import io
 import tarfile
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, sha256_file, write_manifest
+from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, sha256_file, verify_manifest, write_manifest
 from service.artifacts import ArtifactStore
 
 
@@ -19,12 +21,37 @@ def make_checkpoint(directory, step=10):
     return directory
 
 
-def test_a_complete_checkpoint_is_copied_in_and_described(tmp_path):
+def test_a_complete_checkpoint_on_the_same_filesystem_is_moved_in_not_copied(tmp_path):
     store = ArtifactStore(tmp_path / "store")
-    relative, sha256, size = store.ingest_checkpoint(make_checkpoint(tmp_path / "run" / "step-10"), job_id=7, step=10)
+    source = make_checkpoint(tmp_path / "run" / "step-10")
+    inode = (source / MODEL_FILE).stat().st_ino
+    relative, sha256, size = store.ingest_checkpoint(source, job_id=7, step=10)
     assert relative == "jobs/7/checkpoints/step-00000010"
     assert (store.path(relative) / "state" / "optimizer.bin").read_bytes() == b"optimizer"
-    assert size == 700 and len(sha256) == 64
+    assert size == 700 and sha256 == sha256_file(store.path(relative) / MODEL_FILE)
+    assert not source.exists() and (store.path(relative) / MODEL_FILE).stat().st_ino == inode  # no byte written twice
+
+
+def test_a_checkpoint_on_another_filesystem_is_copied_in_and_left_to_its_writer(tmp_path):
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own (Linux)")
+    with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
+        source = make_checkpoint(Path(elsewhere) / "step-10")
+        store = ArtifactStore(tmp_path / "store")
+        relative, _, size = store.ingest_checkpoint(source, job_id=7, step=10)
+        assert size == 700 and (store.path(relative) / MODEL_FILE).read_bytes() == (source / MODEL_FILE).read_bytes()
+        assert verify_manifest(store.path(relative))
+
+
+def test_a_checkpoint_stored_before_a_retry_is_described_again_without_its_source(tmp_path):
+    # The database missed the first record_checkpoint: the worker retries with the source moved away.
+    store = ArtifactStore(tmp_path / "store")
+    source = make_checkpoint(tmp_path / "run" / "step-10")
+    first = store.ingest_checkpoint(source, job_id=7, step=10)
+    assert not source.exists() and store.ingest_checkpoint(source, job_id=7, step=10) == first
+    with pytest.raises(CorruptCheckpoint, match="is gone"):
+        store.ingest_checkpoint(source, job_id=7, step=20)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "drop_manifest"])
@@ -37,9 +64,11 @@ def test_a_partial_or_corrupt_checkpoint_never_enters_the_store(tmp_path, damage
     else:
         (source / "manifest.json").unlink()
     store = ArtifactStore(tmp_path / "store")
+    files = sorted(path.relative_to(source) for path in source.rglob("*"))
     with pytest.raises(CorruptCheckpoint):
         store.ingest_checkpoint(source, job_id=7, step=10)
     assert list((tmp_path / "store" / "jobs" / "7" / "checkpoints").iterdir()) == []  # no final dir, no staging left
+    assert sorted(path.relative_to(source) for path in source.rglob("*")) == files  # left where it was, for a look
 
 
 def test_paths_outside_the_store_are_refused(tmp_path):
