@@ -52,11 +52,17 @@ def _compare_and_set(session: Session, row: Job | Attempt, to, allowed: dict, va
     if to not in allowed[current]:
         raise InvalidTransition(f"{type(row).__name__} {row.id}: {current.value} -> {to.value} is not allowed")
     model = type(row)
-    result = session.execute(
-        update(model).where(model.id == row.id, model.status == current).values(status=to, **values),
-        execution_options={"synchronize_session": False},
-    )
-    if result.rowcount != 1:
+    statement = update(model).where(model.id == row.id, model.status == current).values(status=to, **values)
+    if model is Job:
+        # The status event's number is taken in the same UPDATE (see append_events): one round trip, not two.
+        statement = statement.values(last_event_seq=Job.last_event_seq + 1).returning(Job.last_event_seq)
+    result = session.execute(statement, execution_options={"synchronize_session": False})
+    if model is Job:
+        event_seq = result.scalar_one_or_none()
+        won = event_seq is not None
+    else:
+        won = result.rowcount == 1
+    if not won:
         session.refresh(row)
         return False
     # The row holds these values now: record them as loaded, not as pending changes, or the next
@@ -64,6 +70,8 @@ def _compare_and_set(session: Session, row: Job | Attempt, to, allowed: dict, va
     set_committed_value(row, "status", to)
     for key, value in values.items():
         set_committed_value(row, key, value)
+    if model is Job:
+        set_committed_value(row, "last_event_seq", event_seq)
     return True
 
 
@@ -79,7 +87,7 @@ def move_job(session: Session, job: Job, to: JobStatus, *, reason: str | None = 
         values["failure_reason"] = reason
     if not _compare_and_set(session, job, to, JOB_TRANSITIONS, values):
         return False
-    append_events(session, job.id, [status_event(to, reason)], now=now)
+    _insert_events(session, job.id, job.last_event_seq, [status_event(to, reason)], now)
     if to == JobStatus.queued:
         ring(session)  # back in the queue: place it now, not at the next poll
     return True
@@ -139,11 +147,12 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     """Record how an attempt ended and decide what its job does next.
 
     succeeded → job succeeded (a multi-node gang: once every node has). Any other end of one node
-    ends the rest of its gang as failed (cancelled, when the job's cancel was asked for): they
-    cannot go on without it; their workers see their lease gone and stop. cancelled, or any end
-    of a job whose cancel was requested → job cancelled. preempted → queued again, using no restart (the job did nothing wrong). failed or
-    lost → queued again while restarts remain, else failed with the attempt's reason. A queued
-    job resumes from its latest complete checkpoint.
+    ends the rest of its gang as failed (cancelled, when the job's cancel was asked for; preempted,
+    when it was preempted): they cannot go on without it; their workers see their lease gone and
+    stop. cancelled, or any end of a job whose cancel was requested → job cancelled. preempted →
+    queued again, using no restart (the job did nothing wrong). failed or lost → queued again
+    while restarts remain, else failed with the attempt's reason. A queued job resumes from its
+    latest complete checkpoint.
     """
     if not move_attempt(session, attempt, outcome, reason=reason):
         return False
@@ -155,7 +164,12 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     cancelled = outcome == AttemptStatus.cancelled or job.cancel_requested
     for other in gang:
         if not other.status.is_final:
-            ended = AttemptStatus.cancelled if cancelled else AttemptStatus.failed
+            if cancelled:
+                ended = AttemptStatus.cancelled
+            elif outcome == AttemptStatus.preempted:
+                ended = AttemptStatus.preempted  # its ranks voted to stop at the same checkpoint
+            else:
+                ended = AttemptStatus.failed
             move_attempt(session, other, ended, reason=f"node {attempt.node_rank} of this gang ended {outcome.value}: {reason}")
     if cancelled:
         return move_job(session, job, JobStatus.cancelled)
@@ -186,8 +200,12 @@ def append_events(session: Session, job_id: int, events: list[tuple[JobEventType
         update(Job).where(Job.id == job_id).values(last_event_seq=Job.last_event_seq + len(events)).returning(Job.last_event_seq),
         execution_options={"synchronize_session": False},
     ).scalar_one()
-    first, at = last - len(events) + 1, now or utcnow()
-    if session.get_bind().dialect.name == "postgresql":
+    _insert_events(session, job_id, last - len(events) + 1, events, now or utcnow())
+
+
+def _insert_events(session: Session, job_id: int, first: int, events: list[tuple[JobEventType, dict]], at: datetime) -> None:
+    """The events numbered `first`, `first` + 1, …: numbers the caller took from the job's counter."""
+    if len(events) > 1 and session.get_bind().dialect.name == "postgresql":
         # One statement however many events (a metrics batch brings hundreds): the events travel
         # as one JSON array, which the server unpacks. psycopg would send one INSERT per row.
         payload = json.dumps([{"type": kind.value, "data": data} for kind, data in events])

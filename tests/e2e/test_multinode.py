@@ -1,6 +1,7 @@
 """A 2-node job across two worker hosts of the running stack (separate worker processes, each its
 own host, meeting over gloo at node 0's address) trains like the same job as 1 node × 2 processes,
-and a cancel stops every rank of it on every host."""
+a cancel stops every rank of it on every host, and preempting one of its nodes stops both at one
+checkpoint and resumes them there."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 import torch
 
 from tests.e2e.test_end_to_end import wait_for
-from tests.e2e.test_faults import final_weights, stack_pids_matching
-from tests.helpers import tiny_spec
+from tests.e2e.test_faults import FAULT_SPEC, final_weights, stack_pids_matching, wait_until_training
+from tests.helpers import spec_dict, tiny_spec
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
 
@@ -89,6 +90,41 @@ def test_cancelling_a_two_node_job_stops_every_rank_on_both_hosts_within_seconds
             workers = client.get("/v1/workers").json()
             assert len(workers) == 2 and all(w["busy_slots"] == 0 and not w["attempts"] for w in workers)
             print(f"cancel → every rank of 2 nodes × 2 processes stopped and the job cancelled: {took:.1f} s")
+
+
+def test_a_preemptible_gang_makes_way_on_one_host_stops_on_both_and_resumes_with_every_step_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")  # how often a worker looks at its lease (5 s in production)
+    steps = 150  # a checkpoint every 50: preempted after the first, resumed from its own at the stop
+    gang_spec = {
+        **FAULT_SPEC, "name": "spot-gang", "preemptible": True, "training": {**FAULT_SPEC["training"], "max_steps": steps},
+        "resources": {"nodes": 2, "processes_per_node": 1},
+    }
+    urgent_spec = spec_dict(**{"name": "urgent", "priority": 10, "training.max_steps": 20, "schedule.warmup_steps": 2})
+    # Two one-slot hosts: the gang holds both, and the urgent job needs one of them.
+    with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1") as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            gang_id = client.post("/v1/jobs", json=gang_spec).json()["id"]
+            wait_until_training(client, gang_id)
+            urgent_id = client.post("/v1/jobs", json=urgent_spec).json()["id"]
+
+            urgent = wait_for(client, urgent_id, {"succeeded", "failed", "cancelled"}, timeout=240)
+            assert urgent["status"] == "succeeded", urgent["failure_reason"]
+            gang = wait_for(client, gang_id, {"succeeded", "failed", "cancelled"}, timeout=300)
+            assert gang["status"] == "succeeded", gang["failure_reason"]
+            first = [a for a in gang["attempts"] if a["number"] == 1]
+            second = [a for a in gang["attempts"] if a["number"] == 2]
+            # Asked of one node, the stop was voted by every rank: both nodes stopped, both preempted, no restart used.
+            assert [a["status"] for a in first] == ["preempted", "preempted"], [(a["status"], a["failure_reason"]) for a in first]
+            assert any("higher-priority" in a["failure_reason"] for a in first) and gang["restarts"] == 0
+            assert [a["status"] for a in second] == ["succeeded", "succeeded"]
+            # Both nodes resumed from the one checkpoint they stopped at, after the urgent job ran on the host it got.
+            [resumed] = {a["resumed_from_step"] for a in second}
+            assert 0 < resumed < steps
+            assert max(a["finished_at"] for a in first) <= urgent["attempts"][0]["started_at"]
+            assert urgent["finished_at"] <= min(a["started_at"] for a in second)
+            series = client.get(f"/v1/jobs/{gang_id}/metrics", params={"names": "train_loss"}).json()["series"]
+            assert series["train_loss"]["steps"] == list(range(1, steps + 1))  # every step once: none lost, none twice
+            assert final_weights(client, gang_id)  # the last checkpoint downloads and verifies
 
 
 @pytest.mark.parametrize("frozen_host", ["local-0", "local-1"])  # where node 0, then node 1, is placed

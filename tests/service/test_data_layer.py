@@ -356,6 +356,20 @@ def test_one_lost_node_ends_its_whole_gang_and_requeues_the_job_once(sessions, s
         assert not crud.finish_attempt(session, claimed_1, AttemptStatus.failed, "exit code 1")
 
 
+def test_a_preempted_node_preempts_its_whole_gang_and_requeues_the_job_without_a_restart(sessions, settings):
+    job_id, node_0, node_1 = placed_gang(sessions, settings)
+    with sessions() as session:
+        claimed_0 = crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+        # Both nodes' ranks stopped at the same checkpoint; node 1's worker reports first.
+        assert crud.finish_attempt(session, claimed_1, AttemptStatus.preempted, "a higher-priority job needs host-1")
+        assert not crud.finish_attempt(session, claimed_0, AttemptStatus.preempted, "SIGTERM")  # already ended with its gang
+        job = session.get(Job, job_id)
+        assert [a.status for a in job.attempts] == [AttemptStatus.preempted, AttemptStatus.preempted]
+        assert "node 1 of this gang ended preempted" in job.attempts[0].failure_reason
+        assert job.status == JobStatus.queued and job.restarts == 0
+
+
 def job_events(session, job_id: int) -> list[tuple[int, str, dict]]:
     return [(e.seq, e.type.value, e.data) for e in crud.job_events_after(session, job_id, 0, limit=1000)]
 
