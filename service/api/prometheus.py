@@ -42,11 +42,11 @@ class _ServiceCollector(Collector):
         yield GaugeMetricFamily("trainyard_attempts_running", "Attempts a worker has claimed and is running.", value=crud.running_attempt_count(session))
         yield _histogram(
             "trainyard_job_queue_wait_seconds", "From submission to the first attempt starting, per started job.",
-            crud.queue_waits(session), QUEUE_WAIT_BUCKETS,
+            crud.queue_wait_histogram(session, QUEUE_WAIT_BUCKETS), QUEUE_WAIT_BUCKETS,
         )
         yield _histogram(
             "trainyard_attempt_dispatch_latency_seconds", "From placing an attempt on a host to its worker claiming it.",
-            crud.dispatch_latencies(session), DISPATCH_LATENCY_BUCKETS,
+            crud.dispatch_latency_histogram(session, DISPATCH_LATENCY_BUCKETS), DISPATCH_LATENCY_BUCKETS,
         )
         yield CounterMetricFamily("trainyard_metric_points", "Training metric points stored.", value=crud.metric_point_count(session))
         yield GaugeMetricFamily("trainyard_checkpoint_bytes", "Bytes of model.safetensors over the checkpoints kept.", value=crud.checkpoint_bytes(session))
@@ -62,8 +62,8 @@ class _ServiceCollector(Collector):
         return up, age
 
 
-def _histogram(name: str, documentation: str, observations: Sequence[float], bounds: Sequence[float]) -> HistogramMetricFamily:
-    """A cumulative histogram of `observations`: each bucket counts those at or below its bound."""
-    buckets = [(floatToGoString(bound), sum(1 for o in observations if o <= bound)) for bound in bounds]
-    buckets.append(("+Inf", len(observations)))
-    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=sum(observations))
+def _histogram(name: str, documentation: str, histogram: crud.DurationHistogram, bounds: Sequence[float]) -> HistogramMetricFamily:
+    """Prometheus' cumulative buckets: each counts the observations at or below its bound."""
+    buckets = [(floatToGoString(bound), count) for bound, count in zip(bounds, histogram.at_or_below)]
+    buckets.append(("+Inf", histogram.count))
+    return HistogramMetricFamily(name, documentation, buckets=buckets, sum_value=histogram.total_seconds)
