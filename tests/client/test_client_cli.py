@@ -1,15 +1,17 @@
-"""The client commands through `trainyard.cli.main`, against the fake API."""
+"""The client commands through `trainyard.cli.main`, against the real API app served by uvicorn (SQLite)."""
 
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
-from api_schemas import JobSpec, JobStatus
-from tests.client.fake_server import GOOD_CHECKPOINT, TOKEN
+from api_schemas import AttemptStatus, JobSpec
+from tests.client.conftest import run_next_job
 from tests.helpers import EXAMPLE_SPEC, tiny_spec
 from trainyard.cli import main
 from trainyard.client_cli import SpecFileError, load_spec_file
@@ -18,11 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def trainyard(fake_api, capsys, monkeypatch):
-    """Run `trainyard ARGS…` against the fake API; returns (exit code, stdout, stderr)."""
-    monkeypatch.setattr("trainyard.client.time.sleep", lambda seconds: None)  # no real waits between polls
-    monkeypatch.setenv("TRAINYARD_SERVER", fake_api[0])
-    monkeypatch.setenv("TRAINYARD_TOKEN", TOKEN)
+def trainyard(api_url, token, capsys, monkeypatch):
+    """Run `trainyard ARGS…` against the API; returns (exit code, stdout, stderr)."""
+    real_sleep = time.sleep
+    monkeypatch.setattr("trainyard.client.time.sleep", lambda seconds: real_sleep(min(seconds, 0.05)))  # poll often
+    monkeypatch.setenv("TRAINYARD_SERVER", api_url)
+    monkeypatch.setenv("TRAINYARD_TOKEN", token)
 
     def run(*args: str) -> tuple[int, str, str]:
         code = main(list(args))
@@ -55,29 +58,36 @@ def test_unreadable_spec_files_say_why(tmp_path, name, text, reason):
         load_spec_file(tmp_path / name)
 
 
-def test_submit_and_follow_to_success(trainyard, tmp_path):
+def test_submit_and_follow_to_success(trainyard, settings, progress_seen_running, tmp_path):
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(tiny_spec()))
-    code, out, err = trainyard("submit", str(tmp_path / "job.yaml"), "--follow")
+    with ThreadPoolExecutor(1) as worker:
+        ran = worker.submit(run_next_job, settings, progress_seen_running)
+        code, out, err = trainyard("submit", str(tmp_path / "job.yaml"), "--follow")
+        job_id = ran.result()
     assert code == 0, err
-    assert out.splitlines() == ["submitted job 99 (shakespeare-char): queued", "job 99 succeeded at step 12/12"]
+    assert out.splitlines() == [f"submitted job {job_id} (shakespeare-char): queued", f"job {job_id} succeeded at step 12/12"]
     assert "running    [" in err and "loss 1.0000" in err  # the progress lines, on stderr
 
 
-def test_the_gan_example_spec_submits_and_follows_to_success(trainyard):
+def test_the_gan_example_spec_submits_and_follows_to_success(trainyard, settings, progress_seen_running):
     # A custom job has no tokens per sample: the progress line leaves the rate out.
-    code, out, err = trainyard("submit", str(REPO / "examples" / "gan.json"), "--follow")
+    with ThreadPoolExecutor(1) as worker:
+        ran = worker.submit(run_next_job, settings, progress_seen_running)
+        code, out, err = trainyard("submit", str(REPO / "examples" / "gan.json"), "--follow")
+        job_id = ran.result()
     assert code == 0, err
-    assert out.splitlines() == ["submitted job 99 (gan-ring): queued", "job 99 succeeded at step 12/2000"]
+    assert out.splitlines() == [f"submitted job {job_id} (gan-ring): queued", f"job {job_id} succeeded at step 12/2000"]
     assert "running    [" in err and "tok/s" not in err
 
 
-def test_follow_exits_1_with_the_failure_reason(trainyard, fake_api, tmp_path):
-    fake_api[1].statuses = [JobStatus.running, JobStatus.failed]
-    fake_api[1].failure_reason = "training process exited with code 1"
-    (tmp_path / "job.json").write_text(json.dumps(tiny_spec()))
-    code, _, err = trainyard("submit", str(tmp_path / "job.json"), "--follow")
+def test_follow_exits_1_with_the_failure_reason(trainyard, settings, progress_seen_running, tmp_path):
+    (tmp_path / "job.json").write_text(json.dumps(tiny_spec(max_restarts=0)))
+    with ThreadPoolExecutor(1) as worker:
+        ran = worker.submit(run_next_job, settings, progress_seen_running, AttemptStatus.failed, "training process exited with code 1")
+        code, _, err = trainyard("submit", str(tmp_path / "job.json"), "--follow")
+        job_id = ran.result()
     assert code == 1
-    assert err.splitlines()[-1] == "job 99 failed: training process exited with code 1"
+    assert err.splitlines()[-1] == f"job {job_id} failed: attempt 1 failed: training process exited with code 1"
 
 
 def test_bad_input_exits_2_without_a_traceback(trainyard, tmp_path):
@@ -97,16 +107,11 @@ def test_server_errors_exit_1_with_the_reason(trainyard):
     assert (code, err) == (1, "error: cannot reach Trainyard at http://127.0.0.1:9 — is `trainyard up` running?\n")
 
 
-def test_ls_lists_the_newest_jobs(trainyard):
+def test_ls_lists_the_newest_jobs(trainyard, tmp_path):
+    (tmp_path / "job.json").write_text(json.dumps(tiny_spec()))
+    submitted = [int(trainyard("submit", str(tmp_path / "job.json"))[1].split()[2]) for _ in range(5)]
     code, out, _ = trainyard("ls", "--limit", "3")
     assert code == 0
     lines = out.splitlines()
     assert lines[0].split() == ["ID", "NAME", "STATUS", "STEP", "OWNER", "CREATED"]
-    assert [line.split()[0] for line in lines[1:]] == ["5", "4", "3"]
-
-
-def test_download_writes_the_verified_file(trainyard, tmp_path, model_bytes):
-    dest = tmp_path / "model.safetensors"
-    code, out, _ = trainyard("download", str(GOOD_CHECKPOINT), "-o", str(dest))
-    assert (code, out) == (0, f"saved {dest} (sha256 verified)\n")
-    assert dest.read_bytes() == model_bytes
+    assert [int(line.split()[0]) for line in lines[1:]] == submitted[:1:-1]

@@ -10,8 +10,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from service.api.main import create_app
 from service.db import crud
 from service.db.session import session_factory
-from service.settings import Settings
-from tests.client.fake_server import serve_app
+from tests.client.serve import serve_app
 from tests.helpers import finish_job, job_spec, start_job
 from trainyard.client import Client, TrainyardError
 
@@ -38,17 +37,6 @@ class CutFirstEventStream:
                 raise ConnectionAbortedError("the connection drops")  # uvicorn closes it mid-response
 
         await self.app(scope, receive, send_one_message_then_break)
-
-
-@pytest.fixture
-def settings(sqlite_url, tmp_path) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=sqlite_url, events_poll_seconds=0.05)
-
-
-@pytest.fixture
-def token(settings) -> str:
-    with session_factory(settings.resolved_database_url)() as session:
-        return crud.create_user(session, "alice")[1]
 
 
 @pytest.mark.timeout(60)

@@ -1,92 +1,48 @@
-"""Client against a real HTTP server (the fake API in a thread): downloads, paging, waiting, errors."""
+"""Client against the real API app served by uvicorn (SQLite): paging, waiting, errors, and where
+its server and token come from. Downloads: test_client_download.py."""
 
 from __future__ import annotations
 
 import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from api_schemas import JobStatus
-from tests.client.fake_server import (
-    CORRUPT_CHECKPOINT,
-    FOLLOWED_JOB,
-    GOOD_CHECKPOINT,
-    INTERRUPTED_AFTER,
-    INTERRUPTED_CHECKPOINT,
-    TOKEN,
-)
+from tests.client.conftest import run_next_job
 from tests.helpers import tiny_spec
 from trainyard.client import Client, TrainyardError, error_message
 
 
 @pytest.fixture
-def client(fake_api):
-    url, _ = fake_api
-    with Client(url, TOKEN) as client:
+def client(api_url, token):
+    with Client(api_url, token) as client:
         yield client
 
 
-def test_download_verifies_and_renames_the_file(client, fake_api, tmp_path, model_bytes):
-    seen = []
-    dest = client.download(GOOD_CHECKPOINT, tmp_path / "out" / "model.safetensors", progress=lambda done, total: seen.append((done, total)))
-    assert dest.read_bytes() == model_bytes
-    assert not dest.with_name("model.safetensors.part").exists()
-    assert seen[-1] == (len(model_bytes), len(model_bytes))
-    assert fake_api[1].range_headers == [None]
-
-
-def test_download_resumes_a_truncated_part_file(client, fake_api, tmp_path, model_bytes):
-    dest = tmp_path / "model.safetensors"
-    (tmp_path / "model.safetensors.part").write_bytes(model_bytes[:100_000])
-    seen = []
-    client.download(GOOD_CHECKPOINT, dest, progress=lambda done, total: seen.append((done, total)))
-    assert dest.read_bytes() == model_bytes
-    assert fake_api[1].range_headers == ["bytes=100000-"]  # only the rest was fetched
-    assert seen[-1] == (len(model_bytes), len(model_bytes))
-
-
-def test_an_interrupted_download_keeps_its_part_file_and_resumes(client, fake_api, tmp_path, model_bytes):
-    dest = tmp_path / "model.safetensors"
-    with pytest.raises(TrainyardError, match="model.safetensors.part is kept: run the download again to resume"):
-        client.download(INTERRUPTED_CHECKPOINT, dest)
-    assert (tmp_path / "model.safetensors.part").read_bytes() == model_bytes[:INTERRUPTED_AFTER]
-    client.download(INTERRUPTED_CHECKPOINT, dest)
-    assert dest.read_bytes() == model_bytes
-    assert fake_api[1].range_headers == [None, f"bytes={INTERRUPTED_AFTER}-"]
-
-
-def test_a_part_file_longer_than_the_checkpoint_is_downloaded_again(client, fake_api, tmp_path, model_bytes):
-    dest = tmp_path / "model.safetensors"
-    (tmp_path / "model.safetensors.part").write_bytes(b"x" * (len(model_bytes) + 10))
-    client.download(GOOD_CHECKPOINT, dest)
-    assert dest.read_bytes() == model_bytes
-    assert fake_api[1].range_headers == [f"bytes={len(model_bytes) + 10}-", None]  # 416, then from the start
-
-
-def test_sha256_mismatch_is_an_error_and_leaves_no_file(client, tmp_path):
-    dest = tmp_path / "model.safetensors"
-    with pytest.raises(TrainyardError, match="sha256 mismatch.*corrupt"):
-        client.download(CORRUPT_CHECKPOINT, dest)
-    assert not dest.exists() and not (tmp_path / "model.safetensors.part").exists()
-
-
-def test_a_corrupt_resumed_prefix_fails_verification(client, tmp_path, model_bytes):
-    (tmp_path / "model.safetensors.part").write_bytes(b"\0" * 1000)
-    with pytest.raises(TrainyardError, match="sha256 mismatch"):
-        client.download(GOOD_CHECKPOINT, tmp_path / "model.safetensors")
-
-
 def test_jobs_follows_the_cursor_across_pages(client):
-    assert [job.id for job in client.jobs(limit=2)] == [5, 4, 3, 2, 1]
+    submitted = [client.submit(tiny_spec(name=f"job-{i}")).id for i in range(5)]
+    assert [job.id for job in client.jobs(limit=2)] == submitted[::-1]
 
 
-def test_wait_polls_until_the_job_is_final(client, monkeypatch):
-    monkeypatch.setattr("trainyard.client.time.sleep", lambda seconds: None)
-    seen = []
-    job = client.wait(FOLLOWED_JOB, on_update=lambda job: seen.append(job.status))
+def test_wait_polls_until_the_job_is_final(client, settings):
+    job_id = client.submit(tiny_spec()).id
+    seen, seen_running = [], threading.Event()
+    with ThreadPoolExecutor(1) as worker:
+
+        def on_update(job) -> None:
+            seen.append(job.status)
+            if len(seen) == 1:  # the job starts once the client has seen it queued
+                worker.submit(run_next_job, settings, seen_running)
+            if job.status == JobStatus.running:
+                seen_running.set()  # and ends once it has seen it running
+
+        job = client.wait(job_id, poll=0.05, on_update=on_update)
     assert job.status == JobStatus.succeeded
-    assert seen == [JobStatus.queued, JobStatus.running, JobStatus.succeeded]
+    changes = [status for i, status in enumerate(seen) if i == 0 or status != seen[i - 1]]
+    assert [status for status in changes if status != JobStatus.scheduled] == [JobStatus.queued, JobStatus.running, JobStatus.succeeded]
 
 
 def test_a_rejected_spec_lists_each_problem(client):
@@ -98,12 +54,13 @@ def test_a_rejected_spec_lists_each_problem(client):
     assert "training.max_steps: Input should be greater than or equal to 1" in message
 
 
-def test_http_errors_carry_the_servers_reason(client, fake_api):
+def test_http_errors_carry_the_servers_reason(client, api_url):
     with pytest.raises(TrainyardError, match=r"^job not found \(HTTP 404\)$"):
         client.job(12345)
-    with Client(fake_api[0], "wrong-token") as stranger:
+    job_id = client.submit(tiny_spec()).id
+    with Client(api_url, "wrong-token") as stranger:
         with pytest.raises(TrainyardError, match="invalid bearer token; pass --token or set TRAINYARD_TOKEN"):
-            stranger.job(FOLLOWED_JOB)
+            stranger.job(job_id)
 
 
 def test_an_unreachable_server_gets_a_hint_not_a_traceback():
@@ -111,7 +68,7 @@ def test_an_unreachable_server_gets_a_hint_not_a_traceback():
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens: bound, never listening
         with pytest.raises(TrainyardError, match=f"cannot reach Trainyard at {url} — is `trainyard up` running"):
-            Client(url, TOKEN).job(1)
+            Client(url, "any-token").job(1)
 
 
 def test_server_and_token_come_from_args_then_env_then_config_file_then_token_file(monkeypatch, tmp_path):

@@ -12,15 +12,9 @@ import service.api.events
 from service.api.main import create_app
 from service.db import crud
 from service.db.session import session_factory
-from service.settings import Settings
-from tests.client.fake_server import serve_app
+from tests.client.serve import serve_app
 from tests.helpers import finish_job, job_spec, start_job
 from trainyard import Client  # the import the README shows
-
-
-@pytest.fixture
-def settings(sqlite_url, tmp_path) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=sqlite_url, events_poll_seconds=0.05)
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from service.api.main import create_app
 from service.db import crud
 from service.db.session import session_factory
 from service.settings import Settings
-from tests.client.fake_server import serve_app
+from tests.client.serve import serve_app
 from tests.helpers import job_spec, start_job
 from trainyard.client import Client, TrainyardError
 

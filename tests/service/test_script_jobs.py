@@ -15,7 +15,7 @@ from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
 from service.api.main import create_app
-from tests.client.fake_server import serve_app
+from tests.client.serve import serve_app
 from tests.helpers import auth, start_job, tiny_spec
 from trainyard.cli import main
 from workers.supervisor import launch_command, script_environment, training_environment
