@@ -89,3 +89,16 @@ def data_root(tmp_path: Path) -> Path:
     root.mkdir()
     shutil.copy(REPO / "data" / "tinyshakespeare.txt", root / "tinyshakespeare.txt")
     return root
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test that ran a stack under its tmp_path shows the end of each process's log:
+    an end-to-end failure is only diagnosable from what the API, scheduler and workers said."""
+    report = yield
+    tmp_path = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
+    if report.failed and tmp_path is not None:
+        for log in sorted(Path(tmp_path).glob("**/logs/*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-80:]
+            report.sections.append((f"last lines of {log.relative_to(tmp_path)}", "\n".join(tail)))
+    return report

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from safetensors.torch import load as safetensors_load
 
-from api_schemas import JobSpec
+from api_schemas import JobSpec, JobStatus
 from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
@@ -46,6 +46,16 @@ def wait_for(client: httpx.Client, job_id: int, statuses: set[str], timeout: flo
             return job
         time.sleep(0.3)
     raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s: {job}")
+
+
+def wait_for_step(client: httpx.Client, job_id: int, step: int, timeout: float = 180) -> dict:
+    """Until the job has reported `step`; fails at once, saying why, if it ends before."""
+    deadline = time.monotonic() + timeout
+    while (job := client.get(f"/v1/jobs/{job_id}").json())["step"] < step:
+        assert not JobStatus(job["status"]).is_final, f"job {job_id} ended {job['status']} at step {job['step']}: {job}"
+        assert time.monotonic() < deadline, f"job {job_id} stuck at step {job['step']} after {timeout} s: {job}"
+        time.sleep(0.2)
+    return job
 
 
 def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(stack, tmp_path):
@@ -126,10 +136,7 @@ def test_a_crashing_job_fails_with_the_reason_and_its_last_output(stack):
 def test_cancel_stops_a_running_job_and_frees_its_host(stack):
     client, _ = stack
     job_id = client.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 100_000, "checkpoint.every_steps": 100_000})).json()["id"]
-    deadline = time.monotonic() + 120
-    while client.get(f"/v1/jobs/{job_id}").json()["step"] < 3:
-        assert time.monotonic() < deadline, "the job never started training"
-        time.sleep(0.3)
+    wait_for_step(client, job_id, 3, timeout=120)
     client.post(f"/v1/jobs/{job_id}/cancel")
     job = wait_for(client, job_id, {"cancelled", "failed", "succeeded"}, timeout=60)
     assert job["status"] == "cancelled" and job["attempts"][-1]["status"] == "cancelled"

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.e2e.test_faults import FAULT_SPEC, final_weights, stack_pids_matching, wait_until_training
 from tests.helpers import spec_dict, tiny_spec
 from trainyard.server_cli import embedded_stack
@@ -68,10 +68,7 @@ def test_cancelling_a_two_node_job_stops_every_rank_on_both_hosts_within_seconds
     with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:2") as info:
         with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
             job_id = client.post("/v1/jobs", json=spec).json()["id"]
-            deadline = time.monotonic() + 180
-            while client.get(f"/v1/jobs/{job_id}").json()["step"] < 3:
-                assert time.monotonic() < deadline, "the job never started training"
-                time.sleep(0.3)
+            wait_for_step(client, job_id, 3)
             # Each node's launcher and its two ranks: their command lines name the attempt's run dir.
             processes = stack_pids_matching(f"/job-{job_id}/attempt-")
             ranks = [pid for pid in processes if "workers.training" in " ".join(psutil.Process(pid).cmdline())]

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import service_missing
-from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
@@ -143,14 +143,6 @@ def production_stack(tmp_path, monkeypatch, private_redis, private_postgres):
     ) as info:
         with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
             yield client, info, private_redis, private_postgres
-
-
-def wait_for_step(client: httpx.Client, job_id: int, step: int, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while (job := client.get(f"/v1/jobs/{job_id}").json())["step"] < step:
-        assert time.monotonic() < deadline, f"job {job_id} stuck at step {job['step']}: {job}"
-        time.sleep(0.2)
-    return job
 
 
 def test_redis_postgres_and_the_api_restarted_mid_job_lose_no_step_no_checkpoint_and_strand_no_job(production_stack):
