@@ -189,6 +189,13 @@ class AttemptRunner:
         self.store = ArtifactStore(settings.resolved_artifact_root)
         self.shutting_down = threading.Event()
 
+    @property
+    def node_0_wait_seconds(self) -> float:
+        """How long the other nodes of a gang wait for node 0 to start: past the dispatch timeout,
+        after which the scheduler re-sends a dispatch nobody claimed, so that one lost message to
+        node 0's host is made good by the re-send, not by failing the whole gang (and a restart)."""
+        return 2 * self.settings.dispatch_timeout_seconds
+
     def preempt_all(self) -> None:
         """The host is going away (SIGTERM, spot notice): every running attempt checkpoints and stops."""
         self.shutting_down.set()
@@ -216,7 +223,7 @@ class AttemptRunner:
         resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
         rendezvous = self._wait_for_node_0(claimed)
         if rendezvous is None:
-            return AttemptStatus.failed, f"node 0 of this job did not start within {self.settings.dispatch_timeout_seconds:.0f} s"
+            return AttemptStatus.failed, f"node 0 of this job did not start within {self.node_0_wait_seconds:.0f} s"
         command = launch_command(
             spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir
         )
@@ -321,7 +328,7 @@ class AttemptRunner:
     def _wait_for_node_0(self, claimed: crud.ClaimedAttempt) -> str | None:
         """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a
         gang start only then), holding our lease meanwhile. None if that takes too long."""
-        deadline = time.monotonic() + self.settings.dispatch_timeout_seconds
+        deadline = time.monotonic() + self.node_0_wait_seconds
         while time.monotonic() < deadline:
             try:
                 with self.sessions() as session:

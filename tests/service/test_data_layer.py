@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
@@ -22,6 +23,7 @@ from service.doorbell import Doorbell, ring, socket_path
 from service.scheduler import schedule_pass
 from service.settings import Settings
 from tests.helpers import job_spec
+from workers.supervisor import AttemptRunner
 
 
 @pytest.fixture
@@ -318,6 +320,34 @@ def placed_gang(sessions, settings) -> tuple[int, Attempt, Attempt]:
         schedule_pass(session, settings)
         node_0, node_1 = session.get(Job, job_id).attempts
     return job_id, node_0, node_1
+
+
+def test_the_other_nodes_of_a_gang_wait_out_the_re_send_of_a_lost_dispatch_to_node_0(sessions, database_url, tmp_path):
+    # Node 0's dispatch is lost; node 1 has claimed its attempt and waits for node 0's rendezvous.
+    # The scheduler re-sends the dispatch nobody claimed after the dispatch timeout (1 s here), and
+    # node 0's worker claims it then: node 1 must still be waiting, not have failed the gang.
+    settings = Settings(data_dir=tmp_path, database_url=database_url, lease_seconds=30, host_timeout_seconds=30, dispatch_timeout_seconds=1)
+    _, node_0, node_1 = placed_gang(sessions, settings)
+    with sessions() as session:
+        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+    re_sent = threading.Event()
+
+    def scheduler_and_node_0_worker():
+        deadline = time.monotonic() + 10
+        while not re_sent.is_set() and time.monotonic() < deadline:
+            with sessions() as session:
+                dispatched = schedule_pass(session, settings)
+            if (node_0.id, node_0.host_name) in dispatched:
+                with sessions() as session:
+                    crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+                re_sent.set()
+            time.sleep(0.1)
+
+    thread = threading.Thread(target=scheduler_and_node_0_worker)
+    thread.start()
+    rendezvous = AttemptRunner(settings, sessions, node_1.host_name)._wait_for_node_0(claimed_1)
+    thread.join()
+    assert re_sent.is_set() and rendezvous == "10.0.0.0:2222"
 
 
 def test_a_gang_runs_when_every_node_claimed_and_succeeds_when_every_node_did(sessions, settings):
