@@ -7,6 +7,8 @@ and a worker ignores an attempt that is no longer `scheduled`.
 
 from __future__ import annotations
 
+import time
+
 from celery import Celery
 
 from service.settings import Settings
@@ -49,3 +51,23 @@ def make_celery(settings: Settings) -> Celery:
 
 def dispatch_attempt(app: Celery, attempt_id: int, host_name: str) -> None:
     app.send_task(RUN_ATTEMPT_TASK, args=[attempt_id], queue=host_queue(host_name))
+
+
+def declare_host_queue(app: Celery, host_name: str) -> None:
+    """Create a host's queue; a worker does so before it registers the host, so no dispatch can
+    be sent to it while its Celery consumer declares it. The SQLAlchemy transport creates a
+    queue with a SELECT, then an INSERT: when the scheduler's send did the same at that moment,
+    one INSERT failed on the unique name, and in the consumer Celery takes that for an
+    unrecoverable error: the worker stopped for good, just as its first attempt was sent. Other
+    brokers need nothing here (a Redis queue is a list that the first message creates)."""
+    if not app.conf.broker_url.startswith("sqla+"):
+        return
+    for last_try in (False, False, True):
+        try:
+            with app.connection_for_write() as connection:  # a new one each try: a failed one stays failed
+                connection.default_channel.queue_declare(queue=host_queue(host_name))
+            return
+        except Exception:
+            if last_try:
+                raise
+            time.sleep(0.2)  # someone else created it meanwhile: the next SELECT finds it

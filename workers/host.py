@@ -9,7 +9,7 @@ from celery.signals import worker_shutting_down
 
 from service.db import crud
 from service.db.session import session_factory
-from service.queue import RUN_ATTEMPT_TASK, host_queue, make_celery
+from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
 from service.settings import Settings
 from workers.supervisor import AttemptRunner
 
@@ -44,6 +44,8 @@ def parse_devices(devices: str) -> tuple[str, int, dict]:
 def run_worker(settings: Settings, host_name: str, devices: str, address: str) -> None:
     """`address`: where the other hosts of a multi-node job reach this one."""
     device, slots, info = parse_devices(devices)
+    app = make_celery(settings)
+    declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
         crud.register_host(session, host_name, device, slots, info, address)
@@ -61,7 +63,6 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str) -
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
 
-    app = make_celery(settings)
     runner = AttemptRunner(settings, sessions, host_name, address)
 
     @app.task(name=RUN_ATTEMPT_TASK)
