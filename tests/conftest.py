@@ -98,7 +98,8 @@ def pytest_runtest_makereport(item, call):
     report = yield
     tmp_path = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
     if report.failed and tmp_path is not None:
-        for log in sorted(Path(tmp_path).glob("**/logs/*.log")):
+        # The stack's processes log under <data dir>/logs; the namespaced hosts' workers, beside it.
+        for log in sorted([*Path(tmp_path).glob("*.log"), *Path(tmp_path).glob("**/logs/*.log")]):
             tail = log.read_text(errors="replace").splitlines()[-80:]
             report.sections.append((f"last lines of {log.relative_to(tmp_path)}", "\n".join(tail)))
     return report
