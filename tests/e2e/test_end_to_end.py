@@ -58,6 +58,17 @@ def wait_for_step(client: httpx.Client, job_id: int, step: int, timeout: float =
     return job
 
 
+def wait_for_checkpoint(client: httpx.Client, job_id: int, timeout: float = 180) -> list[dict]:
+    """Until the job has a complete checkpoint; fails at once, saying why, if it ends before."""
+    deadline = time.monotonic() + timeout
+    while not (checkpoints := client.get(f"/v1/jobs/{job_id}/checkpoints").json()):
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        assert not JobStatus(job["status"]).is_final, f"job {job_id} ended {job['status']} with no checkpoint: {job}"
+        assert time.monotonic() < deadline, f"no checkpoint was registered in {timeout} s: {job}"
+        time.sleep(0.1)
+    return checkpoints
+
+
 def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(stack, tmp_path):
     client, info = stack
     spec = tiny_spec(**{"training.max_steps": 12, "training.eval_every": 6, "checkpoint.every_steps": 6})

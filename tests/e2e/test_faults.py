@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.helpers import spec_dict, tiny_spec
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
@@ -99,10 +99,7 @@ FAULT_SPEC = spec_dict(
 
 def wait_until_training(client: httpx.Client, job_id: int) -> dict:
     """Until the job has a complete checkpoint and is still running."""
-    deadline = time.monotonic() + 180
-    while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
-        assert time.monotonic() < deadline, "no checkpoint was registered"
-        time.sleep(0.2)
+    wait_for_checkpoint(client, job_id, timeout=180)
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["status"] == "running" and job["step"] < FAULT_SPEC["training"]["max_steps"]
     return job
@@ -197,10 +194,7 @@ def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_r
            "training.stall_timeout_s": stall_timeout, "max_restarts": 2}
     )
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
-    deadline = time.monotonic() + 120
-    while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
-        assert time.monotonic() < deadline, "no checkpoint was registered"
-        time.sleep(0.1)
+    wait_for_checkpoint(client, job_id, timeout=120)
 
     # SIGSTOP: the rank hangs without dying, like a rank stuck in a collective. Its worker is
     # alive and keeps renewing the lease, so only the stall timeout can end the attempt.

@@ -16,7 +16,7 @@ from service.db.models import Attempt
 from service.db.session import session_factory
 from tests.conftest import IN_CI
 from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
-from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.e2e.test_faults import assert_same_run, final_weights, run_reference, training_ranks
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack, stop_children
@@ -89,10 +89,7 @@ def test_a_rank_that_dies_ends_the_whole_gang_which_resumes_on_both_hosts_with_e
         "training.eval_every": 100, "checkpoint.every_steps": 40, "checkpoint.keep_last": 10, "max_restarts": 1,
     })
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
-    deadline = time.monotonic() + 180
-    while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
-        assert time.monotonic() < deadline, "no checkpoint was registered"
-        time.sleep(0.2)
+    wait_for_checkpoint(client, job_id, timeout=180)
     ranks = training_ranks(data_dir / "work" / f"job-{job_id}" / "attempt-1-node-1")
     assert ranks and client.get(f"/v1/jobs/{job_id}").json()["step"] < steps
     for pid in ranks:

@@ -12,7 +12,6 @@ import os
 import shutil
 import signal
 import tarfile
-import time
 from pathlib import Path
 
 import httpx
@@ -20,7 +19,7 @@ import torch
 import pytest
 from safetensors.torch import load
 
-from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.helpers import tiny_spec
 from trainyard.cli import main
 from trainyard.server_cli import embedded_stack
@@ -147,10 +146,7 @@ def test_a_script_killed_mid_run_resumes_from_its_last_checkpoint_and_repeats_no
     args = ["--max_steps", "1000", "--checkpoint_every", "50", *TINY_GPT]  # seconds of training: time to kill it
     job_id = client.post("/v1/jobs", json=script_spec("char-gpt-killed", "char_gpt.py", args, {"upload_id": bundle}, max_restarts=1)).json()["id"]
 
-    deadline = time.monotonic() + 120
-    while not client.get(f"/v1/jobs/{job_id}/checkpoints").json():
-        assert time.monotonic() < deadline, "no checkpoint was registered"
-        time.sleep(0.1)
+    wait_for_checkpoint(client, job_id, timeout=120)
     code_dir = info.data_dir / "work" / f"job-{job_id}" / "attempt-1" / "code"
     victims = training_processes(code_dir)
     assert victims, "the training process had already ended"
