@@ -39,7 +39,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
         state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"worker on host {attempt.host_name} stopped renewing its lease")
         log.warning("attempt %s of job %s lost (lease expired)", attempt.id, attempt.job_id, extra=job_fields(attempt.job_id, attempt.id))
 
-    hosts = crud.online_hosts(session, now, settings.host_timeout_seconds)
+    hosts, busy_slots, busy_gpus = crud.online_hosts_with_load(session, now, settings.host_timeout_seconds)
     online = {host.name for host in hosts}
 
     # Dispatches nobody claimed: given back at once if their host went away, re-sent after a
@@ -57,7 +57,6 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     # gets all its hosts in this one transaction or none, so two gangs can never each hold half of
     # what they need and wait on each other forever. Order: priority, raised the longer a job has
     # waited (aging, so a low priority is never starved), then first come first served.
-    busy_slots, busy_gpus = crud.busy_by_host(session)
     room = {host.name: HostRoom.of(host, busy_slots, busy_gpus) for host in hosts}
     idle = {host.name: HostRoom.of(host, {}, {}) for host in hosts}
     reserved: set[str] = set()

@@ -10,10 +10,11 @@ use too) in the same transaction, so the log holds exactly the changes that comm
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 
-from sqlalchemy import insert, text, update
+from sqlalchemy import bindparam, func, insert, literal_column, select, text, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -52,11 +53,8 @@ def _compare_and_set(session: Session, row: Job | Attempt, to, allowed: dict, va
     if to not in allowed[current]:
         raise InvalidTransition(f"{type(row).__name__} {row.id}: {current.value} -> {to.value} is not allowed")
     model = type(row)
-    statement = update(model).where(model.id == row.id, model.status == current).values(status=to, **values)
-    if model is Job:
-        # The status event's number is taken in the same UPDATE (see append_events): one round trip, not two.
-        statement = statement.values(last_event_seq=Job.last_event_seq + 1).returning(Job.last_event_seq)
-    result = session.execute(statement, execution_options={"synchronize_session": False})
+    parameters = {"row_id": row.id, "current": current, "to": to, **{f"new_{key}": value for key, value in values.items()}}
+    result = session.execute(_cas_statement(model, tuple(sorted(values))), parameters, execution_options={"synchronize_session": False})
     if model is Job:
         event_seq = result.scalar_one_or_none()
         won = event_seq is not None
@@ -75,10 +73,26 @@ def _compare_and_set(session: Session, row: Job | Attempt, to, allowed: dict, va
     return True
 
 
-def move_job(session: Session, job: Job, to: JobStatus, *, reason: str | None = None, now: datetime | None = None) -> bool:
-    """Move a job to `to`; False if another process changed its status first."""
+@functools.cache
+def _cas_statement(model: type[Job] | type[Attempt], keys: tuple[str, ...]):
+    """The compare-and-set UPDATE that sets these columns, built once per set of columns, as the
+    statements on the path of a job's start are (see service/db/crud.py)."""
+    statement = (
+        update(model)
+        .where(model.id == bindparam("row_id"), model.status == bindparam("current"))
+        .values(status=bindparam("to"), **{key: bindparam(f"new_{key}") for key in keys})
+    )
+    if model is Job:
+        # The status event's number is taken in the same UPDATE (see append_events): one round trip, not two.
+        statement = statement.values(last_event_seq=Job.last_event_seq + 1).returning(Job.last_event_seq)
+    return statement
+
+
+def move_job(
+    session: Session, job: Job, to: JobStatus, *, reason: str | None = None, now: datetime | None = None, **values
+) -> bool:
+    """Move a job to `to`, setting `values` with it; False if another process changed its status first."""
     now = now or utcnow()
-    values: dict = {}
     if to == JobStatus.running and job.started_at is None:
         values["started_at"] = now
     if to.is_final:
@@ -93,35 +107,45 @@ def move_job(session: Session, job: Job, to: JobStatus, *, reason: str | None = 
     return True
 
 
-def schedule_jobs(session: Session, jobs: list[Job], *, now: datetime) -> list[Job]:
+def schedule_jobs(session: Session, jobs: list[Job], *, now: datetime) -> dict[int, int]:
     """Move queued jobs to `scheduled` all at once: move_job's compare-and-set and status event for
     many jobs in two statements, so placing a backlog costs a few round trips, not a few per job.
-    Returns the jobs that moved, in order; a job another process changed first is left out."""
+    Returns {job id: the number its new attempts take} for the jobs that moved; a job another
+    process changed first is left out."""
     if not jobs:
-        return []
+        return {}
     for job in jobs:
         if JobStatus.scheduled not in JOB_TRANSITIONS[job.status]:
             raise InvalidTransition(f"Job {job.id}: {job.status.value} -> scheduled is not allowed")
     # Taking each job's next event number in the same UPDATE keeps its log gapless and in commit
-    # order, as append_events does: the row stays locked until this transaction ends.
-    moved = dict(session.execute(
-        update(Job)
-        .where(Job.id.in_([job.id for job in jobs]), Job.status == JobStatus.queued)
-        .values(status=JobStatus.scheduled, last_event_seq=Job.last_event_seq + 1, waiting_reason=None)
-        .returning(Job.id, Job.last_event_seq),
-        execution_options={"synchronize_session": False},
-    ).all())
+    # order, as append_events does: the row stays locked until this transaction ends. The next
+    # attempt number comes back with it, so the pass never loads a job's earlier attempts; only
+    # a placement adds attempts, and it holds this lock.
+    moved = {
+        job_id: (seq, number)
+        for job_id, seq, number in session.execute(_SCHEDULE_JOBS, {"ids": [job.id for job in jobs]}, execution_options={"synchronize_session": False})
+    }
     for job in jobs:
         if job.id in moved:
             set_committed_value(job, "status", JobStatus.scheduled)
-            set_committed_value(job, "last_event_seq", moved[job.id])
+            set_committed_value(job, "last_event_seq", moved[job.id][0])
             set_committed_value(job, "waiting_reason", None)
         else:
             session.refresh(job)
     kind, data = status_event(JobStatus.scheduled)
-    rows = [{"job_id": job_id, "seq": seq, "type": kind, "data": data, "created_at": now} for job_id, seq in moved.items()]
+    rows = [{"job_id": job_id, "seq": seq, "type": kind, "data": data, "created_at": now} for job_id, (seq, _) in moved.items()]
     session.execute(insert(JobEvent), rows)
-    return [job for job in jobs if job.id in moved]
+    return {job_id: number for job_id, (_, number) in moved.items()}
+
+
+_SCHEDULE_JOBS = (
+    update(Job)
+    .where(Job.id.in_(bindparam("ids", expanding=True)), Job.status == JobStatus.queued)
+    .values(status=JobStatus.scheduled, last_event_seq=Job.last_event_seq + 1, waiting_reason=None)
+    # jobs.id spelled out: SQLite's RETURNING names columns unqualified, and a bare `id` in the
+    # subquery would be the attempt's.
+    .returning(Job.id, Job.last_event_seq, select(func.coalesce(func.max(Attempt.number), 0) + 1).where(Attempt.job_id == literal_column("jobs.id")).scalar_subquery())
+)
 
 
 def move_attempt(

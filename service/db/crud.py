@@ -1,4 +1,9 @@
-"""Data access: every query and commit of the service lives here. Routes check access and call these."""
+"""Data access: every query and commit of the service lives here. Routes check access and call these.
+
+The statements on the path of every job's start (the scheduler's pass, the worker's claim) are
+built once, as `_UPPER_CASE` constants with bind parameters: building a SQLAlchemy statement takes
+more CPU than the database takes to run one of these (bench/dispatch_latency.py).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import TextClause, case, delete, func, or_, select, text, union_all, update
+from sqlalchemy import TextClause, bindparam, case, delete, func, or_, select, text, union_all, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, contains_eager, joinedload
+from sqlalchemy.orm import Session, aliased, contains_eager, joinedload, lazyload
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
 from service import state
@@ -568,9 +573,10 @@ def claim_attempt(
     """Take ownership of a scheduled attempt. None if it is not ours to run: already claimed (a
     duplicate delivery of the task), ended, or its job was cancelled meanwhile. `rendezvous` is the
     host:port this worker's node 0 of a gang would listen on; the other nodes read it from here."""
-    # The job in the same read, its other attempts only if a rule needs them: a claim is on the
-    # path of every job's start.
-    attempt = session.get(Attempt, attempt_id, options=[joinedload(Attempt.job).lazyload(Job.attempts)])
+    # The job and the checkpoint to resume from in the same read, the job's other attempts only if
+    # a rule needs them: a claim is on the path of every job's start.
+    row = session.execute(_ATTEMPT_TO_CLAIM, {"attempt_id": attempt_id}).first()
+    attempt, checkpoint = row if row is not None else (None, None)
     if attempt is None or attempt.status != AttemptStatus.scheduled:
         session.rollback()
         return None
@@ -579,7 +585,6 @@ def claim_attempt(
         state.end_attempt(session, job, attempt, AttemptStatus.cancelled, reason="cancelled before start")
         session.commit()
         return None
-    checkpoint = latest_checkpoint(session, job.id)
     now = utcnow()
     claimed = state.move_attempt(
         session,
@@ -592,12 +597,14 @@ def claim_attempt(
         resumed_from_step=checkpoint.step if checkpoint else None,
         rendezvous=rendezvous,
     )
-    # The first node of a gang to start moves the job to running; the others find it there.
-    job_running = job.status == JobStatus.running or state.move_job(session, job, JobStatus.running, now=now)
+    # The first node of a gang to start moves the job to running, at the step it resumes from; the
+    # others find it there.
+    job_running = job.status == JobStatus.running or state.move_job(
+        session, job, JobStatus.running, now=now, step=checkpoint.step if checkpoint else 0
+    )
     if not claimed or not job_running:
         session.rollback()
         return None
-    job.step = checkpoint.step if checkpoint else 0
     session.commit()
     return ClaimedAttempt(
         attempt_id=attempt.id,
@@ -611,6 +618,17 @@ def claim_attempt(
         resume_checkpoint_path=checkpoint.path if checkpoint else None,
         resume_step=checkpoint.step if checkpoint else None,
     )
+
+
+_newest = aliased(Checkpoint)
+_ATTEMPT_TO_CLAIM = (
+    select(Attempt, Checkpoint)
+    .options(joinedload(Attempt.job).options(lazyload(Job.attempts), lazyload(Job.owner)))
+    .outerjoin(Checkpoint, (Checkpoint.job_id == Attempt.job_id) & (Checkpoint.step == (
+        select(func.max(_newest.step)).where(_newest.job_id == Attempt.job_id).scalar_subquery()
+    )))
+    .where(Attempt.id == bindparam("attempt_id"))
+)
 
 
 @dataclass(frozen=True)
@@ -664,13 +682,28 @@ def active_attempts(session: Session) -> list[Attempt]:
     return list(session.scalars(select(Attempt).where(Attempt.status.in_(ACTIVE_ATTEMPT)).order_by(Attempt.id)))
 
 
-def busy_by_host(session: Session) -> tuple[dict[str, int], dict[str, set[int]]]:
-    """(process slots, GPU indices) that active attempts hold, per host: one read for both."""
+_ONLINE_HOSTS_WITH_LOAD = (
+    select(WorkerHost, Attempt.slots, Attempt.device_ids)
+    .outerjoin(Attempt, (Attempt.host_name == WorkerHost.name) & Attempt.status.in_(ACTIVE_ATTEMPT))
+    .where(WorkerHost.last_heartbeat >= bindparam("cutoff"))
+    .order_by(WorkerHost.name)
+)
+
+
+def online_hosts_with_load(
+    session: Session, now: datetime, host_timeout: float
+) -> tuple[list[WorkerHost], dict[str, int], dict[str, set[int]]]:
+    """The online hosts with the process slots and GPU indices their active attempts hold: one
+    read for what a scheduler pass places by (a host and each of its active attempts per row)."""
+    rows = session.execute(_ONLINE_HOSTS_WITH_LOAD, {"cutoff": now - timedelta(seconds=host_timeout)}).all()
+    hosts = list(dict.fromkeys(host for host, _, _ in rows))
+    return (hosts, *_sum_busy((host.name, used, device_ids) for host, used, device_ids in rows if used is not None))
+
+
+def _sum_busy(attempts: Iterable[tuple[str, int, list[int] | None]]) -> tuple[dict[str, int], dict[str, set[int]]]:
     slots: dict[str, int] = {}
     gpus: dict[str, set[int]] = {}
-    for host, used, device_ids in session.execute(
-        select(Attempt.host_name, Attempt.slots, Attempt.device_ids).where(Attempt.status.in_(ACTIVE_ATTEMPT))
-    ):
+    for host, used, device_ids in attempts:
         slots[host] = slots.get(host, 0) + used
         if device_ids:
             gpus.setdefault(host, set()).update(device_ids)
@@ -678,7 +711,9 @@ def busy_by_host(session: Session) -> tuple[dict[str, int], dict[str, set[int]]]
 
 
 def busy_slots_by_host(session: Session) -> dict[str, int]:
-    return busy_by_host(session)[0]
+    """Process slots that active attempts hold, per host, online or not."""
+    active = select(Attempt.host_name, Attempt.slots, Attempt.device_ids).where(Attempt.status.in_(ACTIVE_ATTEMPT))
+    return _sum_busy(session.execute(active))[0]
 
 
 def preemptible_attempts(session: Session) -> list[Attempt]:
@@ -700,16 +735,20 @@ def set_waiting_reason(job: Job, reason: str) -> None:
 
 def queued_jobs(session: Session, limit: int) -> list[Job]:
     """Highest priority first, oldest first within a priority; rows locked by another scheduler are skipped."""
-    query = (
-        select(Job)
-        .where(Job.status == JobStatus.queued)
-        .order_by(Job.priority.desc(), Job.id)
-        .limit(limit)
-        .with_for_update(skip_locked=True, of=Job)
-        # Reload jobs this session already holds, attempts included: place_jobs numbers from them.
-        .execution_options(populate_existing=True)
-    )
-    return list(session.scalars(query))
+    return list(session.scalars(_QUEUED_JOBS, {"limit": limit}))
+
+
+_QUEUED_JOBS = (
+    select(Job)
+    .where(Job.status == JobStatus.queued)
+    .order_by(Job.priority.desc(), Job.id)
+    .limit(bindparam("limit"))
+    .with_for_update(skip_locked=True, of=Job)
+    # Neither their attempts nor their owners: a pass needs neither, and each is a join or a
+    # query more on the path of every job's start.
+    .options(lazyload(Job.attempts), lazyload(Job.owner))
+    .execution_options(populate_existing=True)  # this pass's own changes (a reaped job re-queued) read back
+)
 
 
 def create_attempts(
@@ -727,14 +766,14 @@ def place_jobs(
     gets new scheduled attempts sharing one number, with `slots` slots each. A job another process
     took meanwhile gets none. Returns the attempts created.
 
-    Each job's attempts must be current, so read the jobs in this transaction (queued_jobs does):
-    their row locks then keep anyone else from adding attempts until commit."""
-    moved = {job.id for job in state.schedule_jobs(session, [job for job, _, _ in placements], now=now)}
+    Read the jobs in this transaction (queued_jobs does): their row locks then keep anyone else
+    from placing them too until commit."""
+    next_number = state.schedule_jobs(session, [job for job, _, _ in placements], now=now)
     attempts = []
     for job, hosts, slots in placements:
-        if job.id not in moved:
+        if job.id not in next_number:
             continue
-        number = max((attempt.number for attempt in job.attempts), default=0) + 1
+        number = next_number[job.id]
         attempts += [
             Attempt(job=job, number=number, node_rank=rank, host_name=host, slots=slots, device_ids=gpus or None, dispatched_at=now)
             for rank, (host, gpus) in enumerate(hosts)
