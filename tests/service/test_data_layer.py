@@ -282,13 +282,18 @@ def test_checkpoint_retention_keeps_the_newest(sessions, settings):
 def test_a_new_attempt_resumes_from_the_latest_checkpoint(sessions, settings):
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
+    other_job_id = queue_job(sessions)
+    other = place_and_claim(sessions, settings)
     with sessions() as session:
-        crud.record_checkpoint(session, job_id, claimed.attempt_id, 6, "ck/6", "0" * 64, 10, keep_last=2)
+        for step in (6, 12):
+            crud.record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, keep_last=2)
+        # Another job's newer checkpoint is not ours to resume from.
+        crud.record_checkpoint(session, other_job_id, other.attempt_id, 30, "other/30", "0" * 64, 10, keep_last=2)
         crud.finish_attempt(session, claimed, AttemptStatus.failed, "crash")
         [(attempt_id, _)] = schedule_pass(session, settings)
         second = crud.claim_attempt(session, attempt_id, "w2", 30)
-        assert second.number == 2 and second.resume_step == 6 and second.resume_checkpoint_path == "ck/6"
-        assert session.get(Job, job_id).step == 6
+        assert second.number == 2 and second.resume_step == 12 and second.resume_checkpoint_path == "ck/12"
+        assert session.get(Job, job_id).step == 12
 
 
 def queue_gang(sessions, hosts: int) -> int:
