@@ -276,7 +276,7 @@ def metric_series(
             points = points.where(Metric.step >= from_step)
         if boundary is not None:
             points = points.where(Metric.step < boundary)
-        for name, step, value in session.execute(points.order_by(Metric.name, Metric.step)):
+        for name, step, value in session.execute(points.order_by(Metric.name, Metric.step)).all():
             summaries.setdefault(name, []).append(rollups.Summary.of_point(step, value))
         if level:
             for name, _, _, summary in _bucket_rows(session, job_id, level_names, {(level, boundary // rollups.width(level), 2**31 - 1)}):
@@ -438,7 +438,7 @@ def _bucket_rows(
             MetricBucket.job_id == job_id, MetricBucket.level == level, MetricBucket.bucket.between(low, high)
         )
         per_range.append(query.where(MetricBucket.name.in_(names)) if names else query)
-    rows = session.execute(union_all(*per_range).order_by("name", "level", "bucket"))
+    rows = session.execute(union_all(*per_range).order_by("name", "level", "bucket")).all()  # one fetch, not one per row
     return [(name, level, bucket, rollups.Summary(*summary)) for name, level, bucket, *summary in rows]
 
 
