@@ -14,7 +14,7 @@ import functools
 import json
 from datetime import datetime
 
-from sqlalchemy import bindparam, func, insert, literal_column, select, text, update
+from sqlalchemy import bindparam, func, literal_column, select, text, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
