@@ -192,6 +192,9 @@ def embedded_stack(
         for name in commands:
             start(name)
         wait_healthy(url, list(children.values()), log_dir)
+        # Up means the workers too: a multi-node job submitted before its hosts have registered is
+        # refused as one that could never fit.
+        wait_for_workers(url, token, [f"local-{i}" for i in range(workers)], list(children.values()), log_dir)
         yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart)
     finally:
         stop_children(list(children.values()))
@@ -222,6 +225,19 @@ def wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path | Non
             pass
         time.sleep(0.2)
     raise RuntimeError(f"the API did not become healthy within {timeout:.0f} s{see_logs}")
+
+
+def wait_for_workers(url: str, token: str, hosts: list[str], children: list[subprocess.Popen], log_dir: Path, timeout: float = 60.0) -> None:
+    """Until every host of `hosts` has registered with the API; raises like wait_healthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(child.poll() is not None for child in children):
+            raise RuntimeError(f"a Trainyard process exited during start-up; see the logs in {log_dir}")
+        registered = httpx.get(f"{url}/v1/workers", headers={"Authorization": f"Bearer {token}"}, timeout=5.0).json()
+        if set(hosts) <= {host["name"] for host in registered}:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the workers did not register within {timeout:.0f} s; see the logs in {log_dir}")
 
 
 def run_up(args: argparse.Namespace) -> int:
