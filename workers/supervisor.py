@@ -247,7 +247,8 @@ class AttemptRunner:
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
         lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump_lines, args=(process.stdout, lines), daemon=True).start()
+        output = threading.Event()  # set by the pump on each line and when the output ends
+        threading.Thread(target=_pump_lines, args=(process.stdout, lines, output), daemon=True).start()
         events = EventTail(run_dir / "events.jsonl")
         outbox = Outbox()
         stall = StallWatch(spec.training.stall_timeout_s)
@@ -260,6 +261,7 @@ class AttemptRunner:
             exit_code = process.poll()
             if self.shutting_down.is_set() and preempted_because is None and exit_code is None:
                 preempted_because = self._preempt(process, f"host {self.host_name} shut down")
+            output.clear()  # a line from here on wakes the next wait
             while True:  # move the training output into the outbox
                 try:
                     line = lines.get_nowait()
@@ -306,7 +308,15 @@ class AttemptRunner:
                     preempted_because = self._preempt(process, "preempted for a higher-priority job")
             if finished and outbox.empty():
                 break
-            time.sleep(0.1 if not finished else 1.0)
+            if finished:
+                time.sleep(1.0)  # only the outbox left to deliver: retry it
+            else:
+                # Until the training writes a line or its output ends, at most half a second (a
+                # tenth once the output has ended, for the exit), at least a tenth: this process
+                # shares the cores with the training, and each wake-up is taken from it.
+                woke = time.monotonic()
+                output.wait(0.1 if output_done else 0.5)
+                time.sleep(max(0.0, woke + 0.1 - time.monotonic()))
 
         if exit_code == 0:
             return AttemptStatus.succeeded, None
@@ -401,10 +411,12 @@ def split_rank(line: str, node_rank: int, spec: JobSpec) -> tuple[int | None, st
     return node_rank * spec.resources.processes_per_node + int(match.group(1)), line[match.end():]
 
 
-def _pump_lines(stream, lines: queue.Queue) -> None:
+def _pump_lines(stream, lines: queue.Queue, output: threading.Event) -> None:
     for raw in stream:
         lines.put(raw.decode("utf-8", "replace").rstrip("\n"))
+        output.set()
     lines.put(None)
+    output.set()
 
 
 def _stop(process: subprocess.Popen, grace_seconds: float = 15.0) -> None:
