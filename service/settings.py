@@ -32,7 +32,12 @@ class Settings(BaseSettings):
     heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
     host_timeout_seconds: float = Field(30.0, gt=0, description="A host silent for this long gets no new attempts.")
     dispatch_timeout_seconds: float = Field(60.0, gt=0, description="A scheduled attempt not claimed for this long is dispatched again.")
-    scheduler_interval_seconds: float = Field(0.5, gt=0, description="Longest pause between scheduler passes; a ring (a job queued, devices freed, a host registered) starts one at once.")
+    scheduler_interval_seconds: float = Field(
+        2.0, gt=0,
+        description="Longest pause between scheduler passes, which find expired leases and re-send unclaimed dispatches; "
+        "a ring (a job queued, devices freed, a host registered) starts one at once. Each pass costs the host a few ms "
+        "of CPU, taken from CPU training beside it.",
+    )
     priority_aging_seconds: float = Field(600.0, gt=0, description="A queued job gains one priority point per this many seconds waited.")
 
     log_format: Literal["text", "json"] = Field("text", description="`json`: one object per line with job_id and attempt_id fields.")
