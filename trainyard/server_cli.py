@@ -213,31 +213,31 @@ def stop_children(children: list[subprocess.Popen]) -> None:
 
 def wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path | None = None, timeout: float = 60.0) -> None:
     """Until `url`/healthz answers 200; raises if one of `children` exits first or time runs out."""
+    _wait_for(lambda: httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200, "the API did not become healthy", children, log_dir, timeout)
+
+
+def wait_for_workers(url: str, token: str, hosts: list[str], children: list[subprocess.Popen], log_dir: Path, timeout: float = 60.0) -> None:
+    """Until every host of `hosts` has registered with the API; raises like wait_healthy."""
+    def registered() -> bool:
+        answer = httpx.get(f"{url}/v1/workers", headers={"Authorization": f"Bearer {token}"}, timeout=5.0)
+        return answer.status_code == 200 and set(hosts) <= {host["name"] for host in answer.json()}
+
+    _wait_for(registered, "the workers did not register", children, log_dir, timeout)
+
+
+def _wait_for(ready, failure: str, children: list[subprocess.Popen], log_dir: Path | None, timeout: float) -> None:
     see_logs = f"; see the logs in {log_dir}" if log_dir else ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if any(child.poll() is not None for child in children):
             raise RuntimeError(f"a Trainyard process exited during start-up{see_logs}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+            if ready():
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the API did not become healthy within {timeout:.0f} s{see_logs}")
-
-
-def wait_for_workers(url: str, token: str, hosts: list[str], children: list[subprocess.Popen], log_dir: Path, timeout: float = 60.0) -> None:
-    """Until every host of `hosts` has registered with the API; raises like wait_healthy."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(child.poll() is not None for child in children):
-            raise RuntimeError(f"a Trainyard process exited during start-up; see the logs in {log_dir}")
-        registered = httpx.get(f"{url}/v1/workers", headers={"Authorization": f"Bearer {token}"}, timeout=5.0).json()
-        if set(hosts) <= {host["name"] for host in registered}:
-            return
-        time.sleep(0.2)
-    raise RuntimeError(f"the workers did not register within {timeout:.0f} s; see the logs in {log_dir}")
+    raise RuntimeError(f"{failure} within {timeout:.0f} s{see_logs}")
 
 
 def run_up(args: argparse.Namespace) -> int:
