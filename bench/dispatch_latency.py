@@ -5,7 +5,8 @@
 Trainyard's side is the real path on an empty cluster: the job is queued with crud.create_job, the
 scheduler process (`trainyard scheduler`, default settings) places it and sends the Celery task,
 and a worker process (`trainyard worker`, one CPU slot) claims the attempt. Latency = the attempt's
-started_at (written by the worker as it claims) minus the moment the job was queued: when the
+started_at (stamped by the worker once the claim has read the attempt, before its writes commit:
+~2 ms before anyone else sees it running, which flatters Trainyard) minus the moment the job was queued: when the
 transaction that queues it has committed (the job exists for nobody before; its created_at is
 written at the INSERT, a few milliseconds earlier, and is reported as "commit"). The job is cancelled as soon as it runs, so its training never competes with the next
 job for the CPU; the next job is queued once the last one has ended.
