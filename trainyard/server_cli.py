@@ -169,10 +169,11 @@ def embedded_stack(
     log_dir = data_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     devices = devices or f"cpu:{os.cpu_count() or 1}"
+    host_names = [f"local-{i}" for i in range(workers)]
     commands = {
         "api": ["api", "--port", str(port)],
         "scheduler": ["scheduler"],
-        **{f"worker-{i}": ["worker", "--host-name", f"local-{i}", "--devices", devices, "--address", "127.0.0.1"] for i in range(workers)},
+        **{f"worker-{i}": ["worker", "--host-name", host, "--devices", devices, "--address", "127.0.0.1"] for i, host in enumerate(host_names)},
     }
     url = f"http://127.0.0.1:{port}"
     children: dict[str, subprocess.Popen] = {}
@@ -194,7 +195,7 @@ def embedded_stack(
         wait_healthy(url, list(children.values()), log_dir)
         # Up means the workers too: a multi-node job submitted before its hosts have registered is
         # refused as one that could never fit.
-        wait_for_workers(url, token, [f"local-{i}" for i in range(workers)], list(children.values()), log_dir)
+        wait_for_workers(url, token, host_names, list(children.values()), log_dir)
         yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart)
     finally:
         stop_children(list(children.values()))
