@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 from api_schemas import JobSpec
 from workers.training.checkpoint import CheckpointWriter, load_trainer_state
 from workers.training.data import SpecError, TextCorpus, load_text_corpus, read_texts
-from workers.training.loop import TrainResult, sigterm_requests, stop_votes
+from workers.training.loop import TrainResult, make_accelerator, pinned, sigterm_requests, stop_votes
 from workers.training.reporter import Reporter
 
 
@@ -82,7 +82,10 @@ class CustomContext:
         does), so every process, every run and a resumed run agree on the order; a shuffled loader
         drops the last, short batch."""
         generator = torch.Generator().manual_seed(self.spec.training.seed)
-        loader = DataLoader(dataset, batch_size=self.spec.training.micro_batch_size, shuffle=shuffle, drop_last=shuffle, generator=generator)
+        loader = DataLoader(
+            dataset, batch_size=self.spec.training.micro_batch_size, shuffle=shuffle, drop_last=shuffle, generator=generator,
+            pin_memory=pinned(self.accelerator),
+        )
         return self.accelerator.prepare(loader)
 
     def log_metric(self, step: int, values: dict[str, float]) -> None:
@@ -129,11 +132,7 @@ def run_custom(
     spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None, plugin_dir: Path | None
 ) -> TrainResult:
     function = load_entrypoint(spec.model.entrypoint, plugin_dir)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=spec.training.gradient_accumulation_steps,
-        mixed_precision=spec.training.precision,
-        cpu=spec.resources.device == "cpu",
-    )
+    accelerator = make_accelerator(spec)
     set_seed(spec.training.seed)
     with sigterm_requests() as stop_requested:
         context = CustomContext(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 
 from api_schemas import JobSpec
@@ -47,13 +47,27 @@ def make_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimiz
     return torch.optim.AdamW(groups, lr=spec.optimizer.lr, betas=spec.optimizer.betas)
 
 
+def make_accelerator(spec: JobSpec) -> Accelerator:
+    """The Accelerator of one training process, as the spec asks. Batches are copied to a GPU
+    without blocking (from pinned memory: see `pinned`): a blocking copy makes the CPU wait until
+    the GPU has drained its queue, once per micro-batch, so the next kernels start late."""
+    return Accelerator(
+        gradient_accumulation_steps=spec.training.gradient_accumulation_steps,
+        mixed_precision=spec.training.precision,
+        cpu=spec.resources.device == "cpu",
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),
+    )
+
+
+def pinned(accelerator: Accelerator) -> bool:
+    """Whether training loaders pin their batches: on a GPU, where only a copy from pinned memory
+    runs asynchronously (from ordinary memory the CPU first copies it into a staging buffer)."""
+    return accelerator.device.type == "cuda"
+
+
 def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None = None) -> TrainResult:
     cfg = spec.training
-    accelerator = Accelerator(
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        mixed_precision=cfg.precision,
-        cpu=spec.resources.device == "cpu",
-    )
+    accelerator = make_accelerator(spec)
     set_seed(cfg.seed)
 
     # Data: fixed samples (token windows, or labelled texts) whose order depends only on (seed,
@@ -70,7 +84,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
         corpus = load_labelled_corpus(spec.dataset, spec.model, data_root)
         train_set = LabelledTexts(corpus.train.ids, corpus.train.labels, seed=cfg.seed, multiple_of=samples_per_step)
         tokens_per_sample, labels = spec.model.max_length, corpus.labels
-    train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True)
+    train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True, pin_memory=pinned(accelerator))
     eval_dl = eval_dataloader(corpus.val, spec)
 
     # Model, optimizer, schedule: built once, prepared once.
@@ -211,7 +225,8 @@ def _peak_memory_mb(device: torch.device) -> float:
 
 def stop_votes(accelerator: Accelerator, stop: bool) -> torch.Tensor:
     """How many processes were asked to stop; checkpointing is collective, so all must agree."""
-    votes = torch.tensor(float(stop), device=accelerator.device)
+    # Filled on the device: torch.tensor(..., device=cuda) copies from the CPU and waits for the GPU.
+    votes = torch.full((), float(stop), device=accelerator.device)
     return accelerator.reduce(votes, reduction="sum") if accelerator.num_processes > 1 else votes
 
 
