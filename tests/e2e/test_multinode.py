@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -136,8 +138,7 @@ def test_a_gang_placed_on_a_host_that_stopped_gives_both_hosts_back_and_runs_onc
             # A host freezes (hung) while its last heartbeat is still fresh: the scheduler places one
             # node of the gang there, and that node never starts; the other waits for it.
             frozen = stack_pids_matching(f"worker --host-name {frozen_host}")
-            for pid in frozen:
-                os.kill(pid, signal.SIGSTOP)
+            freeze_outside_a_write(frozen, info.data_dir)
             try:
                 job_id = client.post("/v1/jobs", json=spec).json()["id"]
                 deadline = time.monotonic() + 60
@@ -166,6 +167,37 @@ def test_a_gang_placed_on_a_host_that_stopped_gives_both_hosts_back_and_runs_onc
             assert sorted(a["host_name"] for a in second_try) == ["local-0", "local-1"] and {a["status"] for a in second_try} == {"succeeded"}
             series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]
             assert series["train_loss"]["steps"] == list(range(1, steps + 1))
+
+
+def freeze_outside_a_write(pids: list[int], data_dir: Path, tries: int = 50) -> None:
+    """SIGSTOP `pids` at a moment when none of them holds a lock on the embedded stack's SQLite
+    files. A process frozen inside a transaction would keep every other writer of that file waiting
+    (the API's submit timed out so in CI): that is SQLite's single writer, not the host going
+    silent that these tests are about. So: stop, check that the files can be locked, else resume
+    and try again."""
+    for _ in range(tries):
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        if all(_lockable(data_dir / name) for name in ("trainyard.db", "broker.db")):
+            return
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError(f"{pids} held a database lock at each of {tries} tries")
+
+
+def _lockable(database: Path) -> bool:
+    """Whether an exclusive lock on the SQLite file can be taken within a moment (live processes
+    hold theirs for milliseconds)."""
+    connection = sqlite3.connect(database, timeout=0.5, isolation_level=None)
+    try:
+        connection.execute("BEGIN EXCLUSIVE")
+        connection.execute("ROLLBACK")
+        return True
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        connection.close()
 
 
 def alive(pids: list[int]) -> list[int]:
