@@ -1,9 +1,9 @@
 """The checkpoint store: a directory tree shared by the API (reads) and workers (writes).
 
 A checkpoint enters the store by a move (same filesystem) or a copy into a temporary directory,
-verification against its manifest, and an atomic rename; only then is it recorded in the
-database. So a listed checkpoint is always complete, and a crash mid-copy leaves only a `.tmp-*`
-directory nobody reads.
+verification against its manifest (a moved file unchanged since its manifest was written is not
+hashed again), and an atomic rename; only then is it recorded in the database. So a listed
+checkpoint is always complete, and a crash mid-copy leaves only a `.tmp-*` directory nobody reads.
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ class ArtifactStore:
         model.safetensors, or for a checkpoint without one (a script's), of its manifest.json and
         the total size of its files. The directory is moved in when it is on the store's
         filesystem (its writer hands it over: a copy would cost a second write of every byte on
-        the training host), else copied; either way verified before it is renamed into place. A
-        checkpoint already stored (a retry after the database missed it) is described as it is."""
+        the training host, and its files need no second hash unless changed since their manifest),
+        else copied; either way verified before it is renamed into place. A checkpoint already
+        stored (a retry after the database missed it) is described as it is."""
         relative = f"jobs/{job_id}/checkpoints/step-{step:08d}"
         final = self.path(relative)
         if final.exists():
@@ -46,7 +47,7 @@ class ArtifactStore:
             staging = final.parent / f".tmp-{uuid.uuid4().hex}"
             moved = _move_or_copy(source, staging)
             try:
-                manifest = verify_manifest(staging)
+                manifest = verify_manifest(staging, moved)
                 os.replace(staging, final)
             except BaseException:
                 if moved:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 import tempfile
 from pathlib import Path
@@ -30,6 +31,29 @@ def test_a_complete_checkpoint_on_the_same_filesystem_is_moved_in_not_copied(tmp
     assert (store.path(relative) / "state" / "optimizer.bin").read_bytes() == b"optimizer"
     assert size == 700 and sha256 == sha256_file(store.path(relative) / MODEL_FILE)
     assert not source.exists() and (store.path(relative) / MODEL_FILE).stat().st_ino == inode  # no byte written twice
+
+
+def bytes_read_by_this_process() -> int:
+    return int(dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())["rchar"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="counts reads with Linux's /proc/self/io")
+def test_a_moved_checkpoint_is_not_read_again_unless_a_file_changed_after_its_manifest(tmp_path):
+    store = ArtifactStore(tmp_path / "store")
+    weights = os.urandom(8 << 20)
+    untouched, rewritten = tmp_path / "run" / "step-10", tmp_path / "run" / "step-20"
+    for source in (untouched, rewritten):
+        (source / "state").mkdir(parents=True)
+        (source / MODEL_FILE).write_bytes(weights)
+        write_manifest(source, 10)
+    (rewritten / MODEL_FILE).write_bytes(weights)  # the same bytes, written after the manifest
+
+    before = bytes_read_by_this_process()
+    store.ingest_checkpoint(untouched, job_id=7, step=10)
+    assert bytes_read_by_this_process() - before < 1 << 20  # the manifest, not the 8 MB its writer hashed
+    before = bytes_read_by_this_process()
+    store.ingest_checkpoint(rewritten, job_id=7, step=20)
+    assert bytes_read_by_this_process() - before >= len(weights)  # hashed again, and it still matches
 
 
 def test_a_checkpoint_on_another_filesystem_is_copied_in_and_left_to_its_writer(tmp_path):
