@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,9 @@ log = logging.getLogger("trainyard.worker")
 
 MAX_LOG_LINE = 4000
 REASON_LOG_LINES = 20
+# How long a sync waits for a checkpoint being taken into the store before it renews the lease
+# anyway (a move takes milliseconds; a copy to another filesystem, and its hash, can take minutes).
+INGEST_WAIT_SECONDS = 1.0
 
 
 def launch_command(
@@ -159,6 +163,7 @@ class Outbox:
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     logs: list[tuple[int, str]] = field(default_factory=list)
     checkpoints: list[tuple[int, Path]] = field(default_factory=list)
+    ingesting: Future | None = None  # the first of `checkpoints`, being taken into the store
     recent_logs: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
@@ -187,6 +192,9 @@ class AttemptRunner:
     def __init__(self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1"):
         self.settings, self.sessions, self.host_name, self.address = settings, sessions, host_name, address
         self.store = ArtifactStore(settings.resolved_artifact_root)
+        # Checkpoints are taken into the store off the supervising thread: one copied to another
+        # filesystem and hashed can take longer than a lease lasts, and must not keep it from renewal.
+        self.ingest = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-ingest")
         self.shutting_down = threading.Event()
 
     @property
@@ -302,7 +310,7 @@ class AttemptRunner:
                 # another node stopped first and took this node's collectives down with them.
                 if lease is not None and lease.cancel_requested and not (finished and exit_code == 0):
                     _stop(process)
-                    self._sync(claimed, spec, outbox)
+                    self._sync(claimed, spec, outbox, wait=True)
                     return AttemptStatus.cancelled, "cancelled by user"
                 if lease is not None and lease.preempt_requested and preempted_because is None and exit_code is None:
                     preempted_because = self._preempt(process, "preempted for a higher-priority job")
@@ -350,8 +358,10 @@ class AttemptRunner:
             time.sleep(0.5)
         return None
 
-    def _sync(self, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> crud.Lease | None:
-        """Deliver the outbox and renew the lease. On a database error keep everything for next time."""
+    def _sync(self, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool = False) -> crud.Lease | None:
+        """Deliver the outbox and renew the lease. On a database error keep everything for next time.
+        A checkpoint still being taken into the store after INGEST_WAIT_SECONDS is recorded by a
+        later sync, unless this one `wait`s for it."""
         try:
             with self.sessions() as session:
                 if outbox.metrics:
@@ -360,26 +370,36 @@ class AttemptRunner:
                 if outbox.logs:
                     crud.record_logs(session, claimed.job_id, claimed, outbox.logs)
                     outbox.logs = []
-                while outbox.checkpoints:
-                    step, source = outbox.checkpoints[0]
-                    try:
-                        relative, sha256, size = self.store.ingest_checkpoint(source, claimed.job_id, step)
-                    except CorruptCheckpoint:
-                        # Retrying can't mend a missing or corrupt directory; the next checkpoint will do.
-                        log.exception("job %s: checkpoint of step %s at %s cannot be stored; skipped", claimed.job_id, step, source)
-                        outbox.checkpoints.pop(0)
-                        continue
-                    stale = crud.record_checkpoint(
-                        session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last
-                    )
-                    for path in stale:
-                        self.store.delete(path)
-                    outbox.checkpoints.pop(0)
-                    shutil.rmtree(source, ignore_errors=True)  # the store has it now (moved, or copied: the loop leaves it to us)
+                self._store_checkpoints(session, claimed, spec, outbox, wait)
                 return crud.renew_lease(session, claimed, self.settings.lease_seconds)
         except Exception:
             log.exception("could not reach the database for job %s; will retry", claimed.job_id)
             return None
+
+    def _store_checkpoints(self, session, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool) -> None:
+        """Take the outbox's checkpoints into the store one at a time, oldest first, on the ingest
+        threads, and record each that is in."""
+        while outbox.checkpoints:
+            step, source = outbox.checkpoints[0]
+            if outbox.ingesting is None:
+                outbox.ingesting = self.ingest.submit(self.store.ingest_checkpoint, source, claimed.job_id, step)
+            if not wait_for([outbox.ingesting], timeout=None if wait else INGEST_WAIT_SECONDS).done:
+                return
+            ingesting, outbox.ingesting = outbox.ingesting, None
+            try:
+                relative, sha256, size = ingesting.result()
+            except CorruptCheckpoint:
+                # Retrying can't mend a missing or corrupt directory; the next checkpoint will do.
+                log.exception("job %s: checkpoint of step %s at %s cannot be stored; skipped", claimed.job_id, step, source)
+                outbox.checkpoints.pop(0)
+                continue
+            stale = crud.record_checkpoint(
+                session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last
+            )
+            for path in stale:
+                self.store.delete(path)
+            outbox.checkpoints.pop(0)
+            shutil.rmtree(source, ignore_errors=True)  # the store has it now (moved, or copied: the loop leaves it to us)
 
     def _finish(self, claimed: crud.ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
         if outcome is None:

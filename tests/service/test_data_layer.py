@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +16,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import select
 
-from api_schemas import AttemptStatus, JobStatus
+from api_schemas import AttemptStatus, JobSpec, JobStatus
+from api_schemas.manifest import MODEL_FILE, sha256_file, write_manifest
 from service import state
 from service.db import crud
 from service.db.models import Attempt, Base, Job, LogLine, Metric, User, WorkerHost, utcnow
@@ -23,6 +26,7 @@ from service.doorbell import Doorbell, ring, socket_path
 from service.scheduler import schedule_pass
 from service.settings import Settings
 from tests.helpers import job_spec
+from workers import supervisor
 from workers.supervisor import AttemptRunner
 
 
@@ -692,3 +696,39 @@ def test_log_lines_of_concurrent_writers_get_ids_in_commit_order(sessions, setti
     first.close()
     with sessions() as session:
         assert [line.line for line in crud.log_lines_after(session, job_id, 0, 10)] == ["node 0", "node 1"]
+
+
+def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_store(sessions, settings, tmp_path, monkeypatch):
+    # A checkpoint on another filesystem is copied into the store and hashed: for a large one that
+    # takes longer than a lease lasts, and the attempt must not be reaped as lost meanwhile.
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own (Linux)")
+    monkeypatch.setattr(supervisor, "INGEST_WAIT_SECONDS", 0.01)  # shorter than copying 64 MB anywhere
+    queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    spec = JobSpec.model_validate(claimed.spec)
+    runner = AttemptRunner(settings, sessions, "host-a")
+    with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
+        source = Path(elsewhere) / "step-10"
+        (source / "state").mkdir(parents=True)
+        (source / MODEL_FILE).write_bytes(os.urandom(64 << 20))
+        write_manifest(source, 10)
+        outbox = supervisor.Outbox(checkpoints=[(10, source)])
+        with sessions() as session:
+            renewed_before = session.get(Attempt, claimed.attempt_id).lease_expires_at
+        time.sleep(0.01)
+
+        assert runner._sync(claimed, spec, outbox).held
+        assert outbox.checkpoints == [(10, source)] and outbox.ingesting is not None  # still being copied in
+        with sessions() as session:
+            assert session.get(Attempt, claimed.attempt_id).lease_expires_at > renewed_before
+            assert crud.latest_checkpoint(session, claimed.job_id) is None
+
+        deadline = time.monotonic() + 60
+        while outbox.checkpoints and time.monotonic() < deadline:
+            runner._sync(claimed, spec, outbox)
+        assert outbox.empty() and not source.exists()  # stored, then the copy's source removed
+        with sessions() as session:
+            stored = crud.latest_checkpoint(session, claimed.job_id)
+            assert stored.step == 10 and stored.sha256 == sha256_file(runner.store.path(stored.path) / MODEL_FILE)
