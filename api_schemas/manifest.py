@@ -54,9 +54,9 @@ def verify_manifest(directory: Path, moved: bool = False) -> dict:
 
     `moved`: the directory was renamed, not copied, since its manifest was written, so its files
     are the inodes the manifest's writer hashed. Then a file whose status last changed before the
-    manifest was written (ctime: every write moves it on, and unlike mtime no call sets it back) is checked
-    by its size alone: hashing it again would read every byte a second time (from the disk, for a
-    checkpoint larger than the page cache) to find what the writer's hash found moments before.
+    manifest was written (ctime: every write moves it on, and unlike mtime no call sets it back) is
+    checked by its size alone: hashing it again would read every byte a second time (from the disk,
+    for a checkpoint larger than the page cache) to find what the writer's hash found moments before.
     """
     manifest = read_manifest(directory)
     written = (directory / MANIFEST_FILE).stat().st_ctime_ns

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from api_schemas import AttemptStatus, JobSpec
 from service.db import crud
@@ -81,3 +86,13 @@ def classifier_spec(path: str = "labels.jsonl", **overrides) -> dict:
     model = {"kind": "mlp", "num_labels": 3, "max_length": 16, "n_embd": 16, "hidden": 32, "n_layer": 1}
     dataset = {"kind": "jsonl", "path": path, "val_fraction": 0.2}
     return tiny_spec(**{"model": model, "dataset": dataset, "training.micro_batch_size": 8, **overrides})
+
+
+@contextlib.contextmanager
+def directory_on_another_filesystem(than: Path) -> Iterator[Path]:
+    """A temporary directory that a rename from `than` cannot reach, so files must be copied across."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == than.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own (Linux)")
+    with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
+        yield Path(elsewhere)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-import tempfile
 from pathlib import Path
 
 import pytest
 
 from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, sha256_file, verify_manifest, write_manifest
 from service.artifacts import ArtifactStore
+from tests.helpers import directory_on_another_filesystem
 
 
 def make_checkpoint(directory, step=10):
@@ -57,11 +57,8 @@ def test_a_moved_checkpoint_is_not_read_again_unless_a_file_changed_after_its_ma
 
 
 def test_a_checkpoint_on_another_filesystem_is_copied_in_and_left_to_its_writer(tmp_path):
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs /dev/shm on a filesystem of its own (Linux)")
-    with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
-        source = make_checkpoint(Path(elsewhere) / "step-10")
+    with directory_on_another_filesystem(than=tmp_path) as elsewhere:
+        source = make_checkpoint(elsewhere / "step-10")
         store = ArtifactStore(tmp_path / "store")
         relative, _, size = store.ingest_checkpoint(source, job_id=7, step=10)
         assert size == 700 and (store.path(relative) / MODEL_FILE).read_bytes() == (source / MODEL_FILE).read_bytes()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,7 @@ from service.db.session import session_factory
 from service.doorbell import Doorbell, ring, socket_path
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import job_spec
+from tests.helpers import directory_on_another_filesystem, job_spec
 from workers import supervisor
 from workers.supervisor import AttemptRunner
 
@@ -701,16 +700,13 @@ def test_log_lines_of_concurrent_writers_get_ids_in_commit_order(sessions, setti
 def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_store(sessions, settings, tmp_path, monkeypatch):
     # A checkpoint on another filesystem is copied into the store and hashed: for a large one that
     # takes longer than a lease lasts, and the attempt must not be reaped as lost meanwhile.
-    shm = Path("/dev/shm")
-    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
-        pytest.skip("needs /dev/shm on a filesystem of its own (Linux)")
     monkeypatch.setattr(supervisor, "INGEST_WAIT_SECONDS", 0.01)  # shorter than copying 64 MB anywhere
     queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
     spec = JobSpec.model_validate(claimed.spec)
     runner = AttemptRunner(settings, sessions, "host-a")
-    with tempfile.TemporaryDirectory(dir=shm) as elsewhere:
-        source = Path(elsewhere) / "step-10"
+    with directory_on_another_filesystem(than=tmp_path) as elsewhere:
+        source = elsewhere / "step-10"
         (source / "state").mkdir(parents=True)
         (source / MODEL_FILE).write_bytes(os.urandom(64 << 20))
         write_manifest(source, 10)
