@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import select
 from functools import lru_cache
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, create_engine, event, exc
 from sqlalchemy.orm import Session, sessionmaker
 
 
 def make_engine(url: str) -> Engine:
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+        engine = create_engine(url, pool_size=5, max_overflow=10)
+        event.listen(engine, "checkout", _ping_if_the_server_spoke)
+        return engine
 
     # API, scheduler and workers are separate processes sharing one SQLite file. WAL lets
     # readers run beside the writer; BEGIN IMMEDIATE takes the write lock at the start of a
@@ -31,6 +34,26 @@ def make_engine(url: str) -> Engine:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _ping_if_the_server_spoke(dbapi_connection, _record, _proxy) -> None:
+    """Hand out no connection that PostgreSQL has closed (restarted, idle timeout, backend
+    terminated), as `pool_pre_ping` would, but without its `SELECT 1` round trip at every check-out,
+    one more per transaction: a server that ends a connection says so on its socket (a FATAL
+    message, then EOF), while a sound idle connection has nothing to read. Only then is it pinged;
+    a failed ping makes the pool open a new connection in its place."""
+    if not dbapi_connection.closed:
+        socket = select.poll()  # not select.select(): it fails on descriptors past 1024
+        socket.register(dbapi_connection.fileno(), select.POLLIN)
+        if not socket.poll(0):
+            return
+        try:
+            dbapi_connection.execute("SELECT 1")  # reads what the server sent (a notice is harmless)
+            dbapi_connection.rollback()
+            return
+        except Exception:
+            pass
+    raise exc.DisconnectionError("PostgreSQL closed this connection")
 
 
 @lru_cache
