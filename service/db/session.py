@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import time
 from functools import lru_cache
 
 from sqlalchemy import Engine, create_engine, event, exc
@@ -12,7 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 def make_engine(url: str) -> Engine:
     if not url.startswith("sqlite"):
         engine = create_engine(url, pool_size=5, max_overflow=10)
-        event.listen(engine, "checkout", _ping_if_the_server_spoke)
+        event.listen(engine, "checkin", _note_idle_since)
+        event.listen(engine, "checkout", _ping_if_it_may_be_closed)
         return engine
 
     # API, scheduler and workers are separate processes sharing one SQLite file. WAL lets
@@ -36,16 +38,28 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
-def _ping_if_the_server_spoke(dbapi_connection, _record, _proxy) -> None:
-    """Hand out no connection that PostgreSQL has closed (restarted, idle timeout, backend
-    terminated), as `pool_pre_ping` would, but without its `SELECT 1` round trip at every check-out,
-    one more per transaction: a server that ends a connection says so on its socket (a FATAL
-    message, then EOF), while a sound idle connection has nothing to read. Only then is it pinged;
-    a failed ping makes the pool open a new connection in its place."""
+# A connection idle for longer than this is pinged before use, whatever its socket says: a server
+# whose host went down (power, network) sent no goodbye, and is found this way once it is back.
+PING_AFTER_IDLE_SECONDS = 10.0
+
+
+def _note_idle_since(_dbapi_connection, record) -> None:
+    record.info["idle_since"] = time.monotonic()
+
+
+def _ping_if_it_may_be_closed(dbapi_connection, record, _proxy) -> None:
+    """Hand out no connection that PostgreSQL has closed, as `pool_pre_ping` does, but without its
+    `SELECT 1` round trip at every check-out, one more per transaction. A server that ends a
+    connection (restarted, idle timeout, backend terminated) says so on its socket, a FATAL
+    message then EOF, while a sound idle connection has nothing to read; a server whose host went
+    away says nothing, but is down for longer than PING_AFTER_IDLE_SECONDS. So a connection is
+    pinged only when its socket has something to read or it has been idle that long; a failed ping
+    makes the pool open a new connection in its place."""
     if not dbapi_connection.closed:
+        idle_since = record.info.get("idle_since")  # None: opened for this check-out
         socket = select.poll()  # not select.select(): it fails on descriptors past 1024
         socket.register(dbapi_connection.fileno(), select.POLLIN)
-        if not socket.poll(0):
+        if (idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS) and not socket.poll(0):
             return
         try:
             dbapi_connection.execute("SELECT 1")  # reads what the server sent (a notice is harmless)

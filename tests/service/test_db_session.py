@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import struct
+import threading
 import time
 
 import sqlalchemy as sa
 
+from service.db import session as db_session
 from service.db.session import session_factory
 
 
@@ -52,3 +56,63 @@ def test_a_sound_connection_with_a_message_waiting_on_its_socket_is_pinged_and_k
     time.sleep(0.2)  # the notification is on the idle pooled connection's socket now
 
     assert backend_pid(sessions) == pid
+
+
+class HostThatGoesDown:
+    """A TCP relay in front of PostgreSQL that can play the server's host going down and coming
+    back: its open connections get no goodbye (no FIN, as after a power cut), and once it is back
+    the first packet on one of them is answered with a reset, as a rebooted host answers; new
+    connections reach the server again."""
+
+    def __init__(self, upstream_port: int):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.upstream_port, self.generation = upstream_port, 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def went_down_and_came_back(self) -> None:
+        self.generation += 1
+
+    def close(self) -> None:
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            born = self.generation
+            threading.Thread(target=self._relay, args=(client, server, born, True), daemon=True).start()
+            threading.Thread(target=self._relay, args=(server, client, born, False), daemon=True).start()
+
+    def _relay(self, source: socket.socket, sink: socket.socket, born: int, from_client: bool) -> None:
+        while data := _received(source):
+            if self.generation != born:  # the host restarted since this connection was opened
+                if from_client:
+                    source.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    source.close()  # a reset, not a FIN
+                return
+            sink.sendall(data)
+
+
+def _received(source: socket.socket) -> bytes:
+    try:
+        return source.recv(65536)
+    except OSError:  # its other direction reset it
+        return b""
+
+
+def test_a_connection_idle_past_the_limit_is_pinged_so_a_server_host_that_went_down_silently_fails_no_transaction(postgres_url, monkeypatch):
+    monkeypatch.setattr(db_session, "PING_AFTER_IDLE_SECONDS", 0.5)
+    relay = HostThatGoesDown(sa.make_url(postgres_url).port or 5432)
+    sessions = session_factory(sa.make_url(postgres_url).set(port=relay.port).render_as_string(hide_password=False))
+    try:
+        first = backend_pid(sessions)
+        relay.went_down_and_came_back()
+        time.sleep(0.6)  # the pooled connection's socket has nothing to read: only its idle time says ping it
+        assert backend_pid(sessions) != first
+    finally:
+        sessions.kw["bind"].dispose()
+        relay.close()
