@@ -65,11 +65,12 @@ def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(
         })
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
 
-        # A wrong token is refused and the login form comes back.
+        # A wrong token is refused and the login form comes back saying so. (Waiting for the form
+        # alone raced: it is still there while the refusal is on its way.)
         page.goto(f"{info.url}/dashboard")
         page.fill("#token", "not-a-token")
         page.click("button[type=submit]")
-        page.wait_for_selector("#token")
+        page.locator("form.login p.error", has_text="refused").wait_for()
 
         page.fill("#token", info.token)
         page.click("button[type=submit]")
