@@ -19,7 +19,7 @@ from safetensors.torch import load
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.helpers import spec_dict, tiny_spec
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import free_port
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -184,22 +184,35 @@ def training_ranks(run_dir: Path) -> list[int]:
     return ranks
 
 
+def wait_for_event(events: EventTail, kind: str, timeout: float = 180) -> dict:
+    """The next event of `kind` the training loop writes to its events file."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in events.read():
+            if event["type"] == kind:
+                return event
+        time.sleep(0.005)
+    raise AssertionError(f"the training wrote no {kind} event within {timeout} s")
+
+
 def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_resumes_with_every_step_once(two_host_stack, tmp_path):
     client = two_host_stack
-    # Tiny steps (~5 ms), enough of them that the job is still early on when it hangs. The stall
-    # timeout must cover a cold start of the training processes (10-15 s on 2 busy cores).
+    # Tiny steps (2-50 ms). The stall timeout must cover a cold start of the training processes
+    # (10-15 s on 2 busy cores).
     max_steps, stall_timeout = 1200, 30
     spec = tiny_spec(
         **{"training.max_steps": max_steps, "training.eval_every": 400, "checkpoint.every_steps": 100, "checkpoint.keep_last": 20,
            "training.stall_timeout_s": stall_timeout, "max_restarts": 2}
     )
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
-    wait_for_checkpoint(client, job_id, timeout=120)
 
     # SIGSTOP: the rank hangs without dying, like a rank stuck in a collective. Its worker is
-    # alive and keeps renewing the lease, so only the stall timeout can end the attempt.
+    # alive and keeps renewing the lease, so only the stall timeout can end the attempt. It hangs
+    # right after its first checkpoint, read from its events file: the API learns of it later,
+    # and a fast machine can have finished the job by then.
     # The full run dir, so that no other Trainyard on this machine (with its own job 1) is matched.
     first_run_dir = (tmp_path / "yard").resolve() / "work" / f"job-{job_id}" / "attempt-1"
+    wait_for_event(EventTail(first_run_dir / "events.jsonl"), "checkpoint", timeout=120)
     [rank] = training_ranks(first_run_dir)
     os.kill(rank, signal.SIGSTOP)
     stopped_at = datetime.now(timezone.utc)

@@ -6,8 +6,10 @@ touching the shared servers other tests use.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
+import signal
 import shutil
 import subprocess
 import tempfile
@@ -20,9 +22,10 @@ import sqlalchemy as sa
 
 from tests.conftest import service_missing
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
+from tests.e2e.test_faults import training_ranks, wait_for_event
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import free_port
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -145,31 +148,54 @@ def production_stack(tmp_path, monkeypatch, private_redis, private_postgres):
             yield client, info, private_redis, private_postgres
 
 
+def signal_ranks(ranks: list[int], signum: int) -> None:
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signum)
+
+
 def test_redis_postgres_and_the_api_restarted_mid_job_lose_no_step_no_checkpoint_and_strand_no_job(production_stack):
     client, stack, redis_server, postgres = production_stack
-    # Tiny steps: 5 ms on an idle machine, ten times that on a busy one. Enough of them to outlast
-    # the outages below (about 5 s) even when they are fast.
-    max_steps, every = 1500, 150
-    spec = tiny_spec(**{"training.max_steps": max_steps, "training.eval_every": 500, "checkpoint.every_steps": every,
+    max_steps, every = 600, 100
+    spec = tiny_spec(**{"training.max_steps": max_steps, "training.eval_every": 200, "checkpoint.every_steps": every,
                         "checkpoint.keep_last": 100})
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
-    wait_for_step(client, job_id, 1)
 
-    # Redis goes away under the running attempt, and a job is submitted meanwhile (the API needs
-    # no broker): its dispatch is lost and must be re-sent once Redis is back. Then PostgreSQL
-    # goes away too: the worker keeps the job's metrics and checkpoints until it can deliver them.
-    redis_server.stop()
-    second = client.post("/v1/jobs", json=tiny_spec())
-    assert second.status_code == 201
-    postgres.stop()
-    time.sleep(3)
-    postgres.start()
-    redis_server.start()
-    job = client.get(f"/v1/jobs/{job_id}").json()
-    assert job["status"] == "running", f"the job ended before the outages were over: {job}"
+    # Tiny steps take 2 ms on a fast idle machine and 50 on a busy one, so the job's length can't
+    # be made to outlast the outages below. Instead its training process is paused (SIGSTOP) while
+    # the test needs the job still running: at its first step, and again after its first
+    # checkpoint, which it trains to while PostgreSQL is down. Its worker is not paused: it keeps
+    # renewing the lease, and keeps what the training wrote until the database is back.
+    run_dir = stack.data_dir / "work" / f"job-{job_id}" / "attempt-1"
+    events = EventTail(run_dir / "events.jsonl")
+    first_step = wait_for_event(events, "metrics")["step"]
+    ranks = training_ranks(run_dir)
+    assert ranks, "no training process found for the running attempt"
+    signal_ranks(ranks, signal.SIGSTOP)
+    try:
+        wait_for_step(client, job_id, first_step)
 
-    # The API is stateless: a new process serves the same jobs.
-    stack.restart("api")
+        # Redis goes away under the running attempt, and a job is submitted meanwhile (the API needs
+        # no broker): its dispatch is lost and must be re-sent once Redis is back. Then PostgreSQL
+        # goes away too, and the training goes on to a checkpoint: the worker keeps the job's
+        # metrics and that checkpoint until it can deliver them.
+        redis_server.stop()
+        second = client.post("/v1/jobs", json=tiny_spec())
+        assert second.status_code == 201
+        postgres.stop()
+        signal_ranks(ranks, signal.SIGCONT)
+        checkpoint_step = wait_for_event(events, "checkpoint")["step"]
+        signal_ranks(ranks, signal.SIGSTOP)
+        assert checkpoint_step < max_steps
+        postgres.start()
+        redis_server.start()
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        assert job["status"] == "running", f"the outages ended the job: {job}"
+
+        # The API is stateless: a new process serves the same jobs.
+        stack.restart("api")
+    finally:
+        signal_ranks(ranks, signal.SIGCONT)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
     assert job["status"] == "succeeded", job["failure_reason"]
