@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import IN_CI, REPO
+from tests.e2e.test_end_to_end import wait_for_event
+from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import free_port
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,30 +61,37 @@ def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(
     monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
     with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:
         client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
-        # Wider than the tiny model, so its 1,500 steps outlast logging in and opening the job page.
         spec = tiny_spec(**{
-            "name": "watched-run", "model.n_embd": 128, "model.block_size": 32, "training.micro_batch_size": 16,
-            "training.max_steps": 1500, "training.eval_every": 250, "checkpoint.every_steps": 500,
+            "name": "watched-run", "training.max_steps": 1500, "training.eval_every": 250, "checkpoint.every_steps": 500,
         })
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
+        # The training is paused (SIGSTOP) from its first step until the job page shows the curve:
+        # a fast machine trains the 1,500 steps in seconds, and the curve must grow in view.
+        run_dir = info.data_dir / "work" / f"job-{job_id}" / "attempt-1"
+        wait_for_event(EventTail(run_dir / "events.jsonl"), "metrics")
+        ranks = training_ranks(run_dir)
+        signal_ranks(ranks, signal.SIGSTOP)
+        try:
+            # A wrong token is refused and the login form comes back saying so. (Waiting for the form
+            # alone raced: it is still there while the refusal is on its way.)
+            page.goto(f"{info.url}/dashboard")
+            page.fill("#token", "not-a-token")
+            page.click("button[type=submit]")
+            page.locator("form.login p.error", has_text="refused").wait_for()
 
-        # A wrong token is refused and the login form comes back saying so. (Waiting for the form
-        # alone raced: it is still there while the refusal is on its way.)
-        page.goto(f"{info.url}/dashboard")
-        page.fill("#token", "not-a-token")
-        page.click("button[type=submit]")
-        page.locator("form.login p.error", has_text="refused").wait_for()
+            page.fill("#token", info.token)
+            page.click("button[type=submit]")
+            row = page.locator("tr", has=page.locator("a", has_text="watched-run"))
+            row.wait_for()
 
-        page.fill("#token", info.token)
-        page.click("button[type=submit]")
-        row = page.locator("tr", has=page.locator("a", has_text="watched-run"))
-        row.wait_for()
+            row.locator("a", has_text="watched-run").click()
+            page.wait_for_url(f"**/dashboard#/jobs/{job_id}")
+            page.wait_for_function("() => document.querySelector('polyline[data-series=\"train_loss\"]')", timeout=120_000)
+            first = points_drawn(page, "train_loss")
+        finally:
+            signal_ranks(ranks, signal.SIGCONT)
 
         # The job page: the loss curve gains points while we watch (the page polls the API).
-        row.locator("a", has_text="watched-run").click()
-        page.wait_for_url(f"**/dashboard#/jobs/{job_id}")
-        page.wait_for_function("() => document.querySelector('polyline[data-series=\"train_loss\"]')", timeout=120_000)
-        first = points_drawn(page, "train_loss")
         page.wait_for_function(
             f"() => document.querySelector('polyline[data-series=\"train_loss\"]').getAttribute('points').split(' ').length > {first}",
             timeout=60_000,

@@ -20,7 +20,7 @@ from safetensors.torch import load as safetensors_load
 from api_schemas import JobSpec, JobStatus
 from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import free_port
+from workers.supervisor import EventTail, free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,6 +67,18 @@ def wait_for_checkpoint(client: httpx.Client, job_id: int, timeout: float = 180)
         assert time.monotonic() < deadline, f"no checkpoint was registered in {timeout} s: {job}"
         time.sleep(0.1)
     return checkpoints
+
+
+def wait_for_event(events: EventTail, kind: str, timeout: float = 180) -> dict:
+    """The next event of `kind` in an attempt's events file, as the training writes it: sooner than
+    the API hears of it, which on a fast machine can be after the job has ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for event in events.read():
+            if event["type"] == kind:
+                return event
+        time.sleep(0.005)
+    raise AssertionError(f"the training wrote no {kind} event within {timeout} s")
 
 
 def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(stack, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -16,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
+from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint, wait_for_event
 from tests.helpers import spec_dict, tiny_spec
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import EventTail, free_port
@@ -184,15 +185,11 @@ def training_ranks(run_dir: Path) -> list[int]:
     return ranks
 
 
-def wait_for_event(events: EventTail, kind: str, timeout: float = 180) -> dict:
-    """The next event of `kind` the training loop writes to its events file."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for event in events.read():
-            if event["type"] == kind:
-                return event
-        time.sleep(0.005)
-    raise AssertionError(f"the training wrote no {kind} event within {timeout} s")
+def signal_ranks(ranks: list[int], signum: int) -> None:
+    """SIGSTOP or SIGCONT the training processes, those that are still there."""
+    for rank in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank, signum)
 
 
 def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_resumes_with_every_step_once(two_host_stack, tmp_path):

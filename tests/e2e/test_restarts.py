@@ -6,7 +6,6 @@ touching the shared servers other tests use.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 import signal
@@ -21,8 +20,8 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import service_missing
-from tests.e2e.test_end_to_end import wait_for, wait_for_step
-from tests.e2e.test_faults import training_ranks, wait_for_event
+from tests.e2e.test_end_to_end import wait_for, wait_for_event, wait_for_step
+from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
 from workers.supervisor import EventTail, free_port
@@ -146,12 +145,6 @@ def production_stack(tmp_path, monkeypatch, private_redis, private_postgres):
     ) as info:
         with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
             yield client, info, private_redis, private_postgres
-
-
-def signal_ranks(ranks: list[int], signum: int) -> None:
-    for rank in ranks:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(rank, signum)
 
 
 def test_redis_postgres_and_the_api_restarted_mid_job_lose_no_step_no_checkpoint_and_strand_no_job(production_stack):

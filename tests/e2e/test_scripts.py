@@ -19,11 +19,11 @@ import torch
 import pytest
 from safetensors.torch import load
 
-from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
+from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.helpers import tiny_spec
 from trainyard.cli import main
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import free_port
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -143,11 +143,14 @@ def training_processes(code_dir: Path) -> list[int]:
 def test_a_script_killed_mid_run_resumes_from_its_last_checkpoint_and_repeats_no_step(stack):
     client, info = stack
     bundle = upload_code(client, EXAMPLES / "char_gpt.py")
-    args = ["--max_steps", "1000", "--checkpoint_every", "50", *TINY_GPT]  # seconds of training: time to kill it
+    args = ["--max_steps", "1000", "--checkpoint_every", "50", *TINY_GPT]
     job_id = client.post("/v1/jobs", json=script_spec("char-gpt-killed", "char_gpt.py", args, {"upload_id": bundle}, max_restarts=1)).json()["id"]
 
-    wait_for_checkpoint(client, job_id, timeout=120)
-    code_dir = info.data_dir / "work" / f"job-{job_id}" / "attempt-1" / "code"
+    # Killed right after its first checkpoint is written: once the API lists it, a fast machine
+    # may have trained all 1000 steps.
+    run_dir = info.data_dir / "work" / f"job-{job_id}" / "attempt-1"
+    wait_for_event(EventTail(run_dir / "events.jsonl"), "checkpoint", timeout=120)
+    code_dir = run_dir / "code"
     victims = training_processes(code_dir)
     assert victims, "the training process had already ended"
     for pid in victims:
