@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from api_schemas.worker_protocol import EVENTS_FILE_ENV  # noqa: E402
 from trainyard.server_cli import embedded_stack  # noqa: E402
-from workers.supervisor import free_port  # noqa: E402
+from workers.supervisor import EVENTS_FILE_NAME, attempt_dir, free_port  # noqa: E402
 
 
 def start_spec() -> dict:
@@ -75,7 +75,7 @@ def run_trainyard(client: httpx.Client, spec: dict, work_root: Path) -> tuple[fl
     """(submit → first step, where the time went: queued → placed → claimed by the worker, in seconds)."""
     start = time.perf_counter()
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
-    seconds = first_step_seen(work_root / f"job-{job_id}" / "attempt-1" / "events.jsonl", start)
+    seconds = first_step_seen(attempt_dir(work_root, job_id, 1) / EVENTS_FILE_NAME, start)
     while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):
         time.sleep(0.2)  # the next round starts on an idle worker
     at = {key: datetime.fromisoformat(value) for key, value in [("queued", job["created_at"]), *[(k, job["attempts"][0][k]) for k in ("created_at", "started_at")]]}

@@ -45,6 +45,8 @@ REASON_LOG_LINES = 20
 # How long a sync waits for a checkpoint being taken into the store before it renews the lease
 # anyway (a move takes milliseconds; a copy to another filesystem, and its hash, can take minutes).
 INGEST_WAIT_SECONDS = 1.0
+# In an attempt's directory: what the training loop reports (metrics, checkpoints), as JSON lines.
+EVENTS_FILE_NAME = "events.jsonl"
 
 
 def launch_command(
@@ -84,7 +86,7 @@ def training_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None)
     if spec.script is not None:
         return script_environment(spec, run_dir, resume_from)
     env = {name: value for name, value in os.environ.items() if name not in SERVICE_CREDENTIALS}
-    return {**env, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONUNBUFFERED": "1"}
+    return {**env, EVENTS_FILE_ENV: str(run_dir / EVENTS_FILE_NAME), "PYTHONUNBUFFERED": "1"}
 
 
 def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
@@ -93,7 +95,7 @@ def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -
     env.update({
         "PYTHONPATH": str(SCRIPT_SITE),
         "PYTHONUNBUFFERED": "1",
-        EVENTS_FILE_ENV: str(run_dir / "events.jsonl"),
+        EVENTS_FILE_ENV: str(run_dir / EVENTS_FILE_NAME),
         CHECKPOINT_DIR_ENV: str(run_dir / "checkpoints"),
         "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(spec.training.gradient_accumulation_steps),
     })
@@ -130,6 +132,13 @@ def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank:
     elif resources.device == "cpu":
         command.append("--cpu")
     return command
+
+
+def attempt_dir(work_root: Path, job_id: int, number: int, node_rank: int | None = None) -> Path:
+    """Where an attempt runs: its events file, checkpoints and a script's copy of its code.
+    `node_rank` only for a multi-node job, whose nodes share the attempt's number."""
+    node = "" if node_rank is None else f"-node-{node_rank}"
+    return work_root / f"job-{job_id}" / f"attempt-{number}{node}"
 
 
 def free_port() -> int:
@@ -224,8 +233,8 @@ class AttemptRunner:
 
     def _supervise(self, claimed: crud.ClaimedAttempt) -> tuple[AttemptStatus | None, str | None]:
         spec = JobSpec.model_validate(claimed.spec)
-        node = f"-node-{claimed.node_rank}" if spec.resources.nodes > 1 else ""
-        run_dir = self.settings.resolved_work_root / f"job-{claimed.job_id}" / f"attempt-{claimed.number}{node}"
+        node_rank = claimed.node_rank if spec.resources.nodes > 1 else None
+        run_dir = attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "spec.json").write_text(json.dumps(claimed.spec))
         resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
@@ -257,7 +266,7 @@ class AttemptRunner:
         lines: queue.Queue[str | None] = queue.Queue()
         output = threading.Event()  # set by the pump on each line and when the output ends
         threading.Thread(target=_pump_lines, args=(process.stdout, lines, output), daemon=True).start()
-        events = EventTail(run_dir / "events.jsonl")
+        events = EventTail(run_dir / EVENTS_FILE_NAME)
         outbox = Outbox()
         stall = StallWatch(spec.training.stall_timeout_s)
         stalled = False

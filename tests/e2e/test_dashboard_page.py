@@ -17,7 +17,7 @@ from tests.e2e.test_end_to_end import wait_for_event
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import EventTail, free_port
+from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,8 +67,8 @@ def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         # The training is paused (SIGSTOP) from its first step until the job page shows the curve:
         # a fast machine trains the 1,500 steps in seconds, and the curve must grow in view.
-        run_dir = info.data_dir / "work" / f"job-{job_id}" / "attempt-1"
-        wait_for_event(EventTail(run_dir / "events.jsonl"), "metrics")
+        run_dir = attempt_dir(info.data_dir / "work", job_id, 1)
+        wait_for_event(EventTail(run_dir / EVENTS_FILE_NAME), "metrics")
         ranks = training_ranks(run_dir)
         signal_ranks(ranks, signal.SIGSTOP)
         try:

@@ -20,7 +20,7 @@ from safetensors.torch import load
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint, wait_for_event
 from tests.helpers import spec_dict, tiny_spec
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import EventTail, free_port
+from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -129,7 +129,7 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
     host = wait_until_training(client, job_id)["attempts"][0]["host_name"]  # a complete checkpoint exists
 
     # The next save's staging directory appears: kill the host and its training while it is there.
-    checkpoints = tmp_path / "yard" / "work" / f"job-{job_id}" / "attempt-1" / "checkpoints"
+    checkpoints = attempt_dir(tmp_path / "yard" / "work", job_id, 1) / "checkpoints"
     deadline = time.monotonic() + 120
     while not (staging := [p.name for p in checkpoints.glob(".tmp-*")]):
         assert time.monotonic() < deadline, "no checkpoint was caught being written"
@@ -208,8 +208,8 @@ def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_r
     # right after its first checkpoint, read from its events file: the API learns of it later,
     # and a fast machine can have finished the job by then.
     # The full run dir, so that no other Trainyard on this machine (with its own job 1) is matched.
-    first_run_dir = (tmp_path / "yard").resolve() / "work" / f"job-{job_id}" / "attempt-1"
-    wait_for_event(EventTail(first_run_dir / "events.jsonl"), "checkpoint", timeout=120)
+    first_run_dir = attempt_dir((tmp_path / "yard").resolve() / "work", job_id, 1)
+    wait_for_event(EventTail(first_run_dir / EVENTS_FILE_NAME), "checkpoint", timeout=120)
     [rank] = training_ranks(first_run_dir)
     os.kill(rank, signal.SIGSTOP)
     stopped_at = datetime.now(timezone.utc)

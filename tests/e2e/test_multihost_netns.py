@@ -20,7 +20,7 @@ from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.e2e.test_faults import assert_same_run, final_weights, run_reference, training_ranks
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack, stop_children
-from workers.supervisor import free_port
+from workers.supervisor import attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -90,7 +90,7 @@ def test_a_rank_that_dies_ends_the_whole_gang_which_resumes_on_both_hosts_with_e
     })
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
     wait_for_checkpoint(client, job_id, timeout=180)
-    ranks = training_ranks(data_dir / "work" / f"job-{job_id}" / "attempt-1-node-1")
+    ranks = training_ranks(attempt_dir(data_dir / "work", job_id, 1, node_rank=1))
     assert ranks and client.get(f"/v1/jobs/{job_id}").json()["step"] < steps
     for pid in ranks:
         os.kill(pid, signal.SIGKILL)

@@ -24,7 +24,7 @@ from tests.e2e.test_end_to_end import wait_for, wait_for_event, wait_for_step
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import EventTail, free_port
+from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -159,8 +159,8 @@ def test_redis_postgres_and_the_api_restarted_mid_job_lose_no_step_no_checkpoint
     # the test needs the job still running: at its first step, and again after its first
     # checkpoint, which it trains to while PostgreSQL is down. Its worker is not paused: it keeps
     # renewing the lease, and keeps what the training wrote until the database is back.
-    run_dir = stack.data_dir / "work" / f"job-{job_id}" / "attempt-1"
-    events = EventTail(run_dir / "events.jsonl")
+    run_dir = attempt_dir(stack.data_dir / "work", job_id, 1)
+    events = EventTail(run_dir / EVENTS_FILE_NAME)
     first_step = wait_for_event(events, "metrics")["step"]
     ranks = training_ranks(run_dir)
     assert ranks, "no training process found for the running attempt"

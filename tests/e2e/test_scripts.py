@@ -23,7 +23,7 @@ from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.helpers import tiny_spec
 from trainyard.cli import main
 from trainyard.server_cli import embedded_stack
-from workers.supervisor import EventTail, free_port
+from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -148,8 +148,8 @@ def test_a_script_killed_mid_run_resumes_from_its_last_checkpoint_and_repeats_no
 
     # Killed right after its first checkpoint is written: once the API lists it, a fast machine
     # may have trained all 1000 steps.
-    run_dir = info.data_dir / "work" / f"job-{job_id}" / "attempt-1"
-    wait_for_event(EventTail(run_dir / "events.jsonl"), "checkpoint", timeout=120)
+    run_dir = attempt_dir(info.data_dir / "work", job_id, 1)
+    wait_for_event(EventTail(run_dir / EVENTS_FILE_NAME), "checkpoint", timeout=120)
     code_dir = run_dir / "code"
     victims = training_processes(code_dir)
     assert victims, "the training process had already ended"
@@ -161,7 +161,7 @@ def test_a_script_killed_mid_run_resumes_from_its_last_checkpoint_and_repeats_no
     first, second = job["attempts"]
     assert first["status"] == "failed" and second["resumed_from_step"] >= 50 and second["resumed_from_step"] % 50 == 0
     # The resumed run starts right after the checkpoint's step: nothing before it is trained again.
-    events = [json.loads(line) for line in (info.data_dir / "work" / f"job-{job_id}" / "attempt-2" / "events.jsonl").read_text().splitlines()]
+    events = [json.loads(line) for line in (attempt_dir(info.data_dir / "work", job_id, 2) / EVENTS_FILE_NAME).read_text().splitlines()]
     steps = [e["step"] for e in events if e["type"] == "metrics"]
     assert steps == list(range(second["resumed_from_step"] + 1, 1001))
     assert client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]["steps"] == list(range(1, 1001))
