@@ -35,9 +35,9 @@ def make_engine(url: str) -> Engine:
             if dbapi_connection.closed:
                 raise exc.DisconnectionError("PostgreSQL closed this connection")
             idle_since = record.info.get("idle_since")  # None: opened for this check-out
-            socket = select.poll()  # not select.select(): it fails on descriptors past 1024
-            socket.register(dbapi_connection.fileno(), select.POLLIN)
-            if (idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS) and not socket.poll(0):
+            incoming = select.poll()  # not select.select(): it fails on descriptors past 1024
+            incoming.register(dbapi_connection.fileno(), select.POLLIN)
+            if (idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS) and not incoming.poll(0):
                 return
             try:
                 engine.dialect.do_ping(dbapi_connection)  # reads what the server sent (a notice is harmless)

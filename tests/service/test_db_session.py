@@ -7,6 +7,7 @@ import struct
 import threading
 import time
 
+import pytest
 import sqlalchemy as sa
 
 from service.db import session as db_session
@@ -18,21 +19,25 @@ def backend_pid(sessions) -> int:
         return session.scalar(sa.text("SELECT pg_backend_pid()"))
 
 
-def test_a_connection_postgresql_ended_is_replaced_before_a_transaction_uses_it_and_a_sound_one_is_kept(postgres_url):
+@pytest.fixture
+def admin(postgres_url):
+    """A connection of its own, outside the pool under test, in autocommit."""
+    engine = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        yield connection
+    engine.dispose()
+
+
+def test_a_connection_postgresql_ended_is_replaced_before_a_transaction_uses_it_and_a_sound_one_is_kept(postgres_url, admin):
     sessions = session_factory(postgres_url)
     first = backend_pid(sessions)
     assert backend_pid(sessions) == first  # a sound idle connection is handed out again, not reopened
 
-    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            assert connection.scalar(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
-            deadline = time.monotonic() + 10
-            while connection.scalar(sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": first}):
-                assert time.monotonic() < deadline, "the terminated backend did not exit"
-                time.sleep(0.05)
-    finally:
-        admin.dispose()
+    assert admin.scalar(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": first})
+    deadline = time.monotonic() + 10
+    while admin.scalar(sa.text("SELECT count(*) FROM pg_stat_activity WHERE pid = :pid"), {"pid": first}):
+        assert time.monotonic() < deadline, "the terminated backend did not exit"
+        time.sleep(0.05)
 
     # The pool's only connection is now closed by the server: the next transaction must get a
     # new one, not fail on the old one (as a restarted PostgreSQL would make every process's do).
@@ -41,18 +46,13 @@ def test_a_connection_postgresql_ended_is_replaced_before_a_transaction_uses_it_
     assert backend_pid(sessions) == replaced
 
 
-def test_a_sound_connection_with_a_message_waiting_on_its_socket_is_pinged_and_kept(postgres_url):
+def test_a_sound_connection_with_a_message_waiting_on_its_socket_is_pinged_and_kept(postgres_url, admin):
     sessions = session_factory(postgres_url)
     with sessions() as session:
         pid = session.scalar(sa.text("SELECT pg_backend_pid()"))
         session.execute(sa.text("LISTEN trainyard_test_channel"))
         session.commit()
-    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as connection:
-            connection.execute(sa.text("NOTIFY trainyard_test_channel"))
-    finally:
-        admin.dispose()
+    admin.execute(sa.text("NOTIFY trainyard_test_channel"))
     time.sleep(0.2)  # the notification is on the idle pooled connection's socket now
 
     assert backend_pid(sessions) == pid
