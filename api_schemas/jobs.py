@@ -191,7 +191,17 @@ class _DatasetPath(_Config):
         return self.path if self.path is not None else f"{UPLOADS_DIR}/{self.upload_id}"
 
 
-class DatasetConfig(_DatasetPath):
+class _CorpusWindows(_Config):
+    windows: Literal["random", "aligned"] = Field(
+        "random",
+        description="How a language model's training samples are cut from the corpus. `random`: each window starts at a "
+        "token offset drawn from the seed, afresh every epoch (nanoGPT's sampling), so repeated epochs see new windows; "
+        "`aligned`: the same non-overlapping windows every epoch, shuffled. Either way a pure function of "
+        "(seed, epoch, index), so resume and process counts give the same samples. Evaluation always reads aligned windows.",
+    )
+
+
+class DatasetConfig(_DatasetPath, _CorpusWindows):
     """A plain-text corpus, tokenised per character or per byte."""
 
     kind: Literal["text"] = Field(
@@ -212,7 +222,7 @@ class LabelledDatasetConfig(_DatasetPath):
     tasks: ClassVar[tuple[str, ...]] = ("classify",)
 
 
-class DiskDatasetConfig(_DatasetPath):
+class DiskDatasetConfig(_DatasetPath, _CorpusWindows):
     """A Hugging Face `datasets` directory written by `save_to_disk`, read with `load_from_disk`: labelled
     texts for a classifier, or the texts of `text_column` joined by newlines for a language model."""
 

@@ -141,7 +141,10 @@ def reference_training(spec: JobSpec, data_root: Path, steps: int) -> Reference:
     assert spec.model.dropout == 0.0 and cfg.precision == "no"
     torch.manual_seed(cfg.seed)
     corpus = load_text_corpus(spec.dataset, data_root)
-    windows = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step(spec))
+    windows = TokenWindows(
+        corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step(spec),
+        random_offsets=spec.dataset.windows == "random",
+    )
     model = GPT(spec.model, corpus.tokenizer.vocab_size).train()
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
 

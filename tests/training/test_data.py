@@ -32,7 +32,7 @@ def test_validation_is_the_tail_of_the_corpus(tmp_path):
         load_text_corpus(DatasetConfig(kind="text", path="absent.txt"), tmp_path)
 
 
-def test_the_training_order_is_a_permutation_fixed_by_seed_and_epoch():
+def test_aligned_windows_are_a_permutation_fixed_by_seed_and_epoch():
     tokens = torch.arange(161)
     windows = TokenWindows(tokens, block_size=8, seed=7)
 
@@ -44,6 +44,26 @@ def test_the_training_order_is_a_permutation_fixed_by_seed_and_epoch():
     assert order(0) == order(0) and order(0) != order(1)
     inputs, targets = windows[3]
     assert torch.equal(targets[:-1], inputs[1:])  # targets are the inputs shifted by one token
+
+
+def test_random_windows_start_anywhere_and_are_fixed_by_seed_epoch_and_index():
+    tokens = torch.arange(161)
+    windows = TokenWindows(tokens, block_size=8, seed=7, random_offsets=True)
+
+    def starts(epoch: int) -> list[int]:
+        windows.set_epoch(epoch)
+        return [int(windows[i][0][0]) for i in range(len(windows))]
+
+    assert len(starts(0)) == 20 and all(0 <= s <= 161 - 9 for s in starts(0))
+    assert any(s % 8 for s in starts(0))  # not only the aligned windows
+    assert starts(0) == starts(0) and starts(0) != starts(1)
+    inputs, targets = windows[5]
+    assert len(inputs) == 8 and torch.equal(targets[:-1], inputs[1:])
+    # An epoch trimmed to whole steps keeps the draws of the untrimmed one (resume on another
+    # process count trims differently).
+    trimmed = TokenWindows(tokens, block_size=8, seed=7, multiple_of=6, random_offsets=True)
+    trimmed.set_epoch(1)
+    assert [int(trimmed[i][0][0]) for i in range(len(trimmed))] == starts(1)[:18]
 
 
 def test_evaluation_with_no_eval_batches_reads_every_validation_window_once_in_order():

@@ -30,7 +30,7 @@ def test_bf16_train_loss_tracks_fp32_and_its_first_step_is_the_autocast_forward(
     torch.manual_seed(spec.training.seed)
     corpus = load_text_corpus(spec.dataset, data_root)
     model = GPT(spec.model, corpus.tokenizer.vocab_size)
-    windows = TokenWindows(corpus.train, spec.model.block_size, seed=spec.training.seed)
+    windows = TokenWindows(corpus.train, spec.model.block_size, seed=spec.training.seed, random_offsets=True)
     windows.set_epoch(0)
     samples = [windows[i] for i in range(spec.training.micro_batch_size)]
     inputs, targets = torch.stack([x for x, _ in samples]), torch.stack([y for _, y in samples])

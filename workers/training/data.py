@@ -103,16 +103,32 @@ class EpochSelection(Dataset):
 
 
 class TokenWindows(EpochSelection):
-    """Non-overlapping windows of block_size + 1 tokens, returned as (input, target shifted by one)."""
+    """Windows of block_size + 1 tokens, returned as (input, target shifted by one). An epoch holds as
+    many windows as the corpus has non-overlapping ones. Aligned, they are those windows, shuffled;
+    with `random_offsets` (and a seed) each starts at an offset drawn from (seed, epoch), as nanoGPT
+    samples, so a second epoch is not a replay of the first."""
 
-    def __init__(self, tokens: torch.Tensor, block_size: int, seed: int | None = None, multiple_of: int = 1):
-        self.tokens, self.block_size = tokens, block_size
+    def __init__(
+        self, tokens: torch.Tensor, block_size: int, seed: int | None = None, multiple_of: int = 1, random_offsets: bool = False
+    ):
+        self.tokens, self.block_size, self.random_offsets = tokens, block_size, random_offsets
         total = (len(tokens) - 1) // block_size
         too_few = f"model.block_size, training.micro_batch_size: {len(tokens)} tokens make {total} windows of {block_size}"
         super().__init__(total, seed, multiple_of, too_few)
+        self.starts = self.order * block_size
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        if self.seed is not None and self.random_offsets:
+            # Any offset that leaves room for a whole window: 0 .. len - block_size - 1. Drawn for
+            # every window and then trimmed, as the shuffle is, so the draws don't depend on the trim.
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self.starts = torch.randint(len(self.tokens) - self.block_size, (self.total,), generator=generator)[: self.count]
+        else:
+            self.starts = self.order * self.block_size
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = int(self.order[index]) * self.block_size
+        start = int(self.starts[index])
         chunk = self.tokens[start : start + self.block_size + 1]
         return chunk[:-1], chunk[1:]
 

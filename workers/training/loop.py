@@ -78,7 +78,10 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     labels = None
     if spec.model.task == "lm":
         corpus = load_text_corpus(spec.dataset, data_root)
-        train_set = TokenWindows(corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step)
+        train_set = TokenWindows(
+            corpus.train, spec.model.block_size, seed=cfg.seed, multiple_of=samples_per_step,
+            random_offsets=spec.dataset.windows == "random",
+        )
         tokens_per_sample = spec.model.block_size
     else:
         corpus = load_labelled_corpus(spec.dataset, spec.model, data_root)
