@@ -18,6 +18,7 @@ from service.settings import Settings, get_settings
 
 log = logging.getLogger("trainyard.api")
 
+
 # Routes whose body is an uploaded file, allowed up to max_upload_bytes instead of max_request_bytes.
 UPLOAD_PATHS = ("/v1/datasets", "/v1/code")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from service.api.main import create_app
@@ -48,6 +49,23 @@ def test_a_route_that_fails_unexpectedly_answers_500_with_a_request_id_that_is_i
     response = TestClient(app).get("/fails")
     assert_internal_error(response, caplog, exception)
     assert "a bug" not in response.text  # the details stay in the log
+
+
+def test_a_stream_that_fails_midway_is_cut_short_and_logged_once(settings, caplog):
+    app = create_app(settings)
+
+    @app.get("/stream")
+    def stream():
+        def lines():
+            yield b"first\n"
+            raise RuntimeError("a bug mid-stream")
+
+        return StreamingResponse(lines())
+
+    response = TestClient(app).get("/stream")
+    assert response.status_code == 200 and response.content == b"first\n"  # too late to answer 500
+    [record] = [r for r in caplog.records if r.name == "trainyard.api"]
+    assert record.request_id in record.getMessage() and record.exc_info[0] is RuntimeError
 
 
 def test_a_checkpoint_recorded_outside_the_artifact_store_is_a_server_error(api, settings, token, caplog):
