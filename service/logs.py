@@ -10,7 +10,7 @@ import json
 import logging
 from datetime import datetime, timezone
 
-FIELDS = ("job_id", "attempt_id", "node_rank", "host")
+FIELDS = ("job_id", "attempt_id", "node_rank", "host", "request_id")
 
 
 def job_fields(job_id: int, attempt_id: int | None = None, **more) -> dict:

@@ -1,4 +1,10 @@
-"""The one place service configuration lives. Every field reads TRAINYARD_<NAME> from the environment."""
+"""The one place service configuration lives. Every field reads TRAINYARD_<NAME> from the environment.
+
+The settings come in groups, one per role that reads them, so that each process's own are in
+one class: where state lives and how to log (every process), the API's limits, the scheduler's
+timing and the workers'. `Settings` is all of them in one object, which the `trainyard` commands
+read to start any role.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +16,13 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
-class Settings(BaseSettings):
+class _FromEnvironment(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRAINYARD_", extra="ignore")
+
+
+class StorageSettings(_FromEnvironment):
+    """Every process: where state lives. Each place left unset is one under data_dir, so the
+    embedded mode needs that one directory; `resolved_*` is the place as used."""
 
     data_dir: Path = Field(Path(".trainyard"), description="Embedded mode: holds trainyard.db, broker.db, artifacts/, data/ and token.")
     database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/trainyard.db.")
@@ -28,19 +39,26 @@ class Settings(BaseSettings):
         None, description="Directories of training scripts that `script` jobs may name by path (`script.code.path`); default <data_dir>/code."
     )
 
-    lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
-    heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
-    host_timeout_seconds: float = Field(30.0, gt=0, description="A host silent for this long gets no new attempts.")
-    dispatch_timeout_seconds: float = Field(60.0, gt=0, description="A scheduled attempt not claimed for this long is dispatched again.")
-    scheduler_interval_seconds: float = Field(
-        2.0, gt=0,
-        description="Longest pause between scheduler passes, which find expired leases and re-send unclaimed dispatches; "
-        "a ring (a job queued, devices freed, a host registered) starts one at once. Each pass costs the host a few ms "
-        "of CPU, taken from CPU training beside it.",
-    )
-    priority_aging_seconds: float = Field(600.0, gt=0, description="A queued job gains one priority point per this many seconds waited.")
+    def _under_data_dir(self, given: Path | None, default: str) -> Path:
+        return (given or self.data_dir / default).resolve()
+
+    resolved_database_url = property(lambda self: self.database_url or f"sqlite:///{self.data_dir.resolve()}/trainyard.db")
+    resolved_broker_url = property(lambda self: self.broker_url or f"sqla+sqlite:///{self.data_dir.resolve()}/broker.db")
+    resolved_artifact_root = property(lambda self: self._under_data_dir(self.artifact_root, "artifacts"))
+    resolved_data_root = property(lambda self: self._under_data_dir(self.data_root, "data"))
+    resolved_work_root = property(lambda self: self._under_data_dir(self.work_root, "work"))
+    resolved_plugin_dir = property(lambda self: self._under_data_dir(self.plugin_dir, "plugins"))
+    resolved_code_root = property(lambda self: self._under_data_dir(self.code_root, "code"))
+
+
+class LoggingSettings(_FromEnvironment):
+    """Every process: how it logs."""
 
     log_format: Literal["text", "json"] = Field("text", description="`json`: one object per line with job_id and attempt_id fields.")
+
+
+class ApiSettings(_FromEnvironment):
+    """The API: what one request, one upload and one user may ask of it, and how its streams run."""
 
     max_active_jobs_per_user: int | None = Field(
         None, ge=1, description="Most queued, scheduled and running jobs one user may have; a submit beyond it gets 429. Unset: no limit."
@@ -48,14 +66,15 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(1_000_000, gt=0, description="Largest accepted request body (uploads: max_upload_bytes).")
     max_upload_bytes: int = Field(200_000_000, gt=0, description="Largest dataset file or code bundle one POST /v1/datasets or /v1/code accepts.")
     max_unpacked_bytes: int = Field(500_000_000, gt=0, description="Most bytes a code bundle may unpack to, all files together.")
+    max_unpacked_files: int = Field(10_000, gt=0, description="Most files (and directories) a code bundle may hold.")
     script_packages: list[str] = Field(
         ["accelerate", "datasets", "numpy", "safetensors", "tokenizers", "torch", "transformers"],
         description="Packages the workers provide to `script` jobs: what `script.requirements` may name (nothing is installed per job).",
     )
-    max_unpacked_files: int = Field(10_000, gt=0, description="Most files (and directories) a code bundle may hold.")
     log_tail_max: int = Field(1000, gt=0, description="Most log lines one /logs request returns.")
     metrics_max_points: int = Field(10_000, gt=0, description="Most points per series one /metrics request returns.")
     events_poll_seconds: float = Field(0.5, gt=0, description="How often an open /events stream looks for new events.")
+    events_heartbeat_seconds: float = Field(15.0, gt=0, description="An /events stream with nothing to send sends a comment this often, so proxies keep it open.")
     download_redirect_prefix: str | None = Field(
         None,
         pattern=r"^/[A-Za-z0-9_/-]*/$",
@@ -65,35 +84,33 @@ class Settings(BaseSettings):
             "and nginx sends the file itself (sendfile, Range). Unset: the API sends the bytes."
         ),
     )
-    events_heartbeat_seconds: float = Field(15.0, gt=0, description="An /events stream with nothing to send sends a comment this often, so proxies keep it open.")
 
-    @property
-    def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.data_dir.resolve()}/trainyard.db"
 
-    @property
-    def resolved_broker_url(self) -> str:
-        return self.broker_url or f"sqla+sqlite:///{self.data_dir.resolve()}/broker.db"
+class SchedulerSettings(_FromEnvironment):
+    """The scheduler: how often it runs, how it orders the queue, and when it gives up on a host or
+    a dispatch (the API shows hosts as online by the same host timeout; workers wait out the
+    dispatch timeout for a gang's node 0)."""
 
-    @property
-    def resolved_artifact_root(self) -> Path:
-        return (self.artifact_root or self.data_dir / "artifacts").resolve()
+    scheduler_interval_seconds: float = Field(
+        2.0, gt=0,
+        description="Longest pause between scheduler passes, which find expired leases and re-send unclaimed dispatches; "
+        "a ring (a job queued, devices freed, a host registered) starts one at once. Each pass costs the host a few ms "
+        "of CPU, taken from CPU training beside it.",
+    )
+    priority_aging_seconds: float = Field(600.0, gt=0, description="A queued job gains one priority point per this many seconds waited.")
+    host_timeout_seconds: float = Field(30.0, gt=0, description="A host silent for this long gets no new attempts.")
+    dispatch_timeout_seconds: float = Field(60.0, gt=0, description="A scheduled attempt not claimed for this long is dispatched again.")
 
-    @property
-    def resolved_data_root(self) -> Path:
-        return (self.data_root or self.data_dir / "data").resolve()
 
-    @property
-    def resolved_plugin_dir(self) -> Path:
-        return (self.plugin_dir or self.data_dir / "plugins").resolve()
+class WorkerSettings(_FromEnvironment):
+    """The workers: how often they show they are alive, and how long an attempt is theirs without it."""
 
-    @property
-    def resolved_work_root(self) -> Path:
-        return (self.work_root or self.data_dir / "work").resolve()
+    heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
+    lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
 
-    @property
-    def resolved_code_root(self) -> Path:
-        return (self.code_root or self.data_dir / "code").resolve()
+
+class Settings(StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings):
+    """Every group in one object (the same names, `settings.lease_seconds`)."""
 
 
 @lru_cache

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -9,8 +12,11 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import field_location
+from service.admission import Refused
 from service.api.routes import checkpoints, dashboard, jobs, monitoring, uploads
 from service.settings import Settings, get_settings
+
+log = logging.getLogger("trainyard.api")
 
 
 # Routes whose body is an uploaded file, allowed up to max_upload_bytes instead of max_request_bytes.
@@ -55,11 +61,43 @@ class _TooLarge(Exception):
     pass
 
 
+class UnexpectedErrors:
+    """An exception no route meant to raise is the server's fault, never the caller's: it gets a 500
+    whose body and X-Request-ID header carry a new request id, and its traceback is logged once
+    under that id, so that a user's report leads to the log line."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception:
+            request_id = uuid.uuid4().hex
+            log.exception(
+                "unexpected error answering %s %s (request id %s)", scope["method"], scope["path"], request_id, extra={"request_id": request_id}
+            )
+            if started:  # too late for a 500: the server cuts the answer short, and the log has already said why
+                return
+            body = {"detail": "internal error", "request_id": request_id}
+            await JSONResponse(body, status_code=500, headers={"X-Request-ID": request_id})(scope, receive, send)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.")
     app.state.settings = settings
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees what BodySizeLimit lets through
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
     app.include_router(uploads.datasets)
@@ -78,9 +116,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         errors = [{**error, "loc": field_location(error["loc"])} for error in exc.errors()]
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
-    @app.exception_handler(ValueError)
-    async def _value_error(_request: Request, exc: ValueError) -> JSONResponse:
-        # Bad input that slipped past schema validation is the caller's error, never a 500.
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+    @app.exception_handler(Refused)
+    async def _refused(_request: Request, exc: Refused) -> JSONResponse:
+        # The shapes clients know: a bad field as in FastAPI's own 422, a quota with its numbers.
+        if exc.field is not None:
+            detail = [{"loc": ["body", *exc.field], "msg": exc.message, "type": "value_error"}]
+        else:
+            detail = {"msg": exc.message, **exc.facts} if exc.facts else exc.message
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return JSONResponse({"detail": detail}, status_code=exc.status, headers=headers)
 
     return app

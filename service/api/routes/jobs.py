@@ -2,24 +2,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, status
+from fastapi import APIRouter, Header, Query, status
 from fastapi.responses import StreamingResponse
 
-from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut, ScriptConfig
+from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut
+from service.admission import admit
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep, VisibleJob
 from service.api.events import job_events, job_log_lines, polled_stream
 from service.api.views import checkpoint_out, job_out, job_outs
-from api_schemas.requirements import package_name
-from service.datasets import DatasetError, check_spec_paths
 from service.db import crud
-from service.placement import never_fits
-from service.uploads import CODE, DATASET, UploadRefused, code_directory
 from service.db.session import session_factory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
-
-# Jobs run for minutes to days; a client over its quota has no reason to ask again sooner.
-QUOTA_RETRY_AFTER_SECONDS = 60
 
 
 @router.post(
@@ -38,63 +32,7 @@ def submit_job(
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
-    if spec.script is not None:
-        _check_script(spec.script, session, user, settings)
-    else:
-        _check_dataset(spec, session, user, settings)
-    if reason := never_fits(spec.resources, crud.all_hosts(session)):
-        detail = [{"loc": ["body", "resources"], "msg": reason, "type": "value_error"}]
-        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, detail)
-    try:
-        job = crud.create_job(session, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
-    except crud.QuotaExceeded as exc:
-        detail = {"msg": str(exc), "limit": exc.limit, "active": exc.active}
-        raise HTTPException(
-            status.HTTP_429_TOO_MANY_REQUESTS, detail, headers={"Retry-After": str(QUOTA_RETRY_AFTER_SECONDS)}
-        ) from exc
-    return job_out(job)
-
-
-def _unprocessable(loc: list[str], msg: str) -> HTTPException:
-    return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["body", *loc], "msg": msg, "type": "value_error"}])
-
-
-def _check_dataset(spec: JobSpec, session, user, settings) -> None:
-    """What the spec names exists (an upload only if it is the user's), and the data fits the model."""
-    if spec.dataset is not None and spec.dataset.upload_id is not None:
-        if crud.upload_visible_to(session, user, spec.dataset.upload_id, DATASET) is None:
-            raise _unprocessable(["dataset", "upload_id"], f"no uploaded dataset {spec.dataset.upload_id} of yours")
-    try:
-        check_spec_paths(spec, settings.resolved_data_root, settings.resolved_plugin_dir)
-    except DatasetError as exc:
-        raise _unprocessable(list(exc.field), str(exc)) from exc
-
-
-def _check_script(script: ScriptConfig, session, user, settings) -> None:
-    """The user may run code, and the code and its entrypoint exist (a bundle only if it is theirs)."""
-    if not user.can_run_code:
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN,
-            "script jobs run your own code on worker hosts and need the can_run_code permission; "
-            "an admin grants it with `trainyard user create NAME --can-run-code`",
-        )
-    named_by = "path" if script.code.path is not None else "upload_id"
-    if script.code.upload_id is not None and crud.upload_visible_to(session, user, script.code.upload_id, CODE) is None:
-        raise _unprocessable(["script", "code", "upload_id"], f"no code bundle {script.code.upload_id} of yours")
-    try:
-        directory = code_directory(settings, script.code)
-    except UploadRefused as exc:
-        raise _unprocessable(["script", "code", named_by], str(exc)) from exc
-    entrypoint = (directory / script.entrypoint).resolve()
-    if not entrypoint.is_relative_to(directory) or not entrypoint.is_file():
-        raise _unprocessable(["script", "entrypoint"], f"no file {script.entrypoint!r} in the code")
-    provided = {package_name(name) for name in settings.script_packages}
-    for i, requirement in enumerate(script.requirements):
-        if package_name(requirement) not in provided:
-            raise _unprocessable(
-                ["script", "requirements", str(i)],
-                f"the workers provide no {package_name(requirement)!r} and install nothing per job; they provide: {', '.join(sorted(provided))}",
-            )
+    return job_out(admit(session, user, spec, settings, idempotency_key))
 
 
 @router.get("", response_model=JobPage)

@@ -1,0 +1,104 @@
+"""Admission: whether a job spec may enter the queue, decided at submit.
+
+The schema (api_schemas) has checked each field's form. What needs the service's state is checked
+here, so that a spec naming something missing is refused at once instead of failing an attempt:
+the caller may run code (a script job), what the spec names exists and is the caller's (uploads,
+data files, plugin modules, code and its requirements), some registered host could ever run it,
+and the caller is within the active-job quota. A refusal is a `Refused`; the API answers it.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from packaging.requirements import InvalidRequirement
+from sqlalchemy.orm import Session
+
+from api_schemas import JobSpec, ScriptConfig
+from api_schemas.requirements import package_name
+from service.datasets import DatasetError, check_spec_paths
+from service.db import crud
+from service.db.models import Job, User
+from service.placement import never_fits
+from service.settings import Settings
+from service.uploads import CODE, DATASET, UploadRefused, code_directory
+
+# Jobs run for minutes to days; a client over its quota has no reason to ask again sooner.
+QUOTA_RETRY_AFTER_SECONDS = 60
+
+
+class Refused(Exception):
+    """A request the service won't take: the HTTP `status`, the body `field` at fault (None: the
+    request as a whole) and the `message` for the caller; a refusal that passes with time says
+    when to ask again (`retry_after`, seconds) and the numbers behind it (`facts`)."""
+
+    def __init__(
+        self, status: int, field: tuple[str, ...] | None, message: str, retry_after: int | None = None, facts: dict | None = None
+    ):
+        super().__init__(message)
+        self.status, self.field, self.message = status, field, message
+        self.retry_after, self.facts = retry_after, facts or {}
+
+
+def bad_field(field: tuple[str, ...], message: str) -> Refused:
+    return Refused(HTTPStatus.UNPROCESSABLE_ENTITY, field, message)
+
+
+def admit(session: Session, user: User, spec: JobSpec, settings: Settings, idempotency_key: str | None = None) -> Job:
+    """The queued job for `spec`, or Refused. The quota is counted in the transaction that inserts
+    the job, so two submits at once can't both take the last place; a retry with the same
+    idempotency key returns the job it created."""
+    if spec.script is not None:
+        _check_script(session, user, spec.script, settings)
+    else:
+        _check_data(session, user, spec, settings)
+    if reason := never_fits(spec.resources, crud.all_hosts(session)):
+        raise bad_field(("resources",), reason)
+    try:
+        return crud.create_job(session, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
+    except crud.QuotaExceeded as exc:
+        raise Refused(
+            HTTPStatus.TOO_MANY_REQUESTS, None, str(exc), QUOTA_RETRY_AFTER_SECONDS, {"limit": exc.limit, "active": exc.active}
+        ) from exc
+
+
+def _check_data(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:
+    """What the spec names exists (an upload only if it is the user's), and the data fits the model."""
+    if spec.dataset is not None and spec.dataset.upload_id is not None:
+        if crud.upload_visible_to(session, user, spec.dataset.upload_id, DATASET) is None:
+            raise bad_field(("dataset", "upload_id"), f"no uploaded dataset {spec.dataset.upload_id} of yours")
+    try:
+        check_spec_paths(spec, settings.resolved_data_root, settings.resolved_plugin_dir)
+    except DatasetError as exc:
+        raise bad_field(exc.field, str(exc)) from exc
+
+
+def _check_script(session: Session, user: User, script: ScriptConfig, settings: Settings) -> None:
+    """The user may run code, the code and its entrypoint exist (a bundle only if it is theirs), and
+    the workers provide what it requires."""
+    if not user.can_run_code:
+        raise Refused(
+            HTTPStatus.FORBIDDEN,
+            None,
+            "script jobs run your own code on worker hosts and need the can_run_code permission; "
+            "an admin grants it with `trainyard user create NAME --can-run-code`",
+        )
+    named_by = "path" if script.code.path is not None else "upload_id"
+    if script.code.upload_id is not None and crud.upload_visible_to(session, user, script.code.upload_id, CODE) is None:
+        raise bad_field(("script", "code", "upload_id"), f"no code bundle {script.code.upload_id} of yours")
+    try:
+        directory = code_directory(settings, script.code)
+    except UploadRefused as exc:
+        raise bad_field(("script", "code", named_by), str(exc)) from exc
+    entrypoint = (directory / script.entrypoint).resolve()
+    if not entrypoint.is_relative_to(directory) or not entrypoint.is_file():
+        raise bad_field(("script", "entrypoint"), f"no file {script.entrypoint!r} in the code")
+    provided = {package_name(name) for name in settings.script_packages}
+    for i, requirement in enumerate(script.requirements):
+        field = ("script", "requirements", str(i))
+        try:
+            name = package_name(requirement)
+        except InvalidRequirement as exc:  # the schema's pattern lets through some that aren't PEP 508 (`torch==!`)
+            raise bad_field(field, f"not a requirement: {exc}") from exc
+        if name not in provided:
+            raise bad_field(field, f"the workers provide no {name!r} and install nothing per job; they provide: {', '.join(sorted(provided))}")

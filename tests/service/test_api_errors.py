@@ -1,0 +1,80 @@
+"""Whose fault a failed request is: bad input gets a 422 naming the field (test_api.py,
+test_script_jobs.py, test_uploads.py); anything else that goes wrong is the server's, a 500 with a
+request id that finds its traceback in the log."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from fastapi.responses import StreamingResponse
+from fastapi.testclient import TestClient
+
+from service.api.main import create_app
+from service.db import crud
+from service.db.session import session_factory
+from service.settings import Settings
+from tests.helpers import auth, start_job, tiny_spec
+
+
+@pytest.fixture
+def settings(database_url, data_root, tmp_path) -> Settings:
+    return Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root)
+
+
+@pytest.fixture
+def token(settings) -> str:
+    with session_factory(settings.resolved_database_url)() as session:
+        return crud.create_user(session, "alice")[1]
+
+
+def assert_internal_error(response, caplog, exception: type[Exception]) -> None:
+    """A 500 that blames the server, and the one log record with its traceback under the same id."""
+    assert response.status_code == 500, response.text
+    request_id = response.headers["X-Request-ID"]
+    assert response.json() == {"detail": "internal error", "request_id": request_id}
+    [record] = [r for r in caplog.records if r.name == "trainyard.api"]
+    assert record.request_id == request_id and request_id in record.getMessage()
+    assert record.levelno == logging.ERROR and record.exc_info[0] is exception
+
+
+@pytest.mark.parametrize("exception", [ValueError, RuntimeError])
+def test_a_route_that_fails_unexpectedly_answers_500_with_a_request_id_that_is_in_the_log(settings, caplog, exception):
+    app = create_app(settings)
+
+    @app.get("/fails")
+    def fails():
+        raise exception("a bug, not the caller's fault")
+
+    response = TestClient(app).get("/fails")
+    assert_internal_error(response, caplog, exception)
+    assert "a bug" not in response.text  # the details stay in the log
+
+
+def test_a_stream_that_fails_midway_is_cut_short_and_logged_once(settings, caplog):
+    app = create_app(settings)
+
+    @app.get("/stream")
+    def stream():
+        def lines():
+            yield b"first\n"
+            raise RuntimeError("a bug mid-stream")
+
+        return StreamingResponse(lines())
+
+    response = TestClient(app).get("/stream")
+    assert response.status_code == 200 and response.content == b"first\n"  # too late to answer 500
+    [record] = [r for r in caplog.records if r.name == "trainyard.api"]
+    assert record.request_id in record.getMessage() and record.exc_info[0] is RuntimeError
+
+
+def test_a_checkpoint_recorded_outside_the_artifact_store_is_a_server_error(api, settings, token, caplog):
+    # The store refuses the path with a ValueError; that once answered 422, blaming the caller.
+    job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(token)).json()["id"]
+    claimed = start_job(settings, job_id)
+    with session_factory(settings.resolved_database_url)() as session:
+        crud.record_checkpoint(session, job_id, claimed.attempt_id, 12, "../../elsewhere", "0" * 64, 10, keep_last=2)
+        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+    response = api.get(f"/v1/checkpoints/{checkpoint_id}/download", headers=auth(token))
+    assert_internal_error(response, caplog, ValueError)
+
