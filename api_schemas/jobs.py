@@ -399,6 +399,8 @@ class JobSpec(_Config):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:
+        if self.training.precision == "fp16" and self.resources.device == "cpu":
+            raise ValueError("training.precision: fp16 needs device 'cuda' (use 'bf16' or 'no' on CPU)")
         if self.script is not None:
             if given := [name for name in ("model", "dataset", "optimizer") if getattr(self, name) is not None]:
                 raise ValueError(f"script: a script job brings its own model, data and optimizer; leave out {', '.join(given)}")
@@ -412,8 +414,6 @@ class JobSpec(_Config):
             ignored += ["checkpoint.every_steps"] if self.checkpoint.every_steps is not None else []
             if ignored:
                 raise ValueError(f"script: {', '.join(ignored)} would have no effect on a script job (it decides them itself); leave them out")
-            if self.training.precision == "fp16" and self.resources.device == "cpu":
-                raise ValueError("training.precision: fp16 needs device 'cuda' (use 'bf16' or 'no' on CPU)")
             return self
         needed = ("model", "optimizer", "training.max_steps", "training.micro_batch_size")
         if missing := [name for name in needed if _dotted(self, name) is None]:
@@ -426,8 +426,6 @@ class JobSpec(_Config):
                 "dataset.kind: a language model (`gpt`, an `hf` causal LM) trains on a `text` or `hf_disk` dataset, "
                 "a classifier (`mlp`, an `hf` …ForSequenceClassification) on `jsonl`, `csv` or `hf_disk`"
             )
-        if self.training.precision == "fp16" and self.resources.device == "cpu":
-            raise ValueError("training.precision: fp16 needs device 'cuda' (use 'bf16' or 'no' on CPU)")
         if self.training.grad_clip_norm and self.training.grad_clip_value:
             raise ValueError("training: set grad_clip_norm or grad_clip_value, not both")
         if self.schedule.warmup_steps is not None and self.schedule.warmup_steps >= self.training.max_steps:

@@ -15,6 +15,11 @@ MODEL_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
 
 
+def checkpoint_name(step: int) -> str:
+    """The directory of the checkpoint at `step`, as the training loop writes it and the artifact store keeps it."""
+    return f"step-{step:08d}"
+
+
 class CorruptCheckpoint(Exception):
     pass
 

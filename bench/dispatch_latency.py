@@ -2,7 +2,7 @@
 
     PYTHONPATH=$PWD .venv/bin/python bench/dispatch_latency.py [--jobs 20] [--broker redis|sqlite]
 
-Trainyard's side is the real path on an empty cluster: the job is queued with crud.create_job, the
+Trainyard's side is the real path on an empty cluster: the job is queued with create_job, the
 scheduler process (`trainyard scheduler`, default settings) places it and sends the Celery task,
 and a worker process (`trainyard worker`, one CPU slot) claims the attempt. Latency = the attempt's
 started_at (stamped by the worker once the claim has read the attempt, before its writes commit:
@@ -38,15 +38,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from api_schemas import JobSpec  # noqa: E402
 from bench.scratch import REDIS_URL, postgres_database, sqlite_database  # noqa: E402
-from service.db import crud  # noqa: E402
+from service.db.accounts import create_user, user_by_name  # noqa: E402
+from service.db.jobs import create_job, job_status, request_cancel  # noqa: E402
 from service.db.models import Attempt, Job, utcnow  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.queue import make_celery  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from tests.helpers import tiny_spec  # noqa: E402
+from tests.helpers import job_spec  # noqa: E402
 from trainyard.server_cli import stop_children  # noqa: E402
-from api_schemas import JobSpec  # noqa: E402
 
 PEER_TASK, PEER_QUEUE = "bench.noop", "bench.noop"
 HOST = "bench-host"
@@ -82,21 +83,21 @@ def job_latency(sessions, owner_name: str, spec: JobSpec) -> tuple[float, float,
     Returns (total, commit, scheduler, dispatch) seconds: total is queued (committed) → claimed;
     commit (the INSERT → commit of the queuing transaction) is not part of it."""
     with sessions() as session:
-        job = crud.create_job(session, crud.user_by_name(session, owner_name), spec)
+        job = create_job(session, user_by_name(session, owner_name), spec)
     queued_at = utcnow()  # committed: from here on the scheduler can see the job
     deadline = time.monotonic() + 60
     while True:
         with sessions() as session:
             attempt = session.query(Attempt).filter(Attempt.job_id == job.id, Attempt.started_at.is_not(None)).one_or_none()
             if attempt is not None:
-                crud.request_cancel(session, session.get(Job, job.id))
+                request_cancel(session, session.get(Job, job.id))
                 break
         if time.monotonic() > deadline:
             raise SystemExit(f"job {job.id} did not start within 60 s; see the worker and scheduler logs")
         time.sleep(0.02)
     while True:
         with sessions() as session:
-            if crud.job_status(session, job.id).is_final:
+            if job_status(session, job.id).is_final:
                 break
         time.sleep(0.05)
     return (
@@ -138,12 +139,12 @@ def main() -> None:
     if args.serve_peer:
         return serve_peer(*args.serve_peer)
 
-    spec = JobSpec.model_validate(tiny_spec(max_restarts=0))
+    spec = job_spec(max_restarts=0)
     with tempfile.TemporaryDirectory() as tmp_name, backends(args.broker, Path(tmp_name)) as (database_url, broker_url, backend_url):
         tmp = Path(tmp_name)
         sessions = session_factory(database_url)
         with sessions() as session:
-            crud.create_user(session, "bench")
+            create_user(session, "bench")
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),

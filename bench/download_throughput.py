@@ -36,7 +36,9 @@ sys.path.insert(0, str(REPO))
 
 from api_schemas.manifest import MODEL_FILE  # noqa: E402
 from bench.scratch import sqlite_database  # noqa: E402
-from service.db import crud  # noqa: E402
+from service.db.accounts import create_user  # noqa: E402
+from service.db.checkpoints import list_checkpoints, record_checkpoint  # noqa: E402
+from service.db.jobs import create_job  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from tests.helpers import job_spec, start_job  # noqa: E402
@@ -83,8 +85,8 @@ def main() -> None:
         settings = Settings(data_dir=Path(tmp), database_url=url)
         sessions = session_factory(url)
         with sessions() as session:
-            owner, token = crud.create_user(session, "bench")
-            job_id = crud.create_job(session, owner, job_spec()).id
+            owner, token = create_user(session, "bench")
+            job_id = create_job(session, owner, job_spec()).id
         claimed = start_job(settings, job_id)  # placed and claimed, as a worker that stores checkpoints
 
         relative = f"jobs/{job_id}/checkpoints/step-00000012"
@@ -94,8 +96,8 @@ def main() -> None:
             for _ in range(args.size_mb):
                 f.write(os.urandom(BLOCK))
         with sessions() as session:
-            crud.record_checkpoint(session, job_id, claimed.attempt_id, 12, relative, "0" * 64, model.stat().st_size, keep_last=1)
-            checkpoint_id = crud.latest_checkpoint(session, job_id).id
+            record_checkpoint(session, job_id, claimed.attempt_id, 12, relative, "0" * 64, model.stat().st_size, keep_last=1)
+            checkpoint_id = list_checkpoints(session, job_id)[-1].id
 
         port = free_port()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),

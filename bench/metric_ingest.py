@@ -1,10 +1,10 @@
-"""Metric ingest: points/s into PostgreSQL through crud.record_metrics, against a bulk COPY of the same rows.
+"""Metric ingest: points/s into PostgreSQL through record_metrics, against a bulk COPY of the same rows.
 
     PYTHONPATH=$PWD .venv/bin/python bench/metric_ingest.py [--batches 40] [--steps-per-batch 300]
 
 A worker flushes what its job reported every heartbeat (5 s). A fast job does ~60 steps/s with 7
 metrics per step, so one flush is ~300 steps × 7 = 2,100 points: that is one batch here. Trainyard
-stores each batch with crud.record_metrics, as the supervisor does (upsert of the points, the
+stores each batch with record_metrics, as the supervisor does (upsert of the points, the
 job's step, one metrics event per step in the job's event log, one commit). The peer writes the
 same rows for another job with psycopg's COPY, one commit per batch: the fastest way into that
 table. Batches alternate between the two. Targets: ratio ≥ 0.5 and ≥ 50,000 points/s.
@@ -28,7 +28,11 @@ import psycopg  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
 from bench.scratch import postgres_database  # noqa: E402
-from service.db import crud  # noqa: E402
+from service.db.accounts import create_user  # noqa: E402
+from service.db.attempts import ClaimedAttempt, claim_attempt  # noqa: E402
+from service.db.hosts import register_host  # noqa: E402
+from service.db.jobs import create_job  # noqa: E402
+from service.db.metrics import record_metrics  # noqa: E402
 from service.db.models import Metric  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.scheduler import schedule_pass  # noqa: E402
@@ -38,12 +42,12 @@ from tests.helpers import job_spec  # noqa: E402
 NAMES = ["train_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "peak_memory_mb", "eval_loss"]
 
 
-def running_job(sessions, settings: Settings, owner) -> crud.ClaimedAttempt:
+def running_job(sessions, settings: Settings, owner) -> ClaimedAttempt:
     """A job placed and claimed as a worker would, so record_metrics sees a real running attempt."""
     with sessions() as session:
-        crud.create_job(session, owner, job_spec())
+        create_job(session, owner, job_spec())
         [(attempt_id, _)] = schedule_pass(session, settings)
-        return crud.claim_attempt(session, attempt_id, "bench-worker", settings.lease_seconds)
+        return claim_attempt(session, attempt_id, "bench-worker", settings.lease_seconds)
 
 
 def batches(count: int, steps_per_batch: int) -> list[list[tuple[int, str, float]]]:
@@ -66,14 +70,14 @@ def main() -> None:
         sessions = session_factory(url)
         settings = Settings(database_url=url)
         with sessions() as session:
-            owner, _ = crud.create_user(session, "bench")
-            crud.register_host(session, "bench-host", "cpu", 2, {})
+            owner, _ = create_user(session, "bench")
+            register_host(session, "bench-host", "cpu", 2, {})
         ours, theirs = running_job(sessions, settings, owner), running_job(sessions, settings, owner)
         with psycopg.connect(url.replace("postgresql+psycopg", "postgresql")) as peer:
             for i, points in enumerate(work):
                 start = time.perf_counter()
                 with sessions() as session:
-                    crud.record_metrics(session, ours.job_id, ours.attempt_id, points)
+                    record_metrics(session, ours.job_id, ours.attempt_id, points)
                 if i:  # the first batch of each side warms up connections and statement caches
                     trainyard_s += time.perf_counter() - start
 

@@ -6,7 +6,7 @@ One job holds `--points` points over 7 series (the metrics a training job report
 beside `--other-jobs` other jobs of 100 points each, so the table is not that job's alone. The
 rows are generated inside PostgreSQL to keep set-up short. The request goes through the real
 API app (FastAPI's TestClient, in-process: no socket, but routing, auth, the query, downsampling
-and JSON encoding). The endpoint reads the job's bucket summaries (service/rollups.py), which
+and JSON encoding). The endpoint reads the job's bucket summaries (service/db/rollups.py), which
 record_metrics keeps at ingest; here they are built once after the bulk fill. The peer is what the
 endpoint used to pay before them, the floor of any design that reads every point: psycopg fetching
 that job's points in the order the endpoint read them. Requests
@@ -32,7 +32,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from bench.scratch import postgres_database  # noqa: E402
 from service.api.main import create_app  # noqa: E402
-from service.db import crud  # noqa: E402
+from service.db.accounts import create_user  # noqa: E402
+from service.db.metric_buckets import refresh_metric_buckets  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from tests.helpers import job_spec  # noqa: E402
@@ -77,7 +78,7 @@ def main() -> None:
     with postgres_database() as url, tempfile.TemporaryDirectory() as tmp:
         settings = Settings(data_dir=Path(tmp), database_url=url)
         with session_factory(url)() as session:
-            owner, token = crud.create_user(session, "bench")
+            owner, token = create_user(session, "bench")
         with psycopg.connect(url.replace("postgresql+psycopg", "postgresql")) as peer:
             start = time.perf_counter()
             job_id = fill(peer, owner.id, job_spec().model_dump(mode="json"), args.points, args.other_jobs)
@@ -88,7 +89,7 @@ def main() -> None:
             # rows by primary key, which other jobs' rows don't slow).
             start = time.perf_counter()
             with session_factory(url)() as session:
-                crud.refresh_metric_buckets(session, job_id)
+                refresh_metric_buckets(session, job_id)
                 session.commit()
             buckets_s = time.perf_counter() - start
 

@@ -29,25 +29,26 @@ sys.path.insert(0, str(REPO))
 
 from sqlalchemy import insert, select, text, update  # noqa: E402
 
-from api_schemas import JobEventType, JobSpec, JobStatus  # noqa: E402
+from api_schemas import JobEventType, JobStatus  # noqa: E402
 from bench.scratch import database  # noqa: E402
-from service.db import crud  # noqa: E402
+from service.db.accounts import create_user  # noqa: E402
+from service.db.hosts import all_hosts, register_host  # noqa: E402
 from service.db.models import Attempt, Job, JobEvent, utcnow  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.scheduler import schedule_pass  # noqa: E402
 from service.settings import Settings  # noqa: E402
-from tests.helpers import tiny_spec  # noqa: E402
+from tests.helpers import busy_slots_by_host, job_spec  # noqa: E402
 
 HOSTS = 100
 
 
 def queue_backlog(sessions, jobs: int) -> None:
-    """`jobs` queued jobs, as crud.create_job would store them, inserted in bulk to keep set-up short."""
+    """`jobs` queued jobs, as service.db.jobs.create_job would store them, inserted in bulk to keep set-up short."""
     rng = random.Random(0)
-    narrow = JobSpec.model_validate(tiny_spec()).model_dump(mode="json")
-    wide = JobSpec.model_validate(tiny_spec(**{"resources.processes_per_node": 2})).model_dump(mode="json")
+    narrow = job_spec().model_dump(mode="json")
+    wide = job_spec(**{"resources.processes_per_node": 2}).model_dump(mode="json")
     with sessions() as session:
-        owner, _ = crud.create_user(session, "bench")
+        owner, _ = create_user(session, "bench")
         rows = []
         for i in range(jobs):
             spec = dict(wide if i % 4 == 0 else narrow, priority=rng.randint(0, 9))
@@ -57,7 +58,7 @@ def queue_backlog(sessions, jobs: int) -> None:
         # Just enough slots: the backlog needs 1.25 slots per job on average.
         slots = -(-jobs * 5 // 4 // HOSTS)
         for h in range(HOSTS):
-            crud.register_host(session, f"host-{h:03d}", "cpu", slots, {})
+            register_host(session, f"host-{h:03d}", "cpu", slots, {})
         session.commit()
 
 
@@ -110,7 +111,7 @@ def measure(backend: str, jobs: int) -> dict:
                 connection.execute(text("VACUUM ANALYZE"))
         seconds, passes = time_trainyard(sessions, settings, jobs)
         with sessions() as session:
-            busy, hosts = crud.busy_slots_by_host(session), crud.all_hosts(session)
+            busy, hosts = busy_slots_by_host(session), all_hosts(session)
             if any(busy.get(h.name, 0) > h.slots for h in hosts):
                 raise SystemExit("a host was given more than its slots")
     return {"backend": backend, "jobs": jobs, "hosts": HOSTS, "passes": passes, "trainyard_s": round(seconds, 3),

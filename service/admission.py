@@ -17,7 +17,9 @@ from sqlalchemy.orm import Session
 from api_schemas import JobSpec, ScriptConfig
 from api_schemas.requirements import package_name
 from service.datasets import DatasetError, check_spec_paths
-from service.db import crud
+from service.db.hosts import all_hosts
+from service.db.jobs import QuotaExceeded, create_job
+from service.db.uploads import upload_visible_to
 from service.db.models import Job, User
 from service.placement import never_fits
 from service.settings import Settings
@@ -52,11 +54,11 @@ def admit(session: Session, user: User, spec: JobSpec, settings: Settings, idemp
         _check_script(session, user, spec.script, settings)
     else:
         _check_data(session, user, spec, settings)
-    if reason := never_fits(spec.resources, crud.all_hosts(session)):
+    if reason := never_fits(spec.resources, all_hosts(session)):
         raise bad_field(("resources",), reason)
     try:
-        return crud.create_job(session, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
-    except crud.QuotaExceeded as exc:
+        return create_job(session, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
+    except QuotaExceeded as exc:
         raise Refused(
             HTTPStatus.TOO_MANY_REQUESTS, None, str(exc), QUOTA_RETRY_AFTER_SECONDS, {"limit": exc.limit, "active": exc.active}
         ) from exc
@@ -65,7 +67,7 @@ def admit(session: Session, user: User, spec: JobSpec, settings: Settings, idemp
 def _check_data(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:
     """What the spec names exists (an upload only if it is the user's), and the data fits the model."""
     if spec.dataset is not None and spec.dataset.upload_id is not None:
-        if crud.upload_visible_to(session, user, spec.dataset.upload_id, DATASET) is None:
+        if upload_visible_to(session, user, spec.dataset.upload_id, DATASET) is None:
             raise bad_field(("dataset", "upload_id"), f"no uploaded dataset {spec.dataset.upload_id} of yours")
     try:
         check_spec_paths(spec, settings.resolved_data_root, settings.resolved_plugin_dir)
@@ -84,7 +86,7 @@ def _check_script(session: Session, user: User, script: ScriptConfig, settings: 
             "an admin grants it with `trainyard user create NAME --can-run-code`",
         )
     named_by = "path" if script.code.path is not None else "upload_id"
-    if script.code.upload_id is not None and crud.upload_visible_to(session, user, script.code.upload_id, CODE) is None:
+    if script.code.upload_id is not None and upload_visible_to(session, user, script.code.upload_id, CODE) is None:
         raise bad_field(("script", "code", "upload_id"), f"no code bundle {script.code.upload_id} of yours")
     try:
         directory = code_directory(settings, script.code)

@@ -14,7 +14,7 @@ import shutil
 import uuid
 from pathlib import Path
 
-from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, read_manifest, sha256_file, verify_manifest
+from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, checkpoint_name, read_manifest, sha256_file, verify_manifest
 
 
 class ArtifactStore:
@@ -36,7 +36,7 @@ class ArtifactStore:
         the training host, and its files need no second hash unless changed since their manifest),
         else copied; either way verified before it is renamed into place. A checkpoint already
         stored (a retry after the database missed it) is described as it is."""
-        relative = f"jobs/{job_id}/checkpoints/step-{step:08d}"
+        relative = f"jobs/{job_id}/checkpoints/{checkpoint_name(step)}"
         final = self.path(relative)
         if final.exists():
             manifest = read_manifest(final)  # verified on the way in

@@ -16,10 +16,20 @@ from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import AttemptStatus, JobSpec
-from service import state
-from service.db import crud
+from service.db import state
+from service.db.doorbell import Doorbell
 from service.db.models import Job, utcnow
-from service.doorbell import Doorbell
+from service.db.scheduling import (
+    expired_leases,
+    lock_scheduler,
+    online_hosts_with_load,
+    place_jobs,
+    preemptible_attempts,
+    queued_jobs,
+    request_preemption,
+    set_waiting_reason,
+    unclaimed_attempts,
+)
 from service.logs import job_fields
 from service.placement import HostRoom, preemption_plan, waiting_reason
 from service.queue import dispatch_attempt
@@ -32,21 +42,21 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     """Run one pass and commit it; returns (attempt_id, host_name) pairs to dispatch. Without
     `reap`, only placement: lost workers and unclaimed dispatches are looked for by other passes."""
     now = utcnow()
-    crud.lock_scheduler(session)
+    lock_scheduler(session)
 
     # Attempts whose worker stopped renewing the lease: the worker (or its host) is gone.
-    for attempt in crud.expired_leases(session, now) if reap else []:
+    for attempt in expired_leases(session, now) if reap else []:
         state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"worker on host {attempt.host_name} stopped renewing its lease")
         log.warning("attempt %s of job %s lost (lease expired)", attempt.id, attempt.job_id, extra=job_fields(attempt.job_id, attempt.id))
 
-    hosts, busy_slots, busy_gpus = crud.online_hosts_with_load(session, now, settings.host_timeout_seconds)
+    hosts, busy_slots, busy_gpus = online_hosts_with_load(session, now, settings.host_timeout_seconds)
     online = {host.name for host in hosts}
 
     # Dispatches nobody claimed: given back at once if their host went away, re-sent after a
     # timeout if it is alive (the message may have been lost; a duplicate is harmless).
     to_dispatch: list[tuple[int, str]] = []
     resend_before = now - timedelta(seconds=settings.dispatch_timeout_seconds)
-    for attempt in crud.unclaimed_attempts(session, online, resend_before) if reap else []:
+    for attempt in unclaimed_attempts(session, online, resend_before) if reap else []:
         if attempt.host_name not in online:
             state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
         elif attempt.dispatched_at < resend_before:
@@ -65,7 +75,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     # locked by this pass, so none is taken meanwhile; if one were, it would only leave its room
     # unused until the next pass.
     placements = []
-    for job in queue_order(crud.queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
+    for job in queue_order(queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
         resources = JobSpec.model_validate(job.spec).resources
         offers = {name: devices for name, r in room.items() if name not in reserved and (devices := r.offer(resources)) is not None}
         if len(offers) < resources.nodes:
@@ -76,24 +86,24 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             if not reserved and len(could_ever) >= resources.nodes:
                 # Sooner still if stopping lower-priority preemptible jobs (at a checkpoint) makes room.
                 if preemptible is None:
-                    preemptible = crud.preemptible_attempts(session)
+                    preemptible = preemptible_attempts(session)
                 plan = preemption_plan(resources, job.priority, {name: room[name] for name in could_ever}, preemptible)
                 if plan is not None:
                     held = plan.hosts
                     for victim in plan.victims:
-                        crud.request_preemption(victim)
+                        request_preemption(victim)
                         log.info("preempting job %s on %s for job %s", victim.job_id, victim.host_name, job.id, extra=job_fields(victim.job_id, victim.id))
                 else:
                     held = sorted(could_ever, key=lambda name: (-room[name].size(resources), name))[: resources.nodes]
                 reserved.update(held)
                 reason += f"; {', '.join(held)} held for it" + (" (preempting lower priorities)" if plan else "")
-            crud.set_waiting_reason(job, reason)
+            set_waiting_reason(job, reason)
             continue
         chosen = sorted(offers, key=lambda name: (room[name].size(resources), name))[: resources.nodes]
         for name in chosen:
             room[name].take(resources.processes_per_node, offers[name])
         placements.append((job, [(name, offers[name]) for name in chosen], resources.processes_per_node))
-    attempts = crud.place_jobs(session, placements, now)
+    attempts = place_jobs(session, placements, now)
     to_dispatch += [(attempt.id, attempt.host_name) for attempt in attempts]
     for job_id, gang in itertools.groupby(attempts, key=lambda attempt: attempt.job_id):
         gang = list(gang)

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 
 from service.db.migrate import upgrade
 from service.db.session import session_factory
+from service.settings import Settings
 
 REPO = Path(__file__).resolve().parent.parent
 POSTGRES_ADMIN_URL = os.environ.get("TRAINYARD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -41,19 +42,25 @@ def postgres_server() -> str:
 
 
 @pytest.fixture
-def postgres_url(postgres_server: str) -> str:
-    """A fresh, migrated database per test, dropped afterwards."""
+def empty_postgres_url(postgres_server: str) -> str:
+    """A fresh database per test, without tables, dropped afterwards."""
     name = f"trainyard_test_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
         connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
     url = postgres_server.rsplit("/", 1)[0] + f"/{name}"
-    upgrade(url)
     yield url
     session_factory(url).kw["bind"].dispose()
     with admin.connect() as connection:
         connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
     admin.dispose()
+
+
+@pytest.fixture
+def postgres_url(empty_postgres_url: str) -> str:
+    """A fresh, migrated database per test, dropped afterwards."""
+    upgrade(empty_postgres_url)
+    return empty_postgres_url
 
 
 @pytest.fixture
@@ -71,10 +78,14 @@ def redis_url() -> str:
 
 
 @pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
-    url = f"sqlite:///{tmp_path}/trainyard.db"
-    upgrade(url)
-    return url
+def empty_sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path}/trainyard.db"
+
+
+@pytest.fixture
+def sqlite_url(empty_sqlite_url: str) -> str:
+    upgrade(empty_sqlite_url)
+    return empty_sqlite_url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -83,12 +94,30 @@ def database_url(request) -> str:
     return request.getfixturevalue(f"{request.param}_url")
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def empty_database_url(request) -> str:
+    """database_url before any migration: for tests of the migrations themselves."""
+    return request.getfixturevalue(f"empty_{request.param}_url")
+
+
 @pytest.fixture
 def data_root(tmp_path: Path) -> Path:
     root = tmp_path / "data"
     root.mkdir()
     shutil.copy(REPO / "data" / "tinyshakespeare.txt", root / "tinyshakespeare.txt")
     return root
+
+
+@pytest.fixture
+def settings_overrides() -> dict:
+    """Settings a test module runs the service with, beyond the defaults: override it there."""
+    return {}
+
+
+@pytest.fixture
+def settings(database_url, data_root, tmp_path, settings_overrides) -> Settings:
+    """The service's settings on a fresh database, its data in tmp_path, Tiny Shakespeare in its data root."""
+    return Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root, **settings_overrides)
 
 
 @pytest.hookimpl(wrapper=True)

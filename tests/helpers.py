@@ -10,10 +10,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from api_schemas import AttemptStatus, JobSpec
-from service.db import crud
+from service.db.attempts import ClaimedAttempt, claim_attempt, finish_attempt
+from service.db.checkpoints import record_checkpoint
+from service.db.hosts import register_host
+from service.db.metrics import record_metrics
+from service.db.models import Attempt
 from service.db.session import session_factory
+from service.db.state import ACTIVE_ATTEMPT
 from service.scheduler import schedule_pass
 from service.settings import Settings
 
@@ -51,20 +58,28 @@ def job_spec(**overrides) -> JobSpec:
     return JobSpec.model_validate(tiny_spec(**overrides))
 
 
-def start_job(settings: Settings, job_id: int) -> crud.ClaimedAttempt:
+def start_job(settings: Settings, job_id: int) -> ClaimedAttempt:
     """Place the (only) queued job on a one-slot host and claim it, as the scheduler and a worker would."""
     with session_factory(settings.resolved_database_url)() as session:
-        crud.register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", 1, {})
         [(attempt_id, _)] = schedule_pass(session, settings)
-        return crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
+        return claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
 
 
-def finish_job(settings: Settings, claimed: crud.ClaimedAttempt) -> None:
+def finish_job(settings: Settings, claimed: ClaimedAttempt) -> None:
     """Report a checkpoint at step 12, the last metrics, then success."""
     with session_factory(settings.resolved_database_url)() as session:
-        crud.record_checkpoint(session, claimed.job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, 10, keep_last=2)
-        crud.record_metrics(session, claimed.job_id, claimed.attempt_id, [(12, "train_loss", 2.0)])
-        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+        record_checkpoint(session, claimed.job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, 10, keep_last=2)
+        record_metrics(session, claimed.job_id, claimed.attempt_id, [(12, "train_loss", 2.0)])
+        finish_attempt(session, claimed, AttemptStatus.succeeded)
+
+
+def busy_slots_by_host(session: Session) -> dict[str, int]:
+    """Process slots that active attempts hold, per host, online or not."""
+    busy: dict[str, int] = {}
+    for host, slots in session.execute(select(Attempt.host_name, Attempt.slots).where(Attempt.status.in_(ACTIVE_ATTEMPT))):
+        busy[host] = busy.get(host, 0) + slots
+    return busy
 
 
 def write_labelled_jsonl(path: Path, examples: int = 300, seed: int = 0) -> None:

@@ -43,14 +43,14 @@ def db_upgrade(args: argparse.Namespace) -> int:
 
 
 def user_create(args: argparse.Namespace) -> int:
-    from service.db import crud
+    from service.db.accounts import create_user, user_by_name
     from service.db.session import session_factory
 
     with session_factory(_settings().resolved_database_url)() as session:
-        if crud.user_by_name(session, args.name):
+        if user_by_name(session, args.name):
             print(f"error: user {args.name!r} already exists", file=sys.stderr)
             return 1
-        _, token = crud.create_user(session, args.name, is_admin=args.admin, can_run_code=args.can_run_code)
+        _, token = create_user(session, args.name, is_admin=args.admin, can_run_code=args.can_run_code)
     print(token)
     return 0
 
@@ -112,7 +112,7 @@ class StackInfo:
 
 def prepare_embedded(settings: Settings) -> str:
     """Create the data dir, migrate the database, ship the corpus and the example plugins, and return the admin token."""
-    from service.db import crud
+    from service.db.accounts import create_user, set_can_run_code, user_by_name, user_by_token
     from service.db.migrate import upgrade
     from service.db.session import session_factory
 
@@ -132,16 +132,16 @@ def prepare_embedded(settings: Settings) -> str:
     token_file = data_dir / "token"
     with session_factory(settings.resolved_database_url)() as session:
         token = token_file.read_text().strip() if token_file.exists() else None
-        user = crud.user_by_token(session, token) if token else None
+        user = user_by_token(session, token) if token else None
         if user is None:
-            admin = crud.user_by_name(session, ADMIN_NAME)
+            admin = user_by_name(session, ADMIN_NAME)
             name = ADMIN_NAME if admin is None else f"{ADMIN_NAME}-{int(time.time())}"
             # The embedded single user runs their own scripts on their own machine.
-            _, token = crud.create_user(session, name, is_admin=True, can_run_code=True)
+            _, token = create_user(session, name, is_admin=True, can_run_code=True)
             token_file.write_text(token + "\n")
             token_file.chmod(0o600)
         elif not user.can_run_code:  # created before the permission existed
-            crud.set_can_run_code(session, user, True)
+            set_can_run_code(session, user, True)
     return token
 
 

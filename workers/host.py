@@ -7,7 +7,7 @@ import threading
 
 from celery.signals import worker_shutting_down
 
-from service.db import crud
+from service.db.hosts import deregister_host, record_heartbeat, register_host
 from service.db.session import session_factory
 from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
 from service.settings import Settings
@@ -48,7 +48,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str) -
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
-        crud.register_host(session, host_name, device, slots, info, address)
+        register_host(session, host_name, device, slots, info, address)
     log.info("host %s registered with %s × %s", host_name, slots, device)
 
     stop = threading.Event()
@@ -57,7 +57,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str) -
         while not stop.wait(settings.heartbeat_seconds):
             try:
                 with sessions() as session:
-                    crud.heartbeat(session, host_name)
+                    record_heartbeat(session, host_name)
             except Exception:
                 log.exception("heartbeat failed; retrying")
 
@@ -76,7 +76,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str) -
         stop.set()
         try:
             with sessions() as session:
-                crud.deregister_host(session, host_name)
+                deregister_host(session, host_name)
         except Exception:
             log.exception("could not deregister %s; its heartbeat stops, so it goes offline anyway", host_name)
         runner.preempt_all()

@@ -34,9 +34,12 @@ from api_schemas.manifest import CorruptCheckpoint
 from api_schemas.requirements import unmet
 from api_schemas.worker_protocol import CHECKPOINT_DIR_ENV, EVENTS_FILE_ENV, EXIT_PREEMPTED, RESUME_FROM_ENV
 from service.artifacts import ArtifactStore
-from service.uploads import UploadRefused, code_directory
-from service.db import crud
+from service.db.attempts import ClaimedAttempt, Lease, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
+from service.db.checkpoints import record_checkpoint
+from service.db.log_lines import record_logs
+from service.db.metrics import record_metrics
 from service.settings import Settings
+from service.uploads import UploadRefused, code_directory
 
 log = logging.getLogger("trainyard.worker")
 
@@ -221,7 +224,7 @@ class AttemptRunner:
         lease_owner = f"{self.host_name}:{os.getpid()}:{time.time_ns()}"
         with self.sessions() as session:
             rendezvous = f"{self.address}:{free_port()}"  # used if we are node 0
-            claimed = crud.claim_attempt(session, attempt_id, lease_owner, self.settings.lease_seconds, rendezvous)
+            claimed = claim_attempt(session, attempt_id, lease_owner, self.settings.lease_seconds, rendezvous)
         if claimed is None:
             log.info("attempt %s is not ours to run (already claimed, ended or cancelled)", attempt_id)
             return
@@ -231,7 +234,7 @@ class AttemptRunner:
 
     # -- the attempt's life ----------------------------------------------------------------------
 
-    def _supervise(self, claimed: crud.ClaimedAttempt) -> tuple[AttemptStatus | None, str | None]:
+    def _supervise(self, claimed: ClaimedAttempt) -> tuple[AttemptStatus | None, str | None]:
         spec = JobSpec.model_validate(claimed.spec)
         node_rank = claimed.node_rank if spec.resources.nodes > 1 else None
         run_dir = attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
@@ -352,40 +355,40 @@ class AttemptRunner:
         os.killpg(process.pid, signal.SIGTERM)
         return reason
 
-    def _wait_for_node_0(self, claimed: crud.ClaimedAttempt) -> str | None:
+    def _wait_for_node_0(self, claimed: ClaimedAttempt) -> str | None:
         """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a
         gang start only then), holding our lease meanwhile. None if that takes too long."""
         deadline = time.monotonic() + self.node_0_wait_seconds
         while time.monotonic() < deadline:
             try:
                 with self.sessions() as session:
-                    rendezvous = crud.gang_rendezvous(session, claimed)
-                    if rendezvous is not None or not crud.renew_lease(session, claimed, self.settings.lease_seconds).held:
+                    rendezvous = gang_rendezvous(session, claimed)
+                    if rendezvous is not None or not renew_lease(session, claimed, self.settings.lease_seconds).held:
                         return rendezvous  # None if not held: the gang ended meanwhile
             except Exception:
                 log.exception("could not reach the database for job %s; will retry", claimed.job_id)
             time.sleep(0.5)
         return None
 
-    def _sync(self, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool = False) -> crud.Lease | None:
+    def _sync(self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool = False) -> Lease | None:
         """Deliver the outbox and renew the lease. On a database error keep everything for next time.
         A checkpoint still being taken into the store after INGEST_WAIT_SECONDS is recorded by a
         later sync, unless this one `wait`s for it."""
         try:
             with self.sessions() as session:
                 if outbox.metrics:
-                    crud.record_metrics(session, claimed.job_id, claimed.attempt_id, outbox.metrics)
+                    record_metrics(session, claimed.job_id, claimed.attempt_id, outbox.metrics)
                     outbox.metrics = []
                 if outbox.logs:
-                    crud.record_logs(session, claimed.job_id, claimed, outbox.logs)
+                    record_logs(session, claimed.job_id, claimed, outbox.logs)
                     outbox.logs = []
                 self._store_checkpoints(session, claimed, spec, outbox, wait)
-                return crud.renew_lease(session, claimed, self.settings.lease_seconds)
+                return renew_lease(session, claimed, self.settings.lease_seconds)
         except Exception:
             log.exception("could not reach the database for job %s; will retry", claimed.job_id)
             return None
 
-    def _store_checkpoints(self, session, claimed: crud.ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool) -> None:
+    def _store_checkpoints(self, session, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool) -> None:
         """Take the outbox's checkpoints into the store one at a time, oldest first, on the ingest
         threads, and record each that is in."""
         while outbox.checkpoints:
@@ -402,7 +405,7 @@ class AttemptRunner:
                 log.exception("job %s: checkpoint of step %s at %s cannot be stored; skipped", claimed.job_id, step, source)
                 outbox.checkpoints.pop(0)
                 continue
-            stale = crud.record_checkpoint(
+            stale = record_checkpoint(
                 session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last
             )
             for path in stale:
@@ -410,7 +413,7 @@ class AttemptRunner:
             outbox.checkpoints.pop(0)
             shutil.rmtree(source, ignore_errors=True)  # the store has it now (moved, or copied: the loop leaves it to us)
 
-    def _finish(self, claimed: crud.ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
+    def _finish(self, claimed: ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
         if outcome is None:
             log.warning("job %s attempt %s: %s", claimed.job_id, claimed.number, reason)
             return
@@ -418,7 +421,7 @@ class AttemptRunner:
         while True:
             try:
                 with self.sessions() as session:
-                    ended = crud.finish_attempt(session, claimed, outcome, reason)
+                    ended = finish_attempt(session, claimed, outcome, reason)
                 log.info("job %s attempt %s %s%s", claimed.job_id, claimed.number, outcome.value, "" if ended else " (too late: lease lost)")
                 return
             except Exception:

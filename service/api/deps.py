@@ -11,7 +11,8 @@ from sqlalchemy.orm import Session
 
 from api_schemas import ErrorOut
 from service.artifacts import ArtifactStore
-from service.db import crud
+from service.db.accounts import user_by_token
+from service.db.jobs import job_visible_to
 from service.db.models import Job, User
 from service.db.session import session_factory
 from service.settings import Settings
@@ -40,7 +41,7 @@ _bearer = HTTPBearer(auto_error=False)
 
 
 def get_current_user(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> User:
-    user = crud.user_by_token(session, credentials.credentials) if credentials else None
+    user = user_by_token(session, credentials.credentials) if credentials else None
     if user is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
     return user
@@ -66,7 +67,7 @@ RowId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 
 def get_visible_job(job_id: RowId, session: SessionDep, user: CurrentUser) -> Job:
     """The path's job, if the caller may see it. Others get the same 404 as for a missing job."""
-    job = crud.job_visible_to(session, user, job_id)
+    job = job_visible_to(session, user, job_id)
     if job is None:
         raise not_found("job")
     return job

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from api_schemas import LogLineOut
-from service.api.views import job_event_out
-from service.db import crud
+from service.api.views import job_event_out, log_line_out
+from service.db.jobs import job_events_after, job_status
+from service.db.log_lines import log_lines_after
 
 PAGE = 500
 END = "event: end\ndata: {}\n\n"
@@ -59,8 +59,8 @@ async def polled_stream(poll: Poll, after: int, *, follow: bool, poll_seconds: f
 def job_events(sessions: sessionmaker[Session], job_id: int) -> Poll:
     def poll(after: int) -> tuple[bool, list[tuple[int, str, str]]]:
         with sessions() as session:
-            final = crud.job_status(session, job_id).is_final
-            events = [job_event_out(event) for event in crud.job_events_after(session, job_id, after, PAGE)]
+            final = job_status(session, job_id).is_final
+            events = [job_event_out(event) for event in job_events_after(session, job_id, after, PAGE)]
         return final, [(event.id, event.type.value, event.model_dump_json()) for event in events]
 
     return poll
@@ -69,9 +69,9 @@ def job_events(sessions: sessionmaker[Session], job_id: int) -> Poll:
 def job_log_lines(sessions: sessionmaker[Session], job_id: int, rank: int | None) -> Poll:
     def poll(after: int) -> tuple[bool, list[tuple[int, str, str]]]:
         with sessions() as session:
-            final = crud.job_status(session, job_id).is_final
-            lines = crud.log_lines_after(session, job_id, after, PAGE, rank)
-            out = [(line.id, LogLineOut(attempt=line.attempt_number, rank=line.rank, seq=line.seq, line=line.line)) for line in lines]
+            final = job_status(session, job_id).is_final
+            lines = log_lines_after(session, job_id, after, PAGE, rank)
+            out = [(line.id, log_line_out(line)) for line in lines]
         return final, [(line_id, "line", line.model_dump_json()) for line_id, line in out]
 
     return poll

@@ -16,7 +16,16 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session
 
-from service.db import crud
+from service.db.hosts import all_hosts, online_hosts
+from service.db.monitoring import (
+    DurationHistogram,
+    checkpoint_bytes,
+    dispatch_latency_histogram,
+    job_counts,
+    metric_point_count,
+    queue_wait_histogram,
+    running_attempt_count,
+)
 from service.settings import Settings
 
 __all__ = ["CONTENT_TYPE_LATEST", "scrape"]
@@ -36,33 +45,33 @@ class _ServiceCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         session = self.session
         jobs = GaugeMetricFamily("trainyard_jobs", "Jobs by status.", labels=["status"])
-        for status, count in crud.job_counts(session, None).items():
+        for status, count in job_counts(session, None).items():
             jobs.add_metric([status], count)
         yield jobs
-        yield GaugeMetricFamily("trainyard_attempts_running", "Attempts a worker has claimed and is running.", value=crud.running_attempt_count(session))
+        yield GaugeMetricFamily("trainyard_attempts_running", "Attempts a worker has claimed and is running.", value=running_attempt_count(session))
         yield _histogram(
             "trainyard_job_queue_wait_seconds", "From submission to the first attempt starting, per started job.",
-            crud.queue_wait_histogram(session, QUEUE_WAIT_BUCKETS), QUEUE_WAIT_BUCKETS,
+            queue_wait_histogram(session, QUEUE_WAIT_BUCKETS), QUEUE_WAIT_BUCKETS,
         )
         yield _histogram(
             "trainyard_attempt_dispatch_latency_seconds", "From placing an attempt on a host to its worker claiming it.",
-            crud.dispatch_latency_histogram(session, DISPATCH_LATENCY_BUCKETS), DISPATCH_LATENCY_BUCKETS,
+            dispatch_latency_histogram(session, DISPATCH_LATENCY_BUCKETS), DISPATCH_LATENCY_BUCKETS,
         )
-        yield CounterMetricFamily("trainyard_metric_points", "Training metric points stored.", value=crud.metric_point_count(session))
-        yield GaugeMetricFamily("trainyard_checkpoint_bytes", "Bytes of model.safetensors over the checkpoints kept.", value=crud.checkpoint_bytes(session))
+        yield CounterMetricFamily("trainyard_metric_points", "Training metric points stored.", value=metric_point_count(session))
+        yield GaugeMetricFamily("trainyard_checkpoint_bytes", "Bytes of model.safetensors over the checkpoints kept.", value=checkpoint_bytes(session))
         yield from self._hosts()
 
     def _hosts(self) -> Iterable[Metric]:
-        online = {host.name for host in crud.online_hosts(self.session, self.now, self.settings.host_timeout_seconds)}
+        online = {host.name for host in online_hosts(self.session, self.now, self.settings.host_timeout_seconds)}
         up = GaugeMetricFamily("trainyard_worker_host_up", "1 while the host heartbeats (it gets new attempts), else 0.", labels=["host"])
         age = GaugeMetricFamily("trainyard_worker_host_heartbeat_age_seconds", "Seconds since the host's last heartbeat.", labels=["host"])
-        for host in crud.all_hosts(self.session):
+        for host in all_hosts(self.session):
             up.add_metric([host.name], int(host.name in online))
             age.add_metric([host.name], (self.now - host.last_heartbeat).total_seconds())
         return up, age
 
 
-def _histogram(name: str, documentation: str, histogram: crud.DurationHistogram, bounds: Sequence[float]) -> HistogramMetricFamily:
+def _histogram(name: str, documentation: str, histogram: DurationHistogram, bounds: Sequence[float]) -> HistogramMetricFamily:
     """Prometheus' cumulative buckets: each counts the observations at or below its bound."""
     buckets = [(floatToGoString(bound), count) for bound, count in zip(bounds, histogram.at_or_below)]
     buckets.append(("+Inf", histogram.count))

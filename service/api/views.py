@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from api_schemas import AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus
-from service.db import crud
-from service.db.models import Checkpoint, Job, JobEvent
+from api_schemas import AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus, LogLineOut
+from service.db.metrics import latest_metrics
+from service.db.models import Checkpoint, Job, JobEvent, LogLine
 
 # The latest values the jobs table shows: last loss, and the step time its rate and ETA come from.
 PROGRESS_METRICS = ["train_loss", "step_time_s"]
 
 
 def job_outs(session: Session, jobs: list[Job]) -> list[JobOut]:
-    latest = crud.latest_metrics(session, [job.id for job in jobs], PROGRESS_METRICS)
+    latest = latest_metrics(session, [job.id for job in jobs], PROGRESS_METRICS)
     return [job_out(job, latest.get(job.id, {})) for job in jobs]
 
 
@@ -71,3 +71,7 @@ def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
 
 def job_event_out(event: JobEvent) -> JobEventOut:
     return JobEventOut(id=event.seq, type=event.type, at=event.created_at, data=event.data)
+
+
+def log_line_out(line: LogLine) -> LogLineOut:
+    return LogLineOut(attempt=line.attempt_number, rank=line.rank, seq=line.seq, line=line.line)

@@ -8,7 +8,7 @@ from sqlalchemy import JSON, TypeDecorator, BigInteger, Boolean, DateTime, Enum,
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
-from service import rollups
+from service.db import rollups
 
 
 def utcnow() -> datetime:
@@ -167,7 +167,7 @@ class MetricBucket(Base):
     null_step: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
     # The counts of the coarsest summaries, which add up to every point stored: the total that
-    # /metrics reports (crud.metric_point_count) reads these instead of counting every point.
+    # /metrics reports (monitoring.metric_point_count) reads these instead of counting every point.
     __table_args__ = (
         Index("ix_metric_buckets_top_counts", "count", postgresql_where=text(TOP_LEVEL), sqlite_where=text(TOP_LEVEL)),
     )

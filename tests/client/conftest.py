@@ -12,7 +12,9 @@ from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobStatus
 from service.api.main import create_app
-from service.db import crud
+from service.db.accounts import create_user
+from service.db.attempts import finish_attempt
+from service.db.metrics import record_metrics
 from service.db.models import Job
 from service.db.session import session_factory
 from service.settings import Settings
@@ -29,20 +31,29 @@ def model_bytes() -> bytes:
 
 
 @pytest.fixture
-def settings(sqlite_url, data_root, tmp_path) -> Settings:
-    """The service's settings on SQLite, Tiny Shakespeare in its data root and the GAN example in its
-    plugin directory, so the example specs are accepted."""
-    plugins = tmp_path / "plugins"
-    plugins.mkdir()
-    shutil.copy(REPO / "examples" / "plugins" / "gan_example.py", plugins)
-    return Settings(data_dir=tmp_path, database_url=sqlite_url, plugin_dir=plugins, events_poll_seconds=0.05)
+def database_url(sqlite_url) -> str:
+    """The client tests run the service on SQLite only."""
+    return sqlite_url
+
+
+@pytest.fixture
+def settings_overrides() -> dict:
+    return {"events_poll_seconds": 0.05}
+
+
+@pytest.fixture
+def settings(settings) -> Settings:
+    """With the GAN example in the plugin directory, so the example specs are accepted."""
+    settings.resolved_plugin_dir.mkdir()
+    shutil.copy(REPO / "examples" / "plugins" / "gan_example.py", settings.resolved_plugin_dir)
+    return settings
 
 
 @pytest.fixture
 def token(settings) -> str:
     """alice's token."""
     with session_factory(settings.resolved_database_url)() as session:
-        return crud.create_user(session, "alice")[1]
+        return create_user(session, "alice")[1]
 
 
 @pytest.fixture
@@ -66,11 +77,11 @@ def run_next_job(
         time.sleep(0.02)
     claimed = start_job(settings, job_id)
     with sessions() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(12, "train_loss", 1.0)])
+        record_metrics(session, job_id, claimed.attempt_id, [(12, "train_loss", 1.0)])
     if not seen_running.wait(30):
         raise TimeoutError("the client never saw the job running")
     with sessions() as session:
-        crud.finish_attempt(session, claimed, outcome, reason)
+        finish_attempt(session, claimed, outcome, reason)
     return job_id
 
 

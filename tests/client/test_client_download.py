@@ -10,7 +10,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api_schemas.manifest import MODEL_FILE, write_manifest
 from service.api.main import create_app
 from service.artifacts import ArtifactStore
-from service.db import crud
+from service.db.accounts import user_by_name
+from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.jobs import create_job
 from service.db.session import session_factory
 from service.settings import Settings
 from tests.client.serve import serve_app
@@ -58,7 +60,7 @@ def stored(settings: Settings, token, tmp_path, model_bytes) -> int:
     """The id of a checkpoint of alice's job: written as the loop writes one, taken into the
     artifact store and recorded as the worker does."""
     with session_factory(settings.resolved_database_url)() as session:
-        job = crud.create_job(session, crud.user_by_name(session, "alice"), job_spec())
+        job = create_job(session, user_by_name(session, "alice"), job_spec())
     claimed = start_job(settings, job.id)
     written = tmp_path / "run" / "step-00000012"
     written.mkdir(parents=True)
@@ -66,8 +68,8 @@ def stored(settings: Settings, token, tmp_path, model_bytes) -> int:
     write_manifest(written, 12)
     relative, sha256, size = ArtifactStore(settings.resolved_artifact_root).ingest_checkpoint(written, job.id, 12)
     with session_factory(settings.resolved_database_url)() as session:
-        crud.record_checkpoint(session, job.id, claimed.attempt_id, 12, relative, sha256, size, keep_last=2)
-        [checkpoint] = crud.list_checkpoints(session, job.id)
+        record_checkpoint(session, job.id, claimed.attempt_id, 12, relative, sha256, size, keep_last=2)
+        [checkpoint] = list_checkpoints(session, job.id)
     return checkpoint.id
 
 

@@ -8,7 +8,8 @@ import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from service.api.main import create_app
-from service.db import crud
+from service.db.accounts import user_by_name
+from service.db.jobs import create_job
 from service.db.session import session_factory
 from tests.client.serve import serve_app
 from tests.helpers import finish_job, job_spec, start_job
@@ -42,7 +43,7 @@ class CutFirstEventStream:
 @pytest.mark.timeout(60)
 def test_events_follow_a_job_to_its_end_and_resume_a_dropped_stream_without_gaps_or_duplicates(settings, token):
     with session_factory(settings.resolved_database_url)() as session:
-        job_id = crud.create_job(session, crud.user_by_name(session, "alice"), job_spec()).id
+        job_id = create_job(session, user_by_name(session, "alice"), job_spec()).id
     claimed = start_job(settings, job_id)
     app = CutFirstEventStream(create_app(settings))
     with serve_app(app) as url, Client(url, token) as client, ThreadPoolExecutor(1) as background:

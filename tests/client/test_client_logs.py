@@ -10,7 +10,9 @@ import pytest
 
 import service.api.events
 from service.api.main import create_app
-from service.db import crud
+from service.db.accounts import create_user
+from service.db.jobs import create_job
+from service.db.log_lines import record_logs
 from service.db.session import session_factory
 from tests.client.serve import serve_app
 from tests.helpers import finish_job, job_spec, start_job
@@ -21,13 +23,13 @@ from trainyard import Client  # the import the README shows
 def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_the_job_ends(settings, monkeypatch):
     monkeypatch.setattr(service.api.events, "PAGE", 3)  # small pages, so paging is exercised
     with session_factory(settings.resolved_database_url)() as session:
-        user, token = crud.create_user(session, "alice")
-        job_id = crud.create_job(session, user, job_spec()).id
+        user, token = create_user(session, "alice")
+        job_id = create_job(session, user, job_spec()).id
     claimed = start_job(settings, job_id)
 
     def write(lines: range) -> None:
         with session_factory(settings.resolved_database_url)() as session:
-            crud.record_logs(session, job_id, claimed, [(i, 0, f"line {i}") for i in lines])
+            record_logs(session, job_id, claimed, [(i, 0, f"line {i}") for i in lines])
 
     write(range(0, 5))
     with serve_app(create_app(settings)) as url, Client(url, token) as client, ThreadPoolExecutor(1) as background:
@@ -56,6 +58,6 @@ def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_th
         assert client.logs(job_id, tail=4, cursor=page.next_cursor).lines == []
 
         with session_factory(settings.resolved_database_url)() as session:
-            crud.record_logs(session, job_id, claimed, [(100, 1, "from rank 1"), (101, None, "from the launcher")])
+            record_logs(session, job_id, claimed, [(100, 1, "from rank 1"), (101, None, "from the launcher")])
         assert [(line.rank, line.line) for line in client.logs(job_id, tail=10, rank=1).lines] == [(1, "from rank 1")]
         assert [line.rank for line in client.logs(job_id, tail=2).lines] == [1, None]

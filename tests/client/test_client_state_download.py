@@ -6,36 +6,36 @@ import hashlib
 
 import pytest
 
-from api_schemas.manifest import MODEL_FILE, write_manifest
+from api_schemas.manifest import MODEL_FILE, checkpoint_name, write_manifest
 from service.api.main import create_app
-from service.db import crud
+from service.db.accounts import create_user
+from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.jobs import create_job
 from service.db.session import session_factory
-from service.settings import Settings
 from tests.client.serve import serve_app
 from tests.helpers import job_spec, start_job
 from trainyard.client import Client, TrainyardError
 
 
 @pytest.fixture
-def stored(sqlite_url, tmp_path):
+def stored(settings):
     """(settings, alice's token, record(files) → checkpoint id of a checkpoint holding `files`)."""
-    settings = Settings(data_dir=tmp_path, database_url=sqlite_url)
-    sessions = session_factory(sqlite_url)
+    sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
-        alice, token = crud.create_user(session, "alice")
-        job_id = crud.create_job(session, alice, job_spec()).id
+        alice, token = create_user(session, "alice")
+        job_id = create_job(session, alice, job_spec()).id
     claimed = start_job(settings, job_id)
 
     def record(step: int, files: dict[str, bytes]) -> int:
-        relative = f"jobs/{job_id}/checkpoints/step-{step:08d}"
+        relative = f"jobs/{job_id}/checkpoints/{checkpoint_name(step)}"
         directory = settings.resolved_artifact_root / relative
         for name, content in files.items():
             (directory / name).parent.mkdir(parents=True, exist_ok=True)
             (directory / name).write_bytes(content)
         write_manifest(directory, step)
         with sessions() as session:
-            crud.record_checkpoint(session, job_id, claimed.attempt_id, step, relative, "0" * 64, 1, keep_last=10)
-            return crud.latest_checkpoint(session, job_id).id
+            record_checkpoint(session, job_id, claimed.attempt_id, step, relative, "0" * 64, 1, keep_last=10)
+            return list_checkpoints(session, job_id)[-1].id
 
     return settings, token, record
 

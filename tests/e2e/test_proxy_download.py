@@ -13,7 +13,9 @@ import httpx
 import pytest
 
 from api_schemas.manifest import MODEL_FILE
-from service.db import crud
+from service.db.accounts import create_user
+from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.jobs import create_job
 from service.db.migrate import upgrade
 from service.db.session import session_factory
 from service.settings import Settings
@@ -38,9 +40,9 @@ def proxied(tmp_path):
     upgrade(settings.resolved_database_url)
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
-        alice, alice_token = crud.create_user(session, "alice")
-        _, bob_token = crud.create_user(session, "bob")
-        job_id = crud.create_job(session, alice, job_spec()).id
+        alice, alice_token = create_user(session, "alice")
+        _, bob_token = create_user(session, "bob")
+        job_id = create_job(session, alice, job_spec()).id
     claimed = start_job(settings, job_id)
     relative = f"jobs/{job_id}/checkpoints/step-00000012"
     model = settings.resolved_artifact_root / relative / MODEL_FILE
@@ -49,8 +51,8 @@ def proxied(tmp_path):
     model.write_bytes(content)
     with sessions() as session:
         sha256 = hashlib.sha256(content).hexdigest()
-        crud.record_checkpoint(session, job_id, claimed.attempt_id, 12, relative, sha256, len(content), keep_last=1)
-        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+        record_checkpoint(session, job_id, claimed.attempt_id, 12, relative, sha256, len(content), keep_last=1)
+        checkpoint_id = list_checkpoints(session, job_id)[-1].id
 
     api_port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRAINYARD_DATA_DIR": str(settings.data_dir), "TRAINYARD_DOWNLOAD_REDIRECT_PREFIX": "/_artifacts/"}

@@ -1,4 +1,4 @@
-"""Fixtures shared by the API tests: each module brings its own `settings` (and users)."""
+"""Fixtures shared by the API tests: each module brings its own users, and its `settings_overrides` if any."""
 
 from __future__ import annotations
 

@@ -15,8 +15,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from api_schemas import AttemptStatus, JobStatus
 
 from service.api.main import create_app
-from service.db import crud
+from service.db.accounts import create_user, user_by_name
+from service.db.attempts import claim_attempt, finish_attempt
+from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.hosts import register_host
+from service.db.jobs import create_job, request_cancel
+from service.db.log_lines import record_logs
+from service.db.metrics import record_metrics
 from service.db.models import WorkerHost, utcnow
+from service.db.scheduling import place_jobs
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
@@ -24,17 +31,17 @@ from tests.helpers import auth, classifier_spec, finish_job, job_spec, start_job
 
 
 @pytest.fixture
-def settings(database_url, data_root, tmp_path) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root, max_request_bytes=50_000)
+def settings_overrides() -> dict:
+    return {"max_request_bytes": 50_000}
 
 
 @pytest.fixture
 def tokens(settings) -> dict[str, str]:
     with session_factory(settings.resolved_database_url)() as session:
         return {
-            "alice": crud.create_user(session, "alice")[1],
-            "bob": crud.create_user(session, "bob")[1],
-            "root": crud.create_user(session, "root", is_admin=True)[1],
+            "alice": create_user(session, "alice")[1],
+            "bob": create_user(session, "bob")[1],
+            "root": create_user(session, "root", is_admin=True)[1],
         }
 
 
@@ -119,10 +126,10 @@ def test_a_submit_over_the_active_job_quota_gets_429_until_one_of_the_users_jobs
     # Placed and running jobs count as much as queued ones: one running, one scheduled, one queued.
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 2, {})
+        register_host(session, "host-a", "cpu", 2, {})
         (attempt_id, _), _ = schedule_pass(session, settings)
     with sessions() as session:
-        assert crud.claim_attempt(session, attempt_id, "worker-1", settings.lease_seconds) is not None
+        assert claim_attempt(session, attempt_id, "worker-1", settings.lease_seconds) is not None
     assert sorted(api.get(f"/v1/jobs/{i}", headers=alice).json()["status"] for i in ids) == ["queued", "running", "scheduled"]
 
     refused = api.post("/v1/jobs", json=tiny_spec(), headers=alice)
@@ -180,8 +187,8 @@ def test_a_checkpoint_larger_than_one_read_downloads_whole_and_by_range(api, tok
     directory.mkdir(parents=True)
     (directory / "model.safetensors").write_bytes(model)
     with session_factory(settings.resolved_database_url)() as session:
-        crud.record_checkpoint(session, job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, len(model), keep_last=2)
-        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+        record_checkpoint(session, job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, len(model), keep_last=2)
+        checkpoint_id = list_checkpoints(session, job_id)[-1].id
     url = f"/v1/checkpoints/{checkpoint_id}/download"
     assert api.get(url, headers=auth(tokens["alice"])).content == model
     span = api.get(url, headers={**auth(tokens["alice"]), "Range": f"bytes={2**20 - 10}-{2**21 + 9}"})
@@ -193,12 +200,12 @@ def test_a_running_job_shows_its_last_loss_rate_and_eta(api, tokens, settings):
     other_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", 1, {})
         [(attempt_id, _)] = schedule_pass(session, settings)
-        claimed = crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
+        claimed = claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
         # Out of step order on purpose: "last" means the highest step, not the newest row.
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(40, "train_loss", 2.5), (40, "step_time_s", 0.5)])
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(39, "train_loss", 9.0), (39, "step_time_s", 9.0)])
+        record_metrics(session, job_id, claimed.attempt_id, [(40, "train_loss", 2.5), (40, "step_time_s", 0.5)])
+        record_metrics(session, job_id, claimed.attempt_id, [(39, "train_loss", 9.0), (39, "step_time_s", 9.0)])
 
     for job in [api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json(),
                 api.get("/v1/jobs", headers=auth(tokens["alice"])).json()["items"][1]]:
@@ -221,28 +228,28 @@ def prometheus_samples(text: str) -> dict[tuple[str, frozenset], float]:
 def test_metrics_endpoint_reports_the_whole_service_from_the_database(api, tokens, settings):
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:
-        alice, bob = crud.user_by_name(session, "alice"), crud.user_by_name(session, "bob")
-        running, finished = crud.create_job(session, alice, job_spec()), crud.create_job(session, bob, job_spec())
-        crud.create_job(session, alice, job_spec())
-        crud.create_job(session, bob, job_spec())
-        crud.request_cancel(session, crud.create_job(session, bob, job_spec()))
-        crud.register_host(session, "host-a", "cpu", 2, {})
-        crud.register_host(session, "host-b", "cpu", 2, {})
+        alice, bob = user_by_name(session, "alice"), user_by_name(session, "bob")
+        running, finished = create_job(session, alice, job_spec()), create_job(session, bob, job_spec())
+        create_job(session, alice, job_spec())
+        create_job(session, bob, job_spec())
+        request_cancel(session, create_job(session, bob, job_spec()))
+        register_host(session, "host-a", "cpu", 2, {})
+        register_host(session, "host-b", "cpu", 2, {})
         claimed = {}
         for job in (running, finished):
-            attempt_id = crud.create_attempts(session, job, [("host-a", None)], 1, utcnow())[0].id
+            attempt_id = place_jobs(session, [(job, [("host-a", None)], 1)], utcnow())[0].id
             session.commit()
-            claimed[job] = crud.claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
-        crud.finish_attempt(session, claimed[finished], AttemptStatus.succeeded)
+            claimed[job] = claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
+        finish_attempt(session, claimed[finished], AttemptStatus.succeeded)
         # Known waits: queued 20 s and 400 s; claimed 0.3 s and 3 s after placement.
         for job, queued_for, unclaimed_for in ((running, 20, 0.3), (finished, 400, 3.0)):
             job.created_at = job.started_at - timedelta(seconds=queued_for)
             job.attempts[0].created_at = job.attempts[0].started_at - timedelta(seconds=unclaimed_for)
         session.get(WorkerHost, "host-b").last_heartbeat = utcnow() - timedelta(seconds=120)
         session.commit()
-        crud.record_metrics(session, running.id, running.attempts[0].id, [(1, "train_loss", 4.0), (1, "lr", 0.1), (2, "train_loss", 3.0)])
+        record_metrics(session, running.id, running.attempts[0].id, [(1, "train_loss", 4.0), (1, "lr", 0.1), (2, "train_loss", 3.0)])
         for step, size in ((6, 1000), (12, 2500)):
-            crud.record_checkpoint(session, running.id, running.attempts[0].id, step, f"ck/{step}", "0" * 64, size, keep_last=2)
+            record_checkpoint(session, running.id, running.attempts[0].id, step, f"ck/{step}", "0" * 64, size, keep_last=2)
 
     response = api.get("/metrics")  # no token: Prometheus scrapes unauthenticated
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
@@ -300,7 +307,7 @@ def test_job_events_resume_after_last_event_id_with_no_gaps_or_duplicates(api, t
     job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
     claimed = start_job(settings, job_id)
     with session_factory(settings.resolved_database_url)() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (1, "lr", 0.1)])
+        record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (1, "lr", 0.1)])
 
     first = read_events(api, tokens["alice"], job_id)  # the job is running: no `end` yet
     assert [m["id"] for m in first] == ["1", "2", "3", "4"]
@@ -342,7 +349,7 @@ def test_followed_logs_stream_the_tail_then_each_new_line_of_the_rank_asked_for_
     claimed = start_job(settings, job_id)
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:  # ranks 0 and 1 interleaved, then a launcher line (no rank)
-        crud.record_logs(session, job_id, claimed, [(i, i % 2, f"line {i}") for i in range(6)] + [(6, None, "launcher")])
+        record_logs(session, job_id, claimed, [(i, i % 2, f"line {i}") for i in range(6)] + [(6, None, "launcher")])
 
     received: list[dict] = []
     params = {"follow": "true", "tail": 2, "rank": 1}
@@ -352,7 +359,7 @@ def test_followed_logs_stream_the_tail_then_each_new_line_of_the_rank_asked_for_
             received.append(message)
             if message.get("comment") == "keep-alive" and len(received) == 3:  # caught up: the job prints more, then ends
                 with sessions() as session:
-                    crud.record_logs(session, job_id, claimed, [(7, 1, "line 7"), (8, 0, "line 8"), (9, 1, "line 9")])
+                    record_logs(session, job_id, claimed, [(7, 1, "line 7"), (8, 0, "line 8"), (9, 1, "line 9")])
                 finish_job(settings, claimed)
     lines = [json.loads(m["data"])["line"] for m in received if m.get("event") == "line"]
     assert lines == ["line 3", "line 5", "line 7", "line 9"] and received[-1] == END
@@ -371,7 +378,7 @@ def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api
     # No host registered yet: hosts may still join, so the job is accepted and waits.
     queued = api.post("/v1/jobs", json=cuda_job, headers=auth(tokens["alice"])).json()
     with session_factory(settings.resolved_database_url)() as session:
-        crud.register_host(session, "cpu-box", "cpu", 2, {})
+        register_host(session, "cpu-box", "cpu", 2, {})
         schedule_pass(session, settings)
     assert api.get(f"/v1/jobs/{queued['id']}", headers=auth(tokens["alice"])).json()["waiting_reason"] == (
         "waiting for a host with 1 free GPUs (0 now)"
@@ -389,7 +396,7 @@ def test_workers_show_their_gpus_and_what_runs_on_them_naming_only_your_own_jobs
     cuda_job = tiny_spec(**{"resources.device": "cuda", "resources.processes_per_node": 2})
     gpus = [{"index": i, "name": "H100", "memory_gb": 79.6} for i in range(4)]
     with session_factory(settings.resolved_database_url)() as session:
-        crud.register_host(session, "gpu-1", "cuda", 4, {"gpus": gpus}, address="10.1.2.3")
+        register_host(session, "gpu-1", "cuda", 4, {"gpus": gpus}, address="10.1.2.3")
     job_id = api.post("/v1/jobs", json=cuda_job, headers=auth(tokens["alice"])).json()["id"]
     with session_factory(settings.resolved_database_url)() as session:
         schedule_pass(session, settings)

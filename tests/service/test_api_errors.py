@@ -11,21 +11,16 @@ from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
 from service.api.main import create_app
-from service.db import crud
+from service.db.accounts import create_user
+from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.session import session_factory
-from service.settings import Settings
 from tests.helpers import auth, start_job, tiny_spec
-
-
-@pytest.fixture
-def settings(database_url, data_root, tmp_path) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root)
 
 
 @pytest.fixture
 def token(settings) -> str:
     with session_factory(settings.resolved_database_url)() as session:
-        return crud.create_user(session, "alice")[1]
+        return create_user(session, "alice")[1]
 
 
 def assert_internal_error(response, caplog, exception: type[Exception]) -> None:
@@ -73,8 +68,8 @@ def test_a_checkpoint_recorded_outside_the_artifact_store_is_a_server_error(api,
     job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(token)).json()["id"]
     claimed = start_job(settings, job_id)
     with session_factory(settings.resolved_database_url)() as session:
-        crud.record_checkpoint(session, job_id, claimed.attempt_id, 12, "../../elsewhere", "0" * 64, 10, keep_last=2)
-        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+        record_checkpoint(session, job_id, claimed.attempt_id, 12, "../../elsewhere", "0" * 64, 10, keep_last=2)
+        checkpoint_id = list_checkpoints(session, job_id)[-1].id
     response = api.get(f"/v1/checkpoints/{checkpoint_id}/download", headers=auth(token))
     assert_internal_error(response, caplog, ValueError)
 

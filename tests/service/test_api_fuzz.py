@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings as hypothesis_settings
 from schemathesis.checks import positive_data_acceptance, unsupported_method
 
 from service.api.main import create_app
-from service.db import crud
+from service.db.accounts import create_user
+from service.db.jobs import create_job
 from service.db.session import session_factory
-from service.settings import Settings
 from tests.helpers import job_spec
 
 # Cross-field rules (fp16 needs cuda, warmup < max_steps, …) can't be said in JSON Schema, so a
@@ -22,11 +22,10 @@ EXAMPLES_PER_ROUTE = 25
 
 
 @pytest.mark.parametrize("authorized", [True, False], ids=["authorized", "unauthorized"])
-def test_no_request_gets_a_5xx_or_an_undocumented_response(database_url, data_root, tmp_path, authorized):
-    settings = Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root)
+def test_no_request_gets_a_5xx_or_an_undocumented_response(settings, authorized):
     with session_factory(settings.resolved_database_url)() as session:
-        user, token = crud.create_user(session, "alice")
-        crud.create_job(session, user, job_spec())  # so job routes can also answer 200, for id 1
+        user, token = create_user(session, "alice")
+        create_job(session, user, job_spec())  # so job routes can also answer 200, for id 1
     headers = {"Authorization": f"Bearer {token}"} if authorized else {}
     schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(settings))
 

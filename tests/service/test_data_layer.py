@@ -17,14 +17,20 @@ from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobSpec, JobStatus
 from api_schemas.manifest import MODEL_FILE, sha256_file, write_manifest
-from service import state
-from service.db import crud
+from service.db import state
+from service.db.accounts import create_user, user_by_name, user_by_token
+from service.db.attempts import ClaimedAttempt, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
+from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.doorbell import Doorbell, ring, socket_path
+from service.db.hosts import register_host
+from service.db.jobs import QuotaExceeded, create_job, job_events_after, request_cancel
+from service.db.log_lines import lock_job_logs, log_lines_after, record_logs
+from service.db.metrics import metric_series, record_metrics
 from service.db.models import Attempt, Base, Job, LogLine, Metric, User, WorkerHost, utcnow
 from service.db.session import session_factory
-from service.doorbell import Doorbell, ring, socket_path
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import directory_on_another_filesystem, job_spec
+from tests.helpers import busy_slots_by_host, directory_on_another_filesystem, job_spec
 from workers import supervisor
 from workers.supervisor import AttemptRunner
 
@@ -34,23 +40,18 @@ def sessions(database_url):
     return session_factory(database_url)
 
 
-@pytest.fixture
-def settings(database_url, tmp_path) -> Settings:
-    return Settings(data_dir=tmp_path, database_url=database_url, lease_seconds=30, host_timeout_seconds=30, dispatch_timeout_seconds=60)
-
-
 def queue_job(sessions, **overrides) -> int:
     with sessions() as session:
-        user = crud.user_by_name(session, "alice") or crud.create_user(session, "alice")[0]
-        return crud.create_job(session, user, job_spec(**overrides)).id
+        user = user_by_name(session, "alice") or create_user(session, "alice")[0]
+        return create_job(session, user, job_spec(**overrides)).id
 
 
-def place_and_claim(sessions, settings, owner="w1") -> crud.ClaimedAttempt:
+def place_and_claim(sessions, settings, owner="w1") -> ClaimedAttempt:
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 2, {})
+        register_host(session, "host-a", "cpu", 2, {})
         [(attempt_id, host)] = schedule_pass(session, settings)
     with sessions() as session:
-        claimed = crud.claim_attempt(session, attempt_id, owner, settings.lease_seconds)
+        claimed = claim_attempt(session, attempt_id, owner, settings.lease_seconds)
     assert claimed is not None
     return claimed
 
@@ -86,7 +87,7 @@ def test_a_second_delivery_of_the_same_attempt_is_a_no_op(sessions, settings):
     queue_job(sessions)
     claimed = place_and_claim(sessions, settings, owner="first")
     with sessions() as session:
-        assert crud.claim_attempt(session, claimed.attempt_id, "second", settings.lease_seconds) is None
+        assert claim_attempt(session, claimed.attempt_id, "second", settings.lease_seconds) is None
         attempt = session.get(Attempt, claimed.attempt_id)
         assert attempt.lease_owner == "first" and attempt.status == AttemptStatus.running
         assert attempt.job.status == JobStatus.running
@@ -108,8 +109,8 @@ def test_an_expired_lease_requeues_the_job_and_the_old_worker_cannot_finish_it(s
         assert "stopped renewing its lease" in job.attempts[0].failure_reason
         assert job.restarts == 1
         assert job.status == JobStatus.scheduled and len(job.attempts) == 2  # placed again in the same pass
-        assert not crud.renew_lease(session, claimed, 30).held
-        assert not crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+        assert not renew_lease(session, claimed, 30).held
+        assert not finish_attempt(session, claimed, AttemptStatus.succeeded)
 
 
 def test_a_placing_pass_leaves_expired_leases_to_the_next_reaping_pass(sessions, settings):
@@ -135,7 +136,7 @@ def test_restarts_exhausted_fail_the_job_with_the_attempt_reason(sessions, setti
     job_id = queue_job(sessions, max_restarts=0)
     claimed = place_and_claim(sessions, settings)
     with sessions() as session:
-        assert crud.finish_attempt(session, claimed, AttemptStatus.failed, "exit code 1: boom")
+        assert finish_attempt(session, claimed, AttemptStatus.failed, "exit code 1: boom")
         job = session.get(Job, job_id)
         assert job.status == JobStatus.failed
         assert "boom" in job.failure_reason
@@ -145,10 +146,10 @@ def test_cancel_reaches_a_running_attempt_through_its_lease(sessions, settings):
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
     with sessions() as session:
-        crud.request_cancel(session, session.get(Job, job_id))
-        lease = crud.renew_lease(session, claimed, 30)
+        request_cancel(session, session.get(Job, job_id))
+        lease = renew_lease(session, claimed, 30)
         assert lease.held and lease.cancel_requested
-        crud.finish_attempt(session, claimed, AttemptStatus.cancelled, "cancelled by user")
+        finish_attempt(session, claimed, AttemptStatus.cancelled, "cancelled by user")
         assert session.get(Job, job_id).status == JobStatus.cancelled
 
 
@@ -156,8 +157,8 @@ def test_metrics_are_idempotent_per_job_step_and_name(sessions, settings):
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
     with sessions() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "train_loss", 3.5)])
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(2, "train_loss", 3.4), (3, "train_loss", 3.0)])
+        record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "train_loss", 3.5)])
+        record_metrics(session, job_id, claimed.attempt_id, [(2, "train_loss", 3.4), (3, "train_loss", 3.0)])
         rows = session.execute(select(Metric.step, Metric.value).where(Metric.job_id == job_id).order_by(Metric.step)).all()
         assert [tuple(r) for r in rows] == [(1, 4.0), (2, 3.4), (3, 3.0)]
         assert session.get(Job, job_id).step == 3
@@ -170,11 +171,11 @@ def test_any_metric_name_and_value_a_script_logs_is_stored_and_read_back_exactly
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
     with sessions() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(4, name, value) for name, value in zip(names, values)])
+        record_metrics(session, job_id, claimed.attempt_id, [(4, name, value) for name, value in zip(names, values)])
         stored = dict(session.execute(select(Metric.name, Metric.value).where(Metric.job_id == job_id)).all())
     assert stored == dict(zip(names, values))
     with sessions() as session:
-        series = crud.metric_series(session, job_id, None, None, 100)
+        series = metric_series(session, job_id, None, None, 100)
     assert {name: values for name, (_, values) in series.items()} == {name: [value] for name, value in zip(names, values)}
 
 
@@ -183,7 +184,7 @@ def test_scheduler_places_by_priority_and_only_where_slots_are_free(sessions, se
     high = queue_job(sessions, priority=5)
     wide = queue_job(sessions, priority=9, **{"resources.processes_per_node": 4})
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", 1, {})
         placed = schedule_pass(session, settings)
         assert len(placed) == 1
         assert session.get(Job, high).status == JobStatus.scheduled
@@ -197,8 +198,8 @@ def test_a_backlog_is_placed_highest_priority_first_and_no_host_past_its_slots(s
     wide = {2, 9, 15}  # these need 2 slots
     jobs = [queue_job(sessions, priority=p, **({"resources.processes_per_node": 2} if i in wide else {})) for i, p in enumerate(priorities)]
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 3, {})
-        crud.register_host(session, "host-b", "cpu", 4, {})
+        register_host(session, "host-a", "cpu", 3, {})
+        register_host(session, "host-b", "cpu", 4, {})
         placed = schedule_pass(session, settings)
         assert schedule_pass(session, settings) == []  # every slot taken
     # Priority order 7 (9), 15 (9, wide), 11 (8), 18 (8), 2 (7, wide) fills the 7 slots, best fit first.
@@ -207,7 +208,7 @@ def test_a_backlog_is_placed_highest_priority_first_and_no_host_past_its_slots(s
         attempts = session.scalars(select(Attempt)).all()
         assert {a.job_id: a.host_name for a in attempts} == expected
         assert sorted(placed) == sorted((a.id, a.host_name) for a in attempts)
-        assert crud.busy_slots_by_host(session) == {"host-a": 3, "host-b": 4}
+        assert busy_slots_by_host(session) == {"host-a": 3, "host-b": 4}
         for job_id in jobs:
             statuses = [data["status"] for _, _, data in job_events(session, job_id)]
             assert statuses == (["queued", "scheduled"] if job_id in expected else ["queued"])
@@ -225,8 +226,8 @@ def test_a_backlog_is_placed_highest_priority_first_and_no_host_past_its_slots(s
 def test_an_unclaimed_dispatch_is_resent_after_the_timeout_and_given_back_when_its_host_goes_offline(sessions, settings):
     orphaned, stale, fresh = (queue_job(sessions) for _ in range(3))
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 2, {})
-        crud.register_host(session, "host-b", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", 2, {})
+        register_host(session, "host-b", "cpu", 1, {})
         schedule_pass(session, settings)  # best fit: the first job on host-b, the others on host-a
         attempt = {a.job_id: a for a in session.scalars(select(Attempt))}
         assert {job: attempt[job].host_name for job in (orphaned, stale, fresh)} == {orphaned: "host-b", stale: "host-a", fresh: "host-a"}
@@ -247,8 +248,8 @@ def test_an_unclaimed_dispatch_is_resent_after_the_timeout_and_given_back_when_i
 def test_two_schedulers_never_place_a_job_twice(sessions, settings):
     jobs = [queue_job(sessions) for _ in range(12)]
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 6, {})
-        crud.register_host(session, "host-b", "cpu", 6, {})
+        register_host(session, "host-a", "cpu", 6, {})
+        register_host(session, "host-b", "cpu", 6, {})
     results: list[list] = []
     barrier = threading.Barrier(2)
 
@@ -267,7 +268,7 @@ def test_two_schedulers_never_place_a_job_twice(sessions, settings):
     with sessions() as session:
         attempts = session.scalars(select(Attempt)).all()
         assert sorted(a.job_id for a in attempts) == sorted(jobs)
-        assert crud.busy_slots_by_host(session) == {"host-a": 6, "host-b": 6}
+        assert busy_slots_by_host(session) == {"host-a": 6, "host-b": 6}
 
 
 def test_checkpoint_retention_keeps_the_newest(sessions, settings):
@@ -276,10 +277,9 @@ def test_checkpoint_retention_keeps_the_newest(sessions, settings):
     with sessions() as session:
         stale = []
         for step in (6, 12, 18):
-            stale += crud.record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, keep_last=2)
+            stale += record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, keep_last=2)
         assert stale == ["ck/6"]
-        assert [c.step for c in crud.list_checkpoints(session, job_id)] == [12, 18]
-        assert crud.latest_checkpoint(session, job_id).step == 18
+        assert [c.step for c in list_checkpoints(session, job_id)] == [12, 18]
 
 
 def test_a_new_attempt_resumes_from_the_latest_checkpoint(sessions, settings):
@@ -289,12 +289,12 @@ def test_a_new_attempt_resumes_from_the_latest_checkpoint(sessions, settings):
     other = place_and_claim(sessions, settings)
     with sessions() as session:
         for step in (6, 12):
-            crud.record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, keep_last=2)
+            record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, keep_last=2)
         # Another job's newer checkpoint is not ours to resume from.
-        crud.record_checkpoint(session, other_job_id, other.attempt_id, 30, "other/30", "0" * 64, 10, keep_last=2)
-        crud.finish_attempt(session, claimed, AttemptStatus.failed, "crash")
+        record_checkpoint(session, other_job_id, other.attempt_id, 30, "other/30", "0" * 64, 10, keep_last=2)
+        finish_attempt(session, claimed, AttemptStatus.failed, "crash")
         [(attempt_id, _)] = schedule_pass(session, settings)
-        second = crud.claim_attempt(session, attempt_id, "w2", 30)
+        second = claim_attempt(session, attempt_id, "w2", 30)
         assert second.number == 2 and second.resume_step == 12 and second.resume_checkpoint_path == "ck/12"
         assert session.get(Job, job_id).step == 12
 
@@ -303,7 +303,7 @@ def queue_gang(sessions, hosts: int) -> int:
     """`hosts` one-slot CPU hosts and a queued 2-node job; returns the job's id."""
     with sessions() as session:
         for i in range(hosts):
-            crud.register_host(session, f"host-{i}", "cpu", 1, {}, address=f"10.0.0.{i}")
+            register_host(session, f"host-{i}", "cpu", 1, {}, address=f"10.0.0.{i}")
     return queue_job(sessions, **{"resources.nodes": 2})
 
 
@@ -318,7 +318,7 @@ def test_a_gang_gets_all_its_hosts_in_one_pass_or_none(sessions, settings):
         assert len({a.host_name for a in attempts}) == 2 and sorted(dispatched) == sorted((a.id, a.host_name) for a in attempts)
         # One host is left: the second gang takes nothing rather than half of what it needs.
         assert session.get(Job, second).status == JobStatus.queued and not session.get(Job, second).attempts
-        assert sum(crud.busy_slots_by_host(session).values()) == 2
+        assert sum(busy_slots_by_host(session).values()) == 2
 
 
 def placed_gang(sessions, settings) -> tuple[int, Attempt, Attempt]:
@@ -337,7 +337,7 @@ def test_the_other_nodes_of_a_gang_wait_out_the_re_send_of_a_lost_dispatch_to_no
     settings = Settings(data_dir=tmp_path, database_url=database_url, lease_seconds=30, host_timeout_seconds=30, dispatch_timeout_seconds=1)
     _, node_0, node_1 = placed_gang(sessions, settings)
     with sessions() as session:
-        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+        claimed_1 = claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
     re_sent = threading.Event()
 
     def scheduler_and_node_0_worker():
@@ -347,7 +347,7 @@ def test_the_other_nodes_of_a_gang_wait_out_the_re_send_of_a_lost_dispatch_to_no
                 dispatched = schedule_pass(session, settings)
             if (node_0.id, node_0.host_name) in dispatched:
                 with sessions() as session:
-                    crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+                    claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
                 re_sent.set()
             time.sleep(0.1)
 
@@ -361,22 +361,22 @@ def test_the_other_nodes_of_a_gang_wait_out_the_re_send_of_a_lost_dispatch_to_no
 def test_a_gang_runs_when_every_node_claimed_and_succeeds_when_every_node_did(sessions, settings):
     job_id, node_0, node_1 = placed_gang(sessions, settings)
     with sessions() as session:
-        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
-        assert crud.gang_rendezvous(session, claimed_1) is None  # node 0 has not started yet
-        claimed_0 = crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
-        assert crud.gang_rendezvous(session, claimed_1) == "10.0.0.0:2222"
+        claimed_1 = claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+        assert gang_rendezvous(session, claimed_1) is None  # node 0 has not started yet
+        claimed_0 = claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+        assert gang_rendezvous(session, claimed_1) == "10.0.0.0:2222"
         assert session.get(Job, job_id).status == JobStatus.running
-        assert crud.finish_attempt(session, claimed_0, AttemptStatus.succeeded)
+        assert finish_attempt(session, claimed_0, AttemptStatus.succeeded)
         assert session.get(Job, job_id).status == JobStatus.running  # node 1 is still finishing
-        assert crud.finish_attempt(session, claimed_1, AttemptStatus.succeeded)
+        assert finish_attempt(session, claimed_1, AttemptStatus.succeeded)
         assert session.get(Job, job_id).status == JobStatus.succeeded
 
 
 def test_one_lost_node_ends_its_whole_gang_and_requeues_the_job_once(sessions, settings):
     job_id, node_0, node_1 = placed_gang(sessions, settings)
     with sessions() as session:
-        claimed_0 = crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
-        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+        claimed_0 = claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+        claimed_1 = claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
         session.get(Attempt, node_1.id).lease_expires_at = utcnow() - timedelta(seconds=1)
         session.commit()
     with sessions() as session:
@@ -389,19 +389,19 @@ def test_one_lost_node_ends_its_whole_gang_and_requeues_the_job_once(sessions, s
         assert job.restarts == 1 and job.status == JobStatus.scheduled
         assert [(a.number, a.node_rank) for a in job.attempts if a.number == 2] == [(2, 0), (2, 1)]
         # Node 0's worker learns it through its lease, stops its processes, and can report nothing.
-        assert not crud.renew_lease(session, claimed_0, 30).held
-        assert not crud.finish_attempt(session, claimed_0, AttemptStatus.failed, "exit code 1")
-        assert not crud.finish_attempt(session, claimed_1, AttemptStatus.failed, "exit code 1")
+        assert not renew_lease(session, claimed_0, 30).held
+        assert not finish_attempt(session, claimed_0, AttemptStatus.failed, "exit code 1")
+        assert not finish_attempt(session, claimed_1, AttemptStatus.failed, "exit code 1")
 
 
 def test_a_preempted_node_preempts_its_whole_gang_and_requeues_the_job_without_a_restart(sessions, settings):
     job_id, node_0, node_1 = placed_gang(sessions, settings)
     with sessions() as session:
-        claimed_0 = crud.claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
-        claimed_1 = crud.claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
+        claimed_0 = claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
+        claimed_1 = claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
         # Both nodes' ranks stopped at the same checkpoint; node 1's worker reports first.
-        assert crud.finish_attempt(session, claimed_1, AttemptStatus.preempted, "a higher-priority job needs host-1")
-        assert not crud.finish_attempt(session, claimed_0, AttemptStatus.preempted, "SIGTERM")  # already ended with its gang
+        assert finish_attempt(session, claimed_1, AttemptStatus.preempted, "a higher-priority job needs host-1")
+        assert not finish_attempt(session, claimed_0, AttemptStatus.preempted, "SIGTERM")  # already ended with its gang
         job = session.get(Job, job_id)
         assert [a.status for a in job.attempts] == [AttemptStatus.preempted, AttemptStatus.preempted]
         assert "node 1 of this gang ended preempted" in job.attempts[0].failure_reason
@@ -409,18 +409,18 @@ def test_a_preempted_node_preempts_its_whole_gang_and_requeues_the_job_without_a
 
 
 def job_events(session, job_id: int) -> list[tuple[int, str, dict]]:
-    return [(e.seq, e.type.value, e.data) for e in crud.job_events_after(session, job_id, 0, limit=1000)]
+    return [(e.seq, e.type.value, e.data) for e in job_events_after(session, job_id, 0, limit=1000)]
 
 
 def test_status_changes_metrics_and_checkpoints_are_logged_as_numbered_job_events(sessions, settings):
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
     with sessions() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "train_loss", 3.0), (1, "lr", 0.1)])
+        record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "train_loss", 3.0), (1, "lr", 0.1)])
         for _ in range(2):  # the second is a re-send of the same checkpoint: not a new event
-            crud.record_checkpoint(session, job_id, claimed.attempt_id, 2, "ck/2", "a" * 64, 10, keep_last=2)
-        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
-        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+            record_checkpoint(session, job_id, claimed.attempt_id, 2, "ck/2", "a" * 64, 10, keep_last=2)
+        finish_attempt(session, claimed, AttemptStatus.succeeded)
+        checkpoint_id = list_checkpoints(session, job_id)[-1].id
         assert job_events(session, job_id) == [
             (1, "status", {"status": "queued", "reason": None}),
             (2, "status", {"status": "scheduled", "reason": None}),
@@ -430,7 +430,7 @@ def test_status_changes_metrics_and_checkpoints_are_logged_as_numbered_job_event
             (6, "checkpoint", {"checkpoint_id": checkpoint_id, "step": 2, "sha256": "a" * 64, "size_bytes": 10}),
             (7, "status", {"status": "succeeded", "reason": None}),
         ]
-        assert [event.seq for event in crud.job_events_after(session, job_id, 5, limit=1)] == [6]
+        assert [event.seq for event in job_events_after(session, job_id, 5, limit=1)] == [6]
 
 
 def test_a_transition_that_loses_the_race_logs_no_event(sessions):
@@ -439,7 +439,7 @@ def test_a_transition_that_loses_the_race_logs_no_event(sessions):
         stale = session.get(Job, job_id)  # read while still queued
         session.commit()
         with sessions() as other:
-            crud.request_cancel(other, other.get(Job, job_id))
+            request_cancel(other, other.get(Job, job_id))
         assert not state.move_job(session, stale, JobStatus.scheduled)
         session.commit()
         assert job_events(session, job_id) == [
@@ -457,7 +457,7 @@ def test_concurrent_writers_number_a_jobs_events_without_gaps(sessions, settings
         barrier.wait()
         with sessions() as session:
             for step in range(15):
-                crud.record_metrics(session, job_id, claimed.attempt_id, [(step, name, 1.0)])
+                record_metrics(session, job_id, claimed.attempt_id, [(step, name, 1.0)])
 
     with ThreadPoolExecutor(2) as pool:
         for done in [pool.submit(write, "a"), pool.submit(write, "b")]:
@@ -481,8 +481,8 @@ def test_a_point_sent_twice_in_one_batch_is_stored_once_with_its_later_value(ses
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
     with sessions() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "lr", 0.1), (1, "train_loss", 3.9)])
-        assert crud.metric_series(session, job_id, None, None, max_points=1000) == {"lr": ([2], [0.1]), "train_loss": ([1], [3.9])}
+        record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 4.0), (2, "lr", 0.1), (1, "train_loss", 3.9)])
+        assert metric_series(session, job_id, None, None, max_points=1000) == {"lr": ([2], [0.1]), "train_loss": ([1], [3.9])}
         assert [data for _, kind, data in job_events(session, job_id) if kind == "metrics"] == [
             {"step": 1, "values": {"train_loss": 3.9}},
             {"step": 2, "values": {"lr": 0.1}},
@@ -494,8 +494,8 @@ def test_a_nan_or_infinite_metric_is_stored_as_null_and_the_rest_of_the_batch_wi
     claimed = place_and_claim(sessions, settings)
     points = [(1, "train_loss", 3.0), (2, "train_loss", float("nan")), (3, "train_loss", float("inf")), (3, "lr", 0.1)]
     with sessions() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, points)
-        series = crud.metric_series(session, job_id, None, None, max_points=1000)
+        record_metrics(session, job_id, claimed.attempt_id, points)
+        series = metric_series(session, job_id, None, None, max_points=1000)
         assert series == {"lr": ([3], [0.1]), "train_loss": ([1, 2, 3], [3.0, None, None])}
         assert job_events(session, job_id)[-2:] == [
             (5, "metrics", {"step": 2, "values": {"train_loss": None}}),
@@ -503,14 +503,14 @@ def test_a_nan_or_infinite_metric_is_stored_as_null_and_the_rest_of_the_batch_wi
         ]
         assert session.get(Job, job_id).step == 3
         # Downsampled, the divergence is still there.
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(s, "train_loss", 1.0) for s in range(4, 100)])
-        steps, values = crud.metric_series(session, job_id, ["train_loss"], None, max_points=6)["train_loss"]
+        record_metrics(session, job_id, claimed.attempt_id, [(s, "train_loss", 1.0) for s in range(4, 100)])
+        steps, values = metric_series(session, job_id, ["train_loss"], None, max_points=6)["train_loss"]
         assert 2 in steps and values[steps.index(2)] is None and steps[-1] == 99
 
 
 def gpu_host(session, name: str, gpus: int, memory_gb: float) -> None:
     info = {"gpus": [{"index": i, "name": "H100", "memory_gb": memory_gb} for i in range(gpus)]}
-    crud.register_host(session, name, "cuda", gpus, info)
+    register_host(session, name, "cuda", gpus, info)
 
 
 def test_jobs_sharing_a_gpu_host_get_disjoint_gpus_and_a_job_that_must_wait_says_why(sessions, settings):
@@ -529,9 +529,9 @@ def test_jobs_sharing_a_gpu_host_get_disjoint_gpus_and_a_job_that_must_wait_says
         waiting = session.get(Job, roomy)
         assert waiting.status == JobStatus.queued and not waiting.attempts
         assert waiting.waiting_reason == "waiting for a host with 1 free GPUs of at least 40 GB (0 now); big held for it"
-        claimed = crud.claim_attempt(session, session.get(Job, jobs[2]).attempts[0].id, "w", 30)
+        claimed = claim_attempt(session, session.get(Job, jobs[2]).attempts[0].id, "w", 30)
         assert claimed.device_ids == [2, 3]  # what the worker puts in CUDA_VISIBLE_DEVICES
-        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+        finish_attempt(session, claimed, AttemptStatus.succeeded)
     with sessions() as session:
         schedule_pass(session, settings)  # two of the big host's GPUs are free again
         assert session.get(Job, roomy).attempts[0].device_ids == [2] and session.get(Job, roomy).waiting_reason is None
@@ -542,7 +542,7 @@ def test_a_long_wait_outranks_a_higher_priority(sessions, settings):
     new_high = queue_job(sessions, priority=5)
     with sessions() as session:
         session.get(Job, old_low).created_at = utcnow() - timedelta(seconds=6 * settings.priority_aging_seconds)
-        crud.register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", 1, {})
         schedule_pass(session, settings)
         assert session.get(Job, old_low).status == JobStatus.scheduled  # 0 + 6 points of waiting > 5
         assert session.get(Job, new_high).status == JobStatus.queued
@@ -550,8 +550,8 @@ def test_a_long_wait_outranks_a_higher_priority(sessions, settings):
 
 def test_the_first_blocked_job_gets_hosts_held_and_smaller_jobs_backfill_only_elsewhere(sessions, settings):
     with sessions() as session:
-        crud.register_host(session, "wide", "cpu", 2, {})
-        crud.register_host(session, "narrow", "cpu", 1, {})
+        register_host(session, "wide", "cpu", 2, {})
+        register_host(session, "narrow", "cpu", 1, {})
     running = [queue_job(sessions, priority=9) for _ in range(2)]
     with sessions() as session:
         schedule_pass(session, settings)  # best fit: one on "narrow", one on "wide" (1 slot left there)
@@ -563,37 +563,37 @@ def test_the_first_blocked_job_gets_hosts_held_and_smaller_jobs_backfill_only_el
         # The small job would fit in wide's free slot, but that would delay the head job: held.
         assert session.get(Job, head).waiting_reason.endswith("wide held for it")
         assert session.get(Job, small).status == JobStatus.queued
-        crud.register_host(session, "spare", "cpu", 1, {})
+        register_host(session, "spare", "cpu", 1, {})
         schedule_pass(session, settings)
         assert session.get(Job, small).attempts[0].host_name == "spare"  # backfilled where no one waits
-        claimed = crud.claim_attempt(session, session.get(Job, on_wide).attempts[0].id, "w", 30)
-        crud.finish_attempt(session, claimed, AttemptStatus.succeeded)
+        claimed = claim_attempt(session, session.get(Job, on_wide).attempts[0].id, "w", 30)
+        finish_attempt(session, claimed, AttemptStatus.succeeded)
         schedule_pass(session, settings)
         assert session.get(Job, head).attempts[0].host_name == "wide"
 
 
 def test_a_higher_priority_job_preempts_only_a_lower_priority_preemptible_one(sessions, settings):
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 1, {})
-        crud.register_host(session, "host-b", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-b", "cpu", 1, {})
     steady = queue_job(sessions, priority=0)  # not preemptible
     spot = queue_job(sessions, priority=0, preemptible=True)
     with sessions() as session:
         schedule_pass(session, settings)
-        claims = {job: crud.claim_attempt(session, session.get(Job, job).attempts[0].id, f"w{job}", 30) for job in (steady, spot)}
+        claims = {job: claim_attempt(session, session.get(Job, job).attempts[0].id, f"w{job}", 30) for job in (steady, spot)}
     peer = queue_job(sessions, priority=0)  # same priority: waits, preempts nothing
     with sessions() as session:
         schedule_pass(session, settings)
-        assert not crud.renew_lease(session, claims[spot], 30).preempt_requested
+        assert not renew_lease(session, claims[spot], 30).preempt_requested
     urgent = queue_job(sessions, priority=10)
     with sessions() as session:
         schedule_pass(session, settings)
         schedule_pass(session, settings)  # asked once; a second pass waits for it
-        assert crud.renew_lease(session, claims[spot], 30).preempt_requested
-        assert not crud.renew_lease(session, claims[steady], 30).preempt_requested
+        assert renew_lease(session, claims[spot], 30).preempt_requested
+        assert not renew_lease(session, claims[steady], 30).preempt_requested
         assert "preempting lower priorities" in session.get(Job, urgent).waiting_reason
         # The worker stops it at a checkpoint: back to the queue, no restart used.
-        crud.finish_attempt(session, claims[spot], AttemptStatus.preempted, "preempted for a higher-priority job")
+        finish_attempt(session, claims[spot], AttemptStatus.preempted, "preempted for a higher-priority job")
         schedule_pass(session, settings)
         assert session.get(Job, urgent).attempts[0].host_name == session.get(Job, spot).attempts[0].host_name
         assert session.get(Job, spot).status == JobStatus.queued and session.get(Job, spot).restarts == 0
@@ -608,8 +608,8 @@ def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_b
         assert not doorbell.wait(0.2)  # nothing happened
 
         with sessions() as session:
-            user = crud.create_user(session, "alice")[0]
-            crud.create_job(session, user, job_spec())
+            user = create_user(session, "alice")[0]
+            create_job(session, user, job_spec())
         assert doorbell.wait(30)
 
         with sessions() as session:  # a submit that never commits makes no work
@@ -623,7 +623,7 @@ def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_b
         claimed = place_and_claim(sessions, settings)
         doorbell.wait(0.2)  # the host's registration rang
         with sessions() as session:
-            crud.finish_attempt(session, claimed, AttemptStatus.succeeded, None)
+            finish_attempt(session, claimed, AttemptStatus.succeeded, None)
         assert doorbell.wait(30)  # the attempt's devices are free
     finally:
         doorbell.close()
@@ -632,17 +632,17 @@ def test_the_scheduler_is_woken_by_a_committed_submit_or_freed_devices_and_not_b
 
 def test_concurrent_submits_at_the_quota_create_exactly_the_jobs_it_allows(sessions):
     with sessions() as session:
-        crud.create_user(session, "alice")
+        create_user(session, "alice")
     start = threading.Barrier(8)
 
     def submit(_) -> bool:
         start.wait()  # all eight at once (a session holding SQLite's write lock can't wait on the others)
         with sessions() as session:
-            user = crud.user_by_name(session, "alice")
+            user = user_by_name(session, "alice")
             try:
-                crud.create_job(session, user, job_spec(), max_active=3)
+                create_job(session, user, job_spec(), max_active=3)
                 return True
-            except crud.QuotaExceeded:
+            except QuotaExceeded:
                 return False
 
     with ThreadPoolExecutor(8) as pool:
@@ -654,13 +654,13 @@ def test_concurrent_submits_at_the_quota_create_exactly_the_jobs_it_allows(sessi
 
 def test_concurrent_retries_with_one_idempotency_key_create_one_job_and_all_get_it(sessions):
     with sessions() as session:
-        crud.create_user(session, "alice")
+        create_user(session, "alice")
     start = threading.Barrier(8)
 
     def submit(_) -> int:
         start.wait()  # all eight at once: each looks for the key before any has committed
         with sessions() as session:
-            return crud.create_job(session, crud.user_by_name(session, "alice"), job_spec(), idempotency_key="retry-1").id
+            return create_job(session, user_by_name(session, "alice"), job_spec(), idempotency_key="retry-1").id
 
     with ThreadPoolExecutor(8) as pool:
         ids = set(pool.map(submit, range(8)))
@@ -670,31 +670,31 @@ def test_concurrent_retries_with_one_idempotency_key_create_one_job_and_all_get_
 
 def test_only_a_hash_of_a_token_is_stored_and_the_token_finds_its_user(sessions):
     with sessions() as session:
-        user, token = crud.create_user(session, "alice")
+        user, token = create_user(session, "alice")
         stored = session.execute(select(User.token_hash).where(User.id == user.id)).scalar_one()
         everything = " ".join(str(v) for v in session.execute(select(User.__table__)).one())
         assert token not in everything and stored == hashlib.sha256(token.encode()).hexdigest()
-        assert crud.user_by_token(session, token).id == user.id and crud.user_by_token(session, token + "x") is None
+        assert user_by_token(session, token).id == user.id and user_by_token(session, token + "x") is None
 
 
 def test_log_lines_of_concurrent_writers_get_ids_in_commit_order(sessions, settings):
     job_id = queue_job(sessions, **{"resources.nodes": 2})
     with sessions() as session:
-        crud.register_host(session, "host-a", "cpu", 1, {})
-        crud.register_host(session, "host-b", "cpu", 1, {})
-        node_0, node_1 = [crud.claim_attempt(session, attempt_id, f"w{i}", 30) for i, (attempt_id, _) in enumerate(schedule_pass(session, settings))]
+        register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-b", "cpu", 1, {})
+        node_0, node_1 = [claim_attempt(session, attempt_id, f"w{i}", 30) for i, (attempt_id, _) in enumerate(schedule_pass(session, settings))]
     first = sessions()
-    crud.lock_job_logs(first, job_id)  # node 0 is writing, not yet committed
+    lock_job_logs(first, job_id)  # node 0 is writing, not yet committed
     first.execute(LogLine.__table__.insert(), [{"job_id": job_id, "attempt_id": node_0.attempt_id, "attempt_number": 1, "seq": 0, "line": "node 0"}])
     with ThreadPoolExecutor(1) as pool:
-        later = pool.submit(lambda: crud.record_logs(sessions(), job_id, node_1, [(0, 1, "node 1")]))
+        later = pool.submit(lambda: record_logs(sessions(), job_id, node_1, [(0, 1, "node 1")]))
         with pytest.raises(TimeoutError):
             later.result(timeout=1.0)  # node 1 waits for node 0's commit (SQLite: for its write lock)
         first.commit()
         later.result(timeout=30)
     first.close()
     with sessions() as session:
-        assert [line.line for line in crud.log_lines_after(session, job_id, 0, 10)] == ["node 0", "node 1"]
+        assert [line.line for line in log_lines_after(session, job_id, 0, 10)] == ["node 0", "node 1"]
 
 
 def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_store(sessions, settings, tmp_path, monkeypatch):
@@ -719,12 +719,12 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
         assert outbox.checkpoints == [(10, source)] and outbox.ingesting is not None  # still being copied in
         with sessions() as session:
             assert session.get(Attempt, claimed.attempt_id).lease_expires_at > renewed_before
-            assert crud.latest_checkpoint(session, claimed.job_id) is None
+            assert list_checkpoints(session, claimed.job_id) == []
 
         deadline = time.monotonic() + 60
         while outbox.checkpoints and time.monotonic() < deadline:
             runner._sync(claimed, spec, outbox)
         assert outbox.empty() and not source.exists()  # stored, then the copy's source removed
         with sessions() as session:
-            stored = crud.latest_checkpoint(session, claimed.job_id)
+            stored = list_checkpoints(session, claimed.job_id)[-1]
             assert stored.step == 10 and stored.sha256 == sha256_file(runner.store.path(stored.path) / MODEL_FILE)

@@ -9,14 +9,17 @@ from pathlib import Path
 import pytest
 
 from api_schemas import JobSpec
-from service.db import crud
+from service.api.main import create_app
+from service.db.accounts import create_user, user_by_token
+from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.hosts import register_host
+from service.db.metrics import record_metrics
 from service.db.migrate import upgrade
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from service.api.main import create_app
 from tests.client.serve import serve_app
-from tests.helpers import auth, start_job, tiny_spec
+from tests.helpers import auth, job_spec, start_job, tiny_spec
 from trainyard.cli import main
 from workers.supervisor import launch_command, script_environment, training_environment
 
@@ -24,19 +27,20 @@ OCTETS = {"Content-Type": "application/octet-stream"}
 
 
 @pytest.fixture
-def settings(database_url, data_root, tmp_path) -> Settings:
-    (tmp_path / "code" / "project").mkdir(parents=True)
-    (tmp_path / "code" / "project" / "train.py").write_text("print('hi')\n")
-    return Settings(data_dir=tmp_path, database_url=database_url, data_root=data_root)
+def settings(settings) -> Settings:
+    """With a script project under the code root."""
+    (settings.data_dir / "code" / "project").mkdir(parents=True)
+    (settings.data_dir / "code" / "project" / "train.py").write_text("print('hi')\n")
+    return settings
 
 
 @pytest.fixture
 def tokens(settings) -> dict[str, str]:
     with session_factory(settings.resolved_database_url)() as session:
         return {
-            "coder": crud.create_user(session, "coder", can_run_code=True)[1],
-            "other_coder": crud.create_user(session, "other_coder", can_run_code=True)[1],
-            "plain": crud.create_user(session, "plain")[1],
+            "coder": create_user(session, "coder", can_run_code=True)[1],
+            "other_coder": create_user(session, "other_coder", can_run_code=True)[1],
+            "plain": create_user(session, "plain")[1],
         }
 
 
@@ -68,7 +72,7 @@ def test_a_running_script_without_max_steps_shows_its_step_on_the_dashboard_and_
     job_id = api.post("/v1/jobs", json=script_spec(), headers=coder).json()["id"]
     claimed = start_job(settings, job_id)
     with session_factory(settings.resolved_database_url)() as session:
-        crud.record_metrics(session, job_id, claimed.attempt_id, [(7, "loss", 1.5)])
+        record_metrics(session, job_id, claimed.attempt_id, [(7, "loss", 1.5)])
 
     dashboard = api.get("/v1/dashboard", headers=coder)
     assert dashboard.status_code == 200, dashboard.text
@@ -178,7 +182,7 @@ def test_a_built_in_jobs_processes_get_the_workers_environment_without_the_servi
     monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
     monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    env = training_environment(JobSpec.model_validate(tiny_spec()), tmp_path, None)
+    env = training_environment(job_spec(), tmp_path, None)
     assert not any("secret" in value for value in env.values()) and env["OMP_NUM_THREADS"] == "3"
     assert env["TRAINYARD_EVENTS_FILE"] == str(tmp_path / "events.jsonl")
 
@@ -191,8 +195,8 @@ def test_user_create_grants_can_run_code_only_when_asked(tmp_path, monkeypatch, 
     assert main(["user", "create", "carol", "--can-run-code"]) == 0 and main(["user", "create", "dave"]) == 0
     carol_token, dave_token = capsys.readouterr().out.split()
     with session_factory(url)() as session:
-        assert crud.user_by_token(session, carol_token).can_run_code
-        assert not crud.user_by_token(session, dave_token).can_run_code
+        assert user_by_token(session, carol_token).can_run_code
+        assert not user_by_token(session, dave_token).can_run_code
 
 
 def test_a_checkpoint_without_model_weights_downloads_as_a_tar_of_its_folder(api, tokens, settings):
@@ -201,10 +205,10 @@ def test_a_checkpoint_without_model_weights_downloads_as_a_tar_of_its_folder(api
     directory.mkdir(parents=True)
     (directory / "optimizer.bin").write_bytes(b"optimizer state")
     with session_factory(settings.resolved_database_url)() as session:
-        crud.register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", 1, {})
         [(attempt_id, _)] = schedule_pass(session, settings)
-        crud.record_checkpoint(session, job_id, attempt_id, 4, str(directory.relative_to(settings.resolved_artifact_root)), "0" * 64, 15, 2)
-        checkpoint_id = crud.latest_checkpoint(session, job_id).id
+        record_checkpoint(session, job_id, attempt_id, 4, str(directory.relative_to(settings.resolved_artifact_root)), "0" * 64, 15, 2)
+        checkpoint_id = list_checkpoints(session, job_id)[-1].id
     response = api.get(f"/v1/checkpoints/{checkpoint_id}/download", headers=auth(tokens["coder"]))
     assert response.status_code == 200 and response.headers["content-type"] == "application/x-tar"
     with tarfile.open(fileobj=io.BytesIO(response.content)) as tar:

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from service.db import crud
+from service.db.accounts import create_user
 from service.db.session import session_factory
-from service.settings import Settings
 from service.uploads import UploadRefused, unpack_bundle
 from tests.helpers import auth, tiny_spec
 
@@ -21,17 +20,14 @@ CORPUS = ("to be or not to be, that is the question\n" * 200).encode()
 
 
 @pytest.fixture
-def settings(database_url, data_root, tmp_path) -> Settings:
-    return Settings(
-        data_dir=tmp_path, database_url=database_url, data_root=data_root, max_request_bytes=50_000,
-        max_upload_bytes=100_000, max_unpacked_bytes=20_000, max_unpacked_files=20,
-    )
+def settings_overrides() -> dict:
+    return {"max_request_bytes": 50_000, "max_upload_bytes": 100_000, "max_unpacked_bytes": 20_000, "max_unpacked_files": 20}
 
 
 @pytest.fixture
 def tokens(settings) -> dict[str, str]:
     with session_factory(settings.resolved_database_url)() as session:
-        return {name: crud.create_user(session, name, is_admin=name == "root")[1] for name in ("alice", "bob", "root")}
+        return {name: create_user(session, name, is_admin=name == "root")[1] for name in ("alice", "bob", "root")}
 
 
 OCTETS = {"Content-Type": "application/octet-stream"}

@@ -16,16 +16,10 @@ from safetensors.torch import load_file
 
 from api_schemas import JobSpec
 from api_schemas.manifest import MODEL_FILE
-from tests.helpers import tiny_spec
 from workers.training import GPT, TokenWindows, load_text_corpus, lr_at, train
 
 REPO = Path(__file__).resolve().parents[2]
 CORPUS = REPO / "data" / "tinyshakespeare.txt"
-
-
-def spec_of(**overrides) -> JobSpec:
-    """tests.helpers.tiny_spec (1 layer, n_embd 32, block 16, micro-batch 4) as a validated JobSpec."""
-    return JobSpec.model_validate(tiny_spec(**overrides))
 
 
 def samples_per_step(spec: JobSpec) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training.support import micro_batches_per_epoch, reference_training, run_training, spec_of, write_corpus
+from tests.helpers import job_spec
+from tests.training.support import micro_batches_per_epoch, reference_training, run_training, write_corpus
 from workers.training import lr_at
 
 STEPS = 3
@@ -13,8 +14,8 @@ STEPS = 3
 
 def test_four_accumulated_micro_batches_of_8_train_like_one_batch_of_32(data_root, tmp_path):
     common = {"training.max_steps": STEPS, "training.eval_every": STEPS, "checkpoint.every_steps": None}
-    accumulated_spec = spec_of(**common, **{"training.micro_batch_size": 8, "training.gradient_accumulation_steps": 4})
-    single_spec = spec_of(**common, **{"training.micro_batch_size": 32, "training.gradient_accumulation_steps": 1})
+    accumulated_spec = job_spec(**common, **{"training.micro_batch_size": 8, "training.gradient_accumulation_steps": 4})
+    single_spec = job_spec(**common, **{"training.micro_batch_size": 32, "training.gradient_accumulation_steps": 1})
     accumulated = run_training(accumulated_spec, data_root, tmp_path / "8x4")
     single = run_training(single_spec, data_root, tmp_path / "32x1")
 
@@ -45,7 +46,7 @@ def test_an_epoch_holds_whole_accumulation_windows_so_every_step_gets_a_full_gra
     # Accelerate would still divide by 2 (that halved the step's gradient before the epochs were trimmed).
     data_root = tmp_path / "data"
     name = write_corpus(data_root, 245)
-    spec = spec_of(**{
+    spec = job_spec(**{
         "dataset.path": name, "training.micro_batch_size": 4, "training.gradient_accumulation_steps": 2,
         "training.max_steps": 3, "schedule.warmup_steps": 0, "training.eval_every": 3, "training.eval_batches": 1,
         "checkpoint.every_steps": None,

@@ -12,7 +12,8 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 
 from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, verify_manifest
-from tests.training.support import Collector, run_training, spec_of, write_corpus
+from tests.helpers import job_spec
+from tests.training.support import Collector, run_training, write_corpus
 from workers.training import GPT, CheckpointWriter, eval_dataloader, evaluate, load_model, load_model_from_checkpoint, load_text_corpus
 from workers.training.checkpoint import StateSnapshot
 
@@ -25,7 +26,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
     data_root = root / "data"
     name = write_corpus(data_root)
-    spec = spec_of(**{
+    spec = job_spec(**{
         "dataset.path": name, "training.max_steps": STEPS, "training.eval_every": 2,
         "checkpoint.every_steps": 2, "checkpoint.keep_last": 2,
     })
@@ -91,7 +92,7 @@ def test_weights_loaded_into_a_fresh_model_reproduce_the_reported_eval_loss(trai
 def tiny_training(tmp_path):
     """(spec, corpus, accelerator, model, train_one_step) of a 2-layer GPT prepared on the CPU."""
     data_root = tmp_path / "data"
-    spec = spec_of(**{"dataset.path": write_corpus(data_root, 50_000), "model.n_layer": 2, "model.n_embd": 64})
+    spec = job_spec(**{"dataset.path": write_corpus(data_root, 50_000), "model.n_layer": 2, "model.n_embd": 64})
     corpus = load_text_corpus(spec.dataset, data_root)
     accelerator = Accelerator(cpu=True)
     model = GPT(spec.model, corpus.tokenizer.vocab_size)

@@ -9,8 +9,8 @@ import subprocess
 import pytest
 
 from api_schemas.manifest import MODEL_FILE
-from tests.helpers import classifier_spec
-from tests.training.support import REPO, read_events, run_training, spec_of, subprocess_env
+from tests.helpers import classifier_spec, job_spec
+from tests.training.support import REPO, read_events, run_training, subprocess_env
 from workers.supervisor import free_port, launch_command
 from workers.training import MLPClassifier, eval_dataloader, evaluate_metrics, load_labelled_corpus, load_model_from_checkpoint
 
@@ -19,7 +19,7 @@ STEPS = 60
 
 def test_a_classifier_learns_and_its_checkpoint_scores_the_same_when_reloaded(labelled_root, tmp_path):
     overrides = {"training.max_steps": STEPS, "training.eval_every": 20, "checkpoint.every_steps": STEPS, "optimizer.lr": 0.01}
-    spec = spec_of(**classifier_spec(**overrides))
+    spec = job_spec(**classifier_spec(**overrides))
     run = run_training(spec, labelled_root, tmp_path / "run")
     accuracy = run.series("eval_accuracy")
     assert len(accuracy) == 3 and accuracy[-1] >= 0.9 and run.series("eval_loss")[-1] < run.series("eval_loss")[0]
@@ -36,9 +36,9 @@ def test_a_classifier_learns_and_its_checkpoint_scores_the_same_when_reloaded(la
 def test_eval_accuracy_is_the_same_on_one_process_and_on_two(labelled_root, tmp_path):
     # eval_batches null: the whole validation split, which two processes of 4 don't divide evenly.
     overrides = {"training.max_steps": 20, "training.eval_every": 10, "checkpoint.every_steps": 20, "training.eval_batches": None}
-    one = run_training(spec_of(**classifier_spec(**overrides, **{"training.micro_batch_size": 8})), labelled_root, tmp_path / "one")
+    one = run_training(job_spec(**classifier_spec(**overrides, **{"training.micro_batch_size": 8})), labelled_root, tmp_path / "one")
 
-    two_spec = spec_of(**classifier_spec(**overrides, **{"training.micro_batch_size": 4, "resources.processes_per_node": 2}))
+    two_spec = job_spec(**classifier_spec(**overrides, **{"training.micro_batch_size": 4, "resources.processes_per_node": 2}))
     run_dir, events = tmp_path / "two", tmp_path / "events.jsonl"
     run_dir.mkdir()
     (run_dir / "spec.json").write_text(two_spec.model_dump_json())

@@ -7,7 +7,8 @@ import pytest
 from safetensors.torch import load_file
 
 from api_schemas.manifest import MODEL_FILE
-from tests.training.support import run_training, spec_of, write_corpus
+from tests.helpers import job_spec
+from tests.training.support import run_training, write_corpus
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 
 
@@ -15,8 +16,8 @@ def test_a_compiled_run_matches_eager_and_its_weights_load_into_an_uncompiled_mo
     data_root = tmp_path / "data"
     name = write_corpus(data_root, chars=50_000)
     overrides = {"dataset.path": name, "training.max_steps": 3, "training.eval_every": 3, "checkpoint.every_steps": None}
-    eager = run_training(spec_of(**overrides), data_root, tmp_path / "eager")
-    spec = spec_of(**overrides, **{"training.compile": True})
+    eager = run_training(job_spec(**overrides), data_root, tmp_path / "eager")
+    spec = job_spec(**overrides, **{"training.compile": True})
     compiled = run_training(spec, data_root, tmp_path / "compiled")
     # Inductor fuses and reorders float operations: equal to about 1e-6, not bit for bit.
     assert compiled.series("train_loss") == pytest.approx(eager.series("train_loss"), rel=1e-4)

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from api_schemas import DatasetConfig, JobSpec
-from tests.helpers import tiny_spec
+from api_schemas import DatasetConfig
+from tests.helpers import job_spec
 from workers.training import SpecError, Tokenizer, TokenWindows, eval_dataloader, load_text_corpus
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n"
@@ -67,14 +67,14 @@ def test_random_windows_start_anywhere_and_are_fixed_by_seed_epoch_and_index():
 
 
 def test_evaluation_with_no_eval_batches_reads_every_validation_window_once_in_order():
-    spec = JobSpec.model_validate(tiny_spec(**{"model.block_size": 8, "training.micro_batch_size": 3, "training.eval_batches": None}))
+    spec = job_spec(**{"model.block_size": 8, "training.micro_batch_size": 3, "training.eval_batches": None})
     val = torch.arange(100)  # 12 whole windows of 8 (+1 target) tokens
     starts = [int(x[0]) for inputs, _ in eval_dataloader(val, spec) for x in inputs]
     assert starts == list(range(0, 96, 8))
 
 
 def test_evaluation_reads_the_first_eval_batches_of_validation_windows_in_order():
-    spec = JobSpec.model_validate(tiny_spec(**{"model.block_size": 8, "training.micro_batch_size": 3, "training.eval_batches": 2}))
+    spec = job_spec(**{"model.block_size": 8, "training.micro_batch_size": 3, "training.eval_batches": 2})
     val = torch.arange(100)
     batches = list(eval_dataloader(val, spec))
     assert [len(inputs) for inputs, _ in batches] == [3, 3]

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
-from tests.training.support import run_training, spec_of, write_corpus
+from tests.helpers import classifier_spec, job_spec, write_labelled_jsonl
+from tests.training.support import run_training, write_corpus
 from workers.training import SpecError, load_labelled_corpus
 
 datasets = pytest.importorskip("datasets")
@@ -34,9 +34,9 @@ def test_a_classifier_trains_on_a_saved_dataset_dict_exactly_as_on_the_same_rows
     datasets.DatasetDict({"train": train, "test": train.select(range(10))}).save_to_disk(str(root / "saved"))
 
     overrides = {"training.max_steps": STEPS, "training.eval_every": STEPS, "checkpoint.every_steps": STEPS}
-    from_jsonl = run_training(spec_of(**classifier_spec(**overrides)), root, tmp_path / "jsonl")
+    from_jsonl = run_training(job_spec(**classifier_spec(**overrides)), root, tmp_path / "jsonl")
     disk_dataset = {"kind": "hf_disk", "path": "saved", "split": "train", "text_column": "sentence", "label_column": "y", "val_fraction": 0.2}
-    from_disk = run_training(spec_of(**classifier_spec(dataset=disk_dataset, **overrides)), root, tmp_path / "disk")
+    from_disk = run_training(job_spec(**classifier_spec(dataset=disk_dataset, **overrides)), root, tmp_path / "disk")
 
     assert from_disk.series("train_loss") == from_jsonl.series("train_loss")
     assert from_disk.series("eval_accuracy") == from_jsonl.series("eval_accuracy")
@@ -56,15 +56,15 @@ def test_a_language_model_trains_on_a_saved_dataset_as_on_its_texts_joined_by_ne
     datasets.Dataset.from_dict({"text": kept}).save_to_disk(str(root / "kept"))
 
     overrides = {"training.max_steps": STEPS, "training.eval_every": STEPS, "checkpoint.every_steps": None}
-    from_text = run_training(spec_of(**tiny_spec(**{"dataset.path": "kept.txt", **overrides})), root, tmp_path / "text")
+    from_text = run_training(job_spec(**{"dataset.path": "kept.txt", **overrides}), root, tmp_path / "text")
     from_disk = run_training(
-        spec_of(**tiny_spec(**{"dataset": {"kind": "hf_disk", "path": "kept"}, **overrides})), root, tmp_path / "disk"
+        job_spec(**{"dataset": {"kind": "hf_disk", "path": "kept"}, **overrides}), root, tmp_path / "disk"
     )
     assert from_disk.series("train_loss") == from_text.series("train_loss")
     assert from_disk.series("eval_loss") == from_text.series("eval_loss")
 
     with pytest.raises(SpecError, match=f"dataset.path: row {lines.index('') + 1} has no text in 'text'"):
-        run_training(spec_of(**tiny_spec(**{"dataset": {"kind": "hf_disk", "path": "lines"}, **overrides})), root, tmp_path / "x")
+        run_training(job_spec(**{"dataset": {"kind": "hf_disk", "path": "lines"}, **overrides}), root, tmp_path / "x")
 
 
 @pytest.mark.parametrize(
@@ -79,6 +79,6 @@ def test_a_language_model_trains_on_a_saved_dataset_as_on_its_texts_joined_by_ne
 def test_a_saved_dataset_the_classifier_cannot_use_fails_naming_the_field(tmp_path, dataset, message):
     datasets.Dataset.from_dict({"text": ["abc", "def"], "label": ["a", "b"]}).save_to_disk(str(tmp_path / "saved"))
     (tmp_path / "plain").mkdir()
-    spec = spec_of(**classifier_spec(dataset={"kind": "hf_disk", "path": "saved", **dataset}, **{"model.num_labels": 2}))
+    spec = job_spec(**classifier_spec(dataset={"kind": "hf_disk", "path": "saved", **dataset}, **{"model.num_labels": 2}))
     with pytest.raises(SpecError, match=f"dataset.path: .*{re.escape(message)}"):
         load_labelled_corpus(spec.dataset, spec.model, tmp_path)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from api_schemas.manifest import verify_manifest
-from tests.helpers import tiny_spec
-from tests.training.support import REPO, entry_point, read_events, run_training, spec_of, subprocess_env, write_corpus
+from api_schemas.manifest import checkpoint_name, verify_manifest
+from tests.helpers import job_spec, tiny_spec
+from tests.training.support import REPO, entry_point, read_events, run_training, subprocess_env, write_corpus
 
 STEPS = 4
 
@@ -45,14 +45,14 @@ def test_entry_point_writes_one_metrics_event_per_step_and_checkpoint_events_for
     assert [e["step"] for e in checkpoints] == [2, 4]
     for event in checkpoints:
         path = Path(event["path"])
-        assert path.is_absolute() and path.name == f"step-{event['step']:08d}"
+        assert path.is_absolute() and path.name == checkpoint_name(event["step"])
         assert verify_manifest(path)["step"] == event["step"]
     # Every metrics event of a step comes before that step's checkpoint event.
     order = [(e["type"], e["step"]) for e in events]
     assert order.index(("metrics", 4)) < order.index(("checkpoint", 4))
 
     # The same training as an in-process train() call (same thread count, same samples).
-    in_process = run_training(spec_of(**overrides), data_root, tmp_path / "in-process")
+    in_process = run_training(job_spec(**overrides), data_root, tmp_path / "in-process")
     assert [e["values"]["train_loss"] for e in metrics] == pytest.approx(in_process.series("train_loss"), rel=1e-6)
     eval_losses = [e["values"]["eval_loss"] for e in metrics if "eval_loss" in e["values"]]
     assert eval_losses == pytest.approx(in_process.series("eval_loss"), rel=1e-6)

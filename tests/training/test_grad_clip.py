@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training.support import reference_training, run_training, spec_of
+from tests.helpers import job_spec
+from tests.training.support import reference_training, run_training
 
 CLIP, STEPS = 1e-3, 3
 
@@ -13,7 +14,7 @@ CLIP, STEPS = 1e-3, 3
 def sgd_spec(clip: float | None):
     # SGD (momentum 0.9) without weight decay: the update is proportional to the gradient, so
     # clipping shows in how far the weights move (AdamW's update is nearly scale-free).
-    return spec_of(**{
+    return job_spec(**{
         "optimizer.name": "sgd", "optimizer.lr": 0.5, "optimizer.weight_decay": 0.0, "schedule.name": "constant",
         "schedule.warmup_steps": 0, "training.grad_clip_norm": clip, "training.max_steps": STEPS,
         "training.eval_every": STEPS, "checkpoint.every_steps": None,
@@ -47,7 +48,7 @@ def test_grad_norm_is_reported_before_clipping_and_the_step_uses_the_clipped_gra
 
 def test_grad_clip_value_bounds_every_gradient_element(data_root, tmp_path):
     # Plain SGD for one step at a constant lr: each parameter moves by lr × its (clamped) gradient.
-    spec = spec_of(**{
+    spec = job_spec(**{
         "optimizer.name": "sgd", "optimizer.lr": 0.1, "optimizer.weight_decay": 0.0, "schedule.name": "constant",
         "schedule.warmup_steps": 0, "training.grad_clip_norm": None, "training.grad_clip_value": 1e-4, "training.max_steps": 1,
         "checkpoint.every_steps": None,

@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 from api_schemas import HFModelConfig
 from api_schemas.jobs import HF_CAUSAL_LMS, HF_CLASSIFIERS
 from api_schemas.manifest import MODEL_FILE
-from tests.helpers import classifier_spec, tiny_spec
-from tests.training.support import run_training, spec_of, write_corpus
+from tests.helpers import classifier_spec, job_spec
+from tests.training.support import run_training, write_corpus
 from workers.training import (
     SpecError, build_model, eval_dataloader, evaluate_metrics, load_labelled_corpus, load_model_from_checkpoint, load_text_corpus,
 )
@@ -41,7 +41,7 @@ def test_the_allow_listed_architectures_are_transformers_classifiers_and_causal_
 
 def test_an_hf_classifier_learns_and_its_checkpoint_reloads_into_a_fresh_model_that_scores_the_same(labelled_root, tmp_path):
     overrides = {"training.max_steps": 40, "training.eval_every": 20, "checkpoint.every_steps": 40, "optimizer.lr": 0.01}
-    spec = spec_of(**classifier_spec(model=DISTILBERT, **overrides))
+    spec = job_spec(**classifier_spec(model=DISTILBERT, **overrides))
     run = run_training(spec, labelled_root, tmp_path / "run")
     assert run.series("eval_accuracy")[-1] >= 0.9 and run.series("eval_loss")[-1] < run.series("eval_loss")[0]
 
@@ -56,8 +56,8 @@ def test_an_hf_classifier_learns_and_its_checkpoint_reloads_into_a_fresh_model_t
 def test_an_hf_causal_lm_trains_and_its_checkpoint_reproduces_the_reported_eval_loss(tmp_path):
     data_root = tmp_path / "data"
     name = write_corpus(data_root, 20_000)
-    spec = spec_of(**tiny_spec(model=GPT2, **{"dataset.path": name, "training.max_steps": 30, "training.eval_every": 15,
-                                             "checkpoint.every_steps": 30, "optimizer.lr": 0.01}))
+    spec = job_spec(model=GPT2, **{"dataset.path": name, "training.max_steps": 30, "training.eval_every": 15,
+                                             "checkpoint.every_steps": 30, "optimizer.lr": 0.01})
     run = run_training(spec, data_root, tmp_path / "run")
     assert run.series("train_loss")[-1] < run.series("train_loss")[0]
     assert {"tokens_per_s", "grad_norm", "lr"} <= set(run.steps[30])
@@ -80,11 +80,11 @@ def test_an_hf_causal_lm_trains_and_its_checkpoint_reproduces_the_reported_eval_
 def test_four_accumulated_micro_batches_of_8_train_an_hf_classifier_like_one_batch_of_32(labelled_root, tmp_path):
     common = {"training.max_steps": 3, "training.eval_every": 3, "checkpoint.every_steps": None}
     accumulated = run_training(
-        spec_of(**classifier_spec(model=DISTILBERT, **common, **{"training.micro_batch_size": 8, "training.gradient_accumulation_steps": 4})),
+        job_spec(**classifier_spec(model=DISTILBERT, **common, **{"training.micro_batch_size": 8, "training.gradient_accumulation_steps": 4})),
         labelled_root, tmp_path / "8x4",
     )
     single = run_training(
-        spec_of(**classifier_spec(model=DISTILBERT, **common, **{"training.micro_batch_size": 32, "training.gradient_accumulation_steps": 1})),
+        job_spec(**classifier_spec(model=DISTILBERT, **common, **{"training.micro_batch_size": 32, "training.gradient_accumulation_steps": 1})),
         labelled_root, tmp_path / "32x1",
     )
     assert accumulated.series("train_loss") == pytest.approx(single.series("train_loss"), rel=1e-6)
@@ -139,8 +139,8 @@ def test_a_causal_lm_trains_on_the_ids_of_a_tokenizer_file_and_its_checkpoint_ca
     bpe.train_from_iterator([(data_root / name).read_text()], trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]"]))
     bpe.save(str(data_root / "tokenizer.json"))
 
-    spec = spec_of(**tiny_spec(model=GPT2, **{"dataset.path": name, "dataset.tokenizer_file": "tokenizer.json",
-                                             "training.max_steps": 4, "training.eval_every": 4, "checkpoint.every_steps": 4}))
+    spec = job_spec(model=GPT2, **{"dataset.path": name, "dataset.tokenizer_file": "tokenizer.json",
+                                             "training.max_steps": 4, "training.eval_every": 4, "checkpoint.every_steps": 4})
     run = run_training(spec, data_root, tmp_path / "run")
     model, tokenizer, loaded_spec = load_model_from_checkpoint(run.checkpoints[4])
     assert tokenizer.kind == "file" and model.hf.config.vocab_size == bpe.get_vocab_size() == 300
@@ -152,7 +152,7 @@ def test_a_causal_lm_trains_on_the_ids_of_a_tokenizer_file_and_its_checkpoint_ca
 
     (data_root / "broken.json").write_text("{}")
     with pytest.raises(SpecError, match="dataset.tokenizer_file: not a tokenizer.json"):
-        load_text_corpus(spec_of(**tiny_spec(**{"dataset.path": name, "dataset.tokenizer_file": "broken.json"})).dataset, data_root)
+        load_text_corpus(job_spec(**{"dataset.path": name, "dataset.tokenizer_file": "broken.json"}).dataset, data_root)
 
 
 TINY_CONFIGS = {
@@ -191,7 +191,7 @@ def test_every_allow_listed_architecture_gives_the_loop_logits_and_a_loss_it_can
 
 def test_an_hf_classifier_with_dropout_resumed_from_its_halfway_checkpoint_is_bit_identical(labelled_root, tmp_path):
     dropout = {**DISTILBERT["config"], "dropout": 0.1, "seq_classif_dropout": 0.2}
-    spec = spec_of(**classifier_spec(model={**DISTILBERT, "config": dropout}, **{
+    spec = job_spec(**classifier_spec(model={**DISTILBERT, "config": dropout}, **{
         "training.max_steps": 8, "training.eval_every": 4, "checkpoint.every_steps": 4, "checkpoint.keep_last": 2,
     }))
     straight = run_training(spec, labelled_root, tmp_path / "straight")

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from api_schemas.manifest import MODEL_FILE
-from tests.training.support import REPO, read_events, run_training, spec_of, subprocess_env, write_corpus
+from tests.helpers import job_spec
+from tests.training.support import REPO, read_events, run_training, subprocess_env, write_corpus
 from workers.supervisor import free_port, launch_command
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 
@@ -31,7 +32,7 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("multiprocess")
     data_root = root / "data"
     name = write_corpus(data_root)
-    two_spec = spec_of(**{"dataset.path": name, **overrides(6, 2)})
+    two_spec = job_spec(**{"dataset.path": name, **overrides(6, 2)})
     run_dir = root / "two"
     run_dir.mkdir()
     (run_dir / "spec.json").write_text(two_spec.model_dump_json())
@@ -44,7 +45,7 @@ def runs(tmp_path_factory):
     assert done.returncode == 0, done.stderr[-3000:]
     two = read_events(events)
 
-    one_spec = spec_of(**{"dataset.path": name, **overrides(12, 1)})
+    one_spec = job_spec(**{"dataset.path": name, **overrides(12, 1)})
     one = run_training(one_spec, data_root, root / "one")
     return two_spec, data_root, two, one
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.training.support import run_training, spec_of
+from tests.helpers import job_spec
+from tests.training.support import run_training
 from workers.training import GPT, TokenWindows, load_text_corpus
 
 STEPS = 20
@@ -15,7 +16,7 @@ MEAN_ABS_TOLERANCE, MAX_ABS_TOLERANCE = 2e-3, 5e-3
 
 
 def precision_spec(precision: str):
-    return spec_of(**{
+    return job_spec(**{
         "training.precision": precision, "training.max_steps": STEPS, "training.eval_every": STEPS, "checkpoint.every_steps": None,
     })
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from api_schemas.manifest import MODEL_FILE, verify_manifest
+from api_schemas.manifest import MODEL_FILE, checkpoint_name, verify_manifest
 from api_schemas.worker_protocol import EXIT_PREEMPTED
-from tests.helpers import tiny_spec
-from tests.training.support import REPO, Collector, entry_point, read_events, reset_accelerate, spec_of, subprocess_env
+from tests.helpers import job_spec, tiny_spec
+from tests.training.support import REPO, Collector, entry_point, read_events, reset_accelerate, subprocess_env
 from workers.training import train
 
 # Long enough that SIGTERM, sent as soon as the first metrics event appears, lands well before the end.
@@ -80,7 +80,7 @@ def test_sigterm_checkpoints_where_it_stops_exits_75_and_resuming_is_bit_identic
     for step in resumed_metrics:
         assert resumed_metrics[step]["train_loss"] == straight_metrics[step]["train_loss"], f"step {step}"
         assert resumed_metrics[step]["lr"] == straight_metrics[step]["lr"], f"step {step}"
-    final = f"checkpoints/step-{MAX_STEPS:08d}/{MODEL_FILE}"
+    final = f"checkpoints/{checkpoint_name(MAX_STEPS)}/{MODEL_FILE}"
     a, b = load_file(str(tmp_path / "resumed" / final)), load_file(str(tmp_path / "straight" / final))
     assert a.keys() == b.keys()
     assert [name for name in b if not torch.equal(a[name], b[name])] == []
@@ -93,7 +93,7 @@ def test_train_gives_back_the_sigterm_handler_it_found(data_root, tmp_path):
     previous = signal.signal(signal.SIGTERM, mine)
     try:
         reset_accelerate()
-        spec = spec_of(**{"training.max_steps": 1, "schedule.warmup_steps": 0, "checkpoint.every_steps": None})
+        spec = job_spec(**{"training.max_steps": 1, "schedule.warmup_steps": 0, "checkpoint.every_steps": None})
         train(spec, data_root, tmp_path / "run", Collector())
         assert signal.getsignal(signal.SIGTERM) is mine
     finally:

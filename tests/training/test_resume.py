@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 
-from tests.training.support import micro_batches_per_epoch, run_training, spec_of, write_corpus
+from tests.helpers import job_spec
+from tests.training.support import micro_batches_per_epoch, run_training, write_corpus
 
 N = 16
 HALF = N // 2
@@ -33,7 +34,7 @@ def test_resuming_from_the_halfway_checkpoint_is_bit_identical_to_running_straig
     chars, accumulation, per_epoch, (epoch, batch) = CASES[case]
     data_root = tmp_path / "data"
     name = write_corpus(data_root, chars)
-    spec = spec_of(**{
+    spec = job_spec(**{
         "dataset.path": name, "model.dropout": 0.1, "training.max_steps": N,
         "training.gradient_accumulation_steps": accumulation, "training.eval_every": 4,
         "checkpoint.every_steps": HALF, "checkpoint.keep_last": 2,

@@ -6,14 +6,15 @@ import math
 
 import pytest
 
-from tests.training.support import run_training, spec_of
+from tests.helpers import job_spec
+from tests.training.support import run_training
 from workers.training import lr_at
 
 PEAK, FLOOR, WARMUP, TOTAL = 1e-3, 1e-4, 3, 13  # 10 decay steps after 3 of warmup
 
 
 def schedule_spec(name: str):
-    return spec_of(**{
+    return job_spec(**{
         "optimizer.lr": PEAK, "schedule.name": name, "schedule.warmup_steps": WARMUP, "schedule.min_lr": FLOOR,
         "training.max_steps": TOTAL, "training.eval_every": TOTAL, "checkpoint.every_steps": None,
     })

@@ -1,8 +1,10 @@
 """Architecture boundaries, checked in a fresh interpreter so other tests' imports don't mask a leak."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,30 @@ print(json.dumps(sorted(sys.modules)))
 """
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout))
     assert "datasets" in loaded and "torch" not in loaded and "transformers" not in loaded
+
+
+REPO = Path(__file__).resolve().parents[2]
+PROJECT_PACKAGES = ("api_schemas", "service", "workers", "trainyard", "tests", "bench")
+
+
+def project_imports(path: Path) -> set[str]:
+    """The project modules a file imports, at any depth of its code (function-level imports too)."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {name for name in imported if name.split(".")[0] in PROJECT_PACKAGES}
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "service" / "db").glob("*.py")), ids=lambda path: path.name)
+def test_the_data_layer_imports_only_api_schemas_and_itself(path):
+    # service/db/__init__.py says why: nothing in the data layer reaches up to the API, the scheduler or the workers.
+    assert {name for name in project_imports(path) if not name.startswith(("api_schemas", "service.db."))} == set()
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "service" / "migrations" / "versions").glob("*.py")), ids=lambda path: path.name)
+def test_a_migration_imports_no_project_code(path):
+    # A migration must do at its revision what it did when written, whatever the live code becomes.
+    assert project_imports(path) == set()

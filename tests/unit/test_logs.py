@@ -19,7 +19,9 @@ def test_a_json_log_line_carries_the_job_and_attempt_ids_as_fields():
 
 
 def test_the_scheduler_logs_a_placement_with_the_job_id_as_a_field(caplog, sqlite_url, tmp_path):
-    from service.db import crud
+    from service.db.accounts import create_user
+    from service.db.hosts import register_host
+    from service.db.jobs import create_job
     from service.db.session import session_factory
     from service.scheduler import schedule_pass
     from service.settings import Settings
@@ -27,8 +29,8 @@ def test_the_scheduler_logs_a_placement_with_the_job_id_as_a_field(caplog, sqlit
 
     settings = Settings(data_dir=tmp_path, database_url=sqlite_url)
     with session_factory(sqlite_url)() as session:
-        job = crud.create_job(session, crud.create_user(session, "alice")[0], job_spec())
-        crud.register_host(session, "host-a", "cpu", 1, {})
+        job = create_job(session, create_user(session, "alice")[0], job_spec())
+        register_host(session, "host-a", "cpu", 1, {})
         with caplog.at_level(logging.INFO, logger="trainyard.scheduler"):
             schedule_pass(session, settings)
     [placed] = [r for r in caplog.records if "placed on" in r.getMessage()]

@@ -28,17 +28,13 @@ from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, 
 from safetensors.torch import load_file, save_file
 
 from api_schemas import JobSpec
-from api_schemas.manifest import MODEL_FILE, write_manifest
+from api_schemas.manifest import MODEL_FILE, checkpoint_name, write_manifest
 from workers.training.data import Tokenizer
 from workers.training.model import build_model
 from workers.training.reporter import Reporter
 
 
 log = logging.getLogger(__name__)
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 class StateSnapshot:

@@ -10,9 +10,9 @@ from typing import Annotated, BinaryIO, Literal
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
-from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, StoreDep, not_found
 from api_schemas.manifest import MODEL_FILE
-from service.db import crud
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, StoreDep, not_found
+from service.db.checkpoints import checkpoint_visible_to
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
 
@@ -29,7 +29,7 @@ def download_checkpoint(
         Query(description="`tar`: the full resumable state (always, for a script's checkpoint without model.safetensors)."),
     ] = "safetensors",
 ) -> Response:
-    checkpoint = crud.checkpoint_visible_to(session, user, checkpoint_id)
+    checkpoint = checkpoint_visible_to(session, user, checkpoint_id)
     if checkpoint is None:
         raise not_found("checkpoint")
     directory = store.path(checkpoint.path)

@@ -7,8 +7,10 @@ from fastapi.responses import FileResponse
 
 from api_schemas import DashboardOut, HostAttemptOut, RunningJobOut, WorkerOut
 from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep
-from service.db import crud
+from service.db.hosts import all_hosts, online_hosts
+from service.db.metrics import latest_metrics
 from service.db.models import utcnow
+from service.db.monitoring import active_attempts, job_counts, running_jobs
 
 router = APIRouter(prefix="/v1", tags=["dashboard"], responses=NEEDS_TOKEN)
 page_router = APIRouter()
@@ -17,9 +19,9 @@ DASHBOARD_PAGE = Path(__file__).resolve().parents[2] / "static" / "dashboard.htm
 
 @router.get("/workers", response_model=list[WorkerOut])
 def list_workers(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> list[WorkerOut]:
-    online = {host.name for host in crud.online_hosts(session, utcnow(), settings.host_timeout_seconds)}
+    online = {host.name for host in online_hosts(session, utcnow(), settings.host_timeout_seconds)}
     by_host: dict[str, list[HostAttemptOut]] = {}
-    for attempt in crud.active_attempts(session):
+    for attempt in active_attempts(session):
         mine = user.is_admin or attempt.job.owner_id == user.id
         by_host.setdefault(attempt.host_name, []).append(
             HostAttemptOut(
@@ -39,14 +41,14 @@ def list_workers(session: SessionDep, user: CurrentUser, settings: SettingsDep) 
             online=host.name in online,
             last_heartbeat=host.last_heartbeat,
         )
-        for host in crud.all_hosts(session)
+        for host in all_hosts(session)
     ]
 
 
 @router.get("/dashboard", response_model=DashboardOut)
 def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> DashboardOut:
-    jobs = crud.running_jobs(session, user)
-    latest = crud.latest_metrics(session, [job.id for job in jobs], ["train_loss"])
+    jobs = running_jobs(session, user)
+    latest = latest_metrics(session, [job.id for job in jobs], ["train_loss"])
     running = [
         RunningJobOut(
             id=job.id,
@@ -61,7 +63,7 @@ def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> 
         for job in jobs
     ]
     return DashboardOut(
-        jobs_by_status=crud.job_counts(session, user),
+        jobs_by_status=job_counts(session, user),
         running=running,
         workers=list_workers(session, user, settings),
     )

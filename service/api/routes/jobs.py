@@ -5,12 +5,15 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Query, status
 from fastapi.responses import StreamingResponse
 
-from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricSeries, MetricsOut
+from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
 from service.admission import admit
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep, VisibleJob
 from service.api.events import job_events, job_log_lines, polled_stream
-from service.api.views import checkpoint_out, job_out, job_outs
-from service.db import crud
+from service.api.views import checkpoint_out, job_out, job_outs, log_line_out
+from service.db.checkpoints import list_checkpoints
+from service.db.jobs import jobs_visible_to, request_cancel
+from service.db.log_lines import log_lines_after, log_tail
+from service.db.metrics import metric_series
 from service.db.session import session_factory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
@@ -43,7 +46,7 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=200)] = 50,
     cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of the previous page.")] = None,
 ) -> JobPage:
-    jobs = crud.list_jobs(session, user, status=status_, limit=limit, before_id=int(cursor) if cursor else None)
+    jobs = jobs_visible_to(session, user, status=status_, limit=limit, before_id=int(cursor) if cursor else None)
     next_cursor = str(jobs[-1].id) if len(jobs) == limit else None
     return JobPage(items=job_outs(session, jobs), next_cursor=next_cursor)
 
@@ -55,7 +58,7 @@ def get_job(job: VisibleJob, session: SessionDep) -> JobOut:
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
 def cancel_job(job: VisibleJob, session: SessionDep) -> JobOut:
-    return job_out(crud.request_cancel(session, job))
+    return job_out(request_cancel(session, job))
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut)
@@ -69,7 +72,7 @@ def get_metrics(
 ) -> MetricsOut:
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     limit = min(max_points or settings.metrics_max_points, settings.metrics_max_points)
-    series = crud.metric_series(session, job.id, wanted, from_step, limit)
+    series = metric_series(session, job.id, wanted, from_step, limit)
     return MetricsOut(series={name: MetricSeries(steps=s, values=v) for name, (s, v) in series.items()})
 
 
@@ -95,23 +98,23 @@ def get_logs(
     after = last_event_id if last_event_id is not None else int(cursor) if cursor else None
     if follow:
         if after is None:  # start at the tail: the line just before its first
-            first = crud.log_tail(session, job.id, limit, rank)[:1]
+            first = log_tail(session, job.id, limit, rank)[:1]
             after = first[0].id - 1 if first else 0
         session.close()  # the stream polls with short sessions of its own (see stream_events)
         poll = job_log_lines(session_factory(settings.resolved_database_url), job.id, rank)
         return _event_stream(polled_stream(poll, after, follow=True, poll_seconds=settings.events_poll_seconds, heartbeat_seconds=settings.events_heartbeat_seconds))
     if after is not None:
-        lines = crud.log_lines_after(session, job.id, after, limit, rank)
+        lines = log_lines_after(session, job.id, after, limit, rank)
     else:
-        lines = crud.log_tail(session, job.id, limit, rank)
+        lines = log_tail(session, job.id, limit, rank)
     next_cursor = str(lines[-1].id) if lines else str(after or 0)
-    out = [LogLineOut(attempt=line.attempt_number, rank=line.rank, seq=line.seq, line=line.line) for line in lines]
+    out = [log_line_out(line) for line in lines]
     return LogsOut(lines=out, next_cursor=next_cursor)
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
 def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]:
-    return [checkpoint_out(c) for c in crud.list_checkpoints(session, job.id)]
+    return [checkpoint_out(c) for c in list_checkpoints(session, job.id)]
 
 
 @router.get("/{job_id}/events", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})

@@ -16,8 +16,8 @@ from starlette.concurrency import run_in_threadpool
 from api_schemas import UploadOut
 from service import uploads
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, not_found
-from service.db import crud
 from service.db.models import Upload
+from service.db.uploads import create_upload, upload_visible_to, uploads_visible_to
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_. +-]*$"
 UploadName = Annotated[
@@ -111,7 +111,7 @@ async def _record(session, user, kind: str, name: str, received: uploads.Receive
     """The upload's row, with its file put in place by `put_in_place(id)` before the row commits;
     the received temporary file is gone afterwards either way."""
     try:
-        upload = await run_in_threadpool(crud.create_upload, session, user, kind, name, received.sha256, received.size, put_in_place)
+        upload = await run_in_threadpool(create_upload, session, user, kind, name, received.sha256, received.size, put_in_place)
     except uploads.UploadRefused as exc:  # a code bundle that can't be unpacked safely
         raise _refused(exc) from None
     finally:
@@ -122,11 +122,11 @@ async def _record(session, user, kind: str, name: str, received: uploads.Receive
 def _routes_to_read(router: APIRouter, kind: str) -> None:
     @router.get("", response_model=list[UploadOut], name=f"list_{kind}_uploads")
     def list_uploads(session: SessionDep, user: CurrentUser) -> list[UploadOut]:
-        return [upload_out(u) for u in crud.list_uploads(session, user, kind)]
+        return [upload_out(u) for u in uploads_visible_to(session, user, kind)]
 
     @router.get("/{upload_id}", response_model=UploadOut, name=f"get_{kind}_upload")
     def get_upload(upload_id: RowId, session: SessionDep, user: CurrentUser) -> UploadOut:
-        upload = crud.upload_visible_to(session, user, upload_id, kind)
+        upload = upload_visible_to(session, user, upload_id, kind)
         if upload is None:
             raise not_found(kind)
         return upload_out(upload)

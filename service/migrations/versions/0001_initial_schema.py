@@ -7,8 +7,6 @@ Create Date: 2026-11-22 23:20:47.505759
 from alembic import op
 import sqlalchemy as sa
 
-import service.db.models
-
 
 revision = '0001'
 down_revision = None
@@ -23,7 +21,7 @@ def upgrade() -> None:
     sa.Column('name', sa.String(length=100), nullable=False),
     sa.Column('token_hash', sa.String(length=64), nullable=False),
     sa.Column('is_admin', sa.Boolean(), nullable=False),
-    sa.Column('created_at', service.db.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('name'),
     sa.UniqueConstraint('token_hash')
@@ -33,8 +31,8 @@ def upgrade() -> None:
     sa.Column('device', sa.String(length=16), nullable=False),
     sa.Column('slots', sa.Integer(), nullable=False),
     sa.Column('info', sa.JSON(), nullable=False),
-    sa.Column('registered_at', service.db.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('last_heartbeat', service.db.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('registered_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('last_heartbeat', sa.DateTime(timezone=True), nullable=False),
     sa.PrimaryKeyConstraint('name')
     )
     op.create_table('jobs',
@@ -50,9 +48,9 @@ def upgrade() -> None:
     sa.Column('cancel_requested', sa.Boolean(), nullable=False),
     sa.Column('failure_reason', sa.Text(), nullable=True),
     sa.Column('idempotency_key', sa.String(length=200), nullable=True),
-    sa.Column('created_at', service.db.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('started_at', service.db.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('finished_at', service.db.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('started_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['owner_id'], ['users.id'], ),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('owner_id', 'idempotency_key', name='uq_jobs_owner_idempotency_key')
@@ -69,14 +67,14 @@ def upgrade() -> None:
     sa.Column('slots', sa.Integer(), nullable=False),
     sa.Column('status', sa.Enum('scheduled', 'running', 'succeeded', 'failed', 'lost', 'cancelled', name='attemptstatus', native_enum=False, length=16), nullable=False),
     sa.Column('lease_owner', sa.String(length=200), nullable=True),
-    sa.Column('lease_expires_at', service.db.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('dispatched_at', service.db.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('lease_expires_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('dispatched_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('resume_checkpoint_id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), nullable=True),
     sa.Column('resumed_from_step', sa.Integer(), nullable=True),
     sa.Column('failure_reason', sa.Text(), nullable=True),
-    sa.Column('created_at', service.db.models.UTCDateTime(timezone=True), nullable=False),
-    sa.Column('started_at', service.db.models.UTCDateTime(timezone=True), nullable=True),
-    sa.Column('finished_at', service.db.models.UTCDateTime(timezone=True), nullable=True),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
+    sa.Column('started_at', sa.DateTime(timezone=True), nullable=True),
+    sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('job_id', 'number', name='uq_attempts_job_number')
@@ -94,7 +92,7 @@ def upgrade() -> None:
     sa.Column('path', sa.String(length=500), nullable=False),
     sa.Column('sha256', sa.String(length=64), nullable=False),
     sa.Column('size_bytes', sa.BigInteger(), nullable=False),
-    sa.Column('created_at', service.db.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ),
     sa.PrimaryKeyConstraint('id'),
     sa.UniqueConstraint('job_id', 'step', name='uq_checkpoints_job_step')

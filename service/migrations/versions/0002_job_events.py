@@ -7,8 +7,6 @@ Create Date: 2026-11-23 08:20:00
 from alembic import op
 import sqlalchemy as sa
 
-import service.db.models
-
 
 revision = '0002'
 down_revision = '0001'
@@ -26,7 +24,7 @@ def upgrade() -> None:
     sa.Column('seq', sa.Integer(), nullable=False),
     sa.Column('type', sa.Enum('status', 'metrics', 'checkpoint', name='jobeventtype', native_enum=False, length=16), nullable=False),
     sa.Column('data', sa.JSON(), nullable=False),
-    sa.Column('created_at', service.db.models.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
     sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], ),
     sa.PrimaryKeyConstraint('job_id', 'seq')
     )

@@ -10,7 +10,7 @@ reads the finest level that has few enough buckets and merges them down to `max_
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 FANOUT = 16
@@ -92,14 +92,6 @@ def merge(summaries: Sequence[Summary]) -> Summary:
         last_value=last.last_value,
         null_step=null_step,
     )
-
-
-def bucket_summaries(summaries: Iterable[Summary], level: int) -> dict[int, Summary]:
-    """Summaries of the level-`level` buckets these (finer, step-ordered) summaries fall in."""
-    buckets: dict[int, list[Summary]] = {}
-    for summary in summaries:
-        buckets.setdefault(summary.first_step // width(level), []).append(summary)
-    return {bucket: merge(group) for bucket, group in buckets.items()}
 
 
 def downsample(summaries: Sequence[Summary], max_points: int) -> tuple[list[int], list[float | None]]:

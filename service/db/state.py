@@ -19,8 +19,11 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
+from service.db.doorbell import ring
 from service.db.models import Attempt, Job, JobEvent, utcnow
-from service.doorbell import ring
+
+ACTIVE_JOB = (JobStatus.queued, JobStatus.scheduled, JobStatus.running)
+ACTIVE_ATTEMPT = (AttemptStatus.scheduled, AttemptStatus.running)
 
 JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
     JobStatus.queued: {JobStatus.scheduled, JobStatus.cancelled, JobStatus.failed},
@@ -77,7 +80,7 @@ def _compare_and_set(session: Session, row: Job | Attempt, to, allowed: dict, va
 @functools.cache
 def _cas_statement(model: type[Job] | type[Attempt], keys: tuple[str, ...]):
     """The compare-and-set UPDATE that sets these columns, built once per set of columns, as the
-    statements on the path of a job's start are (see service/db/crud.py)."""
+    statements on the path of a job's start are (see service/db/__init__.py)."""
     # On the table, not the mapped class: an ORM-enabled UPDATE costs about twice the client CPU,
     # and the caller records the new values on the row itself (set_committed_value).
     table = model.__table__

@@ -1,0 +1,135 @@
+"""An attempt from its worker's side: claim it, hold its lease, find its gang's node 0, record how it ended."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import bindparam, func, select, update
+from sqlalchemy.orm import Session, aliased, joinedload, lazyload
+
+from api_schemas import AttemptStatus, JobStatus
+from service.db import state
+from service.db.models import Attempt, Checkpoint, Job, utcnow
+
+
+@dataclass(frozen=True)
+class ClaimedAttempt:
+    attempt_id: int
+    number: int
+    node_rank: int
+    job_id: int
+    spec: dict
+    slots: int
+    device_ids: list[int] | None
+    lease_owner: str
+    resume_checkpoint_path: str | None
+    resume_step: int | None
+
+
+def claim_attempt(
+    session: Session, attempt_id: int, lease_owner: str, lease_seconds: float, rendezvous: str | None = None
+) -> ClaimedAttempt | None:
+    """Take ownership of a scheduled attempt. None if it is not ours to run: already claimed (a
+    duplicate delivery of the task), ended, or its job was cancelled meanwhile. `rendezvous` is the
+    host:port this worker's node 0 of a gang would listen on; the other nodes read it from here."""
+    # The job and the checkpoint to resume from in the same read, the job's other attempts only if
+    # a rule needs them: a claim is on the path of every job's start.
+    row = session.execute(_ATTEMPT_TO_CLAIM, {"attempt_id": attempt_id}).first()
+    attempt, checkpoint = row if row is not None else (None, None)
+    if attempt is None or attempt.status != AttemptStatus.scheduled:
+        session.rollback()
+        return None
+    job = attempt.job
+    if job.cancel_requested:
+        state.end_attempt(session, job, attempt, AttemptStatus.cancelled, reason="cancelled before start")
+        session.commit()
+        return None
+    now = utcnow()
+    claimed = state.move_attempt(
+        session,
+        attempt,
+        AttemptStatus.running,
+        now=now,
+        lease_owner=lease_owner,
+        lease_expires_at=now + timedelta(seconds=lease_seconds),
+        resume_checkpoint_id=checkpoint.id if checkpoint else None,
+        resumed_from_step=checkpoint.step if checkpoint else None,
+        rendezvous=rendezvous,
+    )
+    # The first node of a gang to start moves the job to running, at the step it resumes from; the
+    # others find it there.
+    job_running = job.status == JobStatus.running or state.move_job(
+        session, job, JobStatus.running, now=now, step=checkpoint.step if checkpoint else 0
+    )
+    if not claimed or not job_running:
+        session.rollback()
+        return None
+    session.commit()
+    return ClaimedAttempt(
+        attempt_id=attempt.id,
+        number=attempt.number,
+        node_rank=attempt.node_rank,
+        job_id=job.id,
+        spec=job.spec,
+        slots=attempt.slots,
+        device_ids=attempt.device_ids,
+        lease_owner=lease_owner,
+        resume_checkpoint_path=checkpoint.path if checkpoint else None,
+        resume_step=checkpoint.step if checkpoint else None,
+    )
+
+
+_newest = aliased(Checkpoint)
+_ATTEMPT_TO_CLAIM = (
+    select(Attempt, Checkpoint)
+    .options(joinedload(Attempt.job).options(lazyload(Job.attempts), lazyload(Job.owner)))
+    .outerjoin(Checkpoint, (Checkpoint.job_id == Attempt.job_id) & (Checkpoint.step == (
+        select(func.max(_newest.step)).where(_newest.job_id == Attempt.job_id).scalar_subquery()
+    )))
+    .where(Attempt.id == bindparam("attempt_id"))
+)
+
+
+@dataclass(frozen=True)
+class Lease:
+    held: bool
+    cancel_requested: bool
+    preempt_requested: bool = False
+
+
+def renew_lease(session: Session, attempt: ClaimedAttempt, lease_seconds: float) -> Lease:
+    """Extend our lease. `held` is False once the attempt is no longer ours (reaped as lost)."""
+    result = session.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt.attempt_id, Attempt.lease_owner == attempt.lease_owner, Attempt.status == AttemptStatus.running)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+    )
+    cancel = bool(session.scalar(select(Job.cancel_requested).where(Job.id == attempt.job_id)))
+    # Any node of a gang asked to stop stops the whole gang (its training processes vote together).
+    preempt = bool(session.scalar(select(func.count()).where(
+        Attempt.job_id == attempt.job_id, Attempt.number == attempt.number, Attempt.preempt_requested.is_(True)
+    )))
+    session.commit()
+    return Lease(held=result.rowcount == 1, cancel_requested=cancel, preempt_requested=preempt)
+
+
+def finish_attempt(session: Session, claimed: ClaimedAttempt, outcome: AttemptStatus, reason: str | None = None) -> bool:
+    """Record the end of our attempt; False if we had already lost it."""
+    attempt = session.get(Attempt, claimed.attempt_id)
+    if attempt is None or attempt.lease_owner != claimed.lease_owner or attempt.status != AttemptStatus.running:
+        session.rollback()
+        return False
+    ended = state.end_attempt(session, attempt.job, attempt, outcome, reason)
+    session.commit()
+    return ended
+
+
+def gang_rendezvous(session: Session, claimed: ClaimedAttempt) -> str | None:
+    """host:port of node 0 of our try, once it has claimed its attempt; None until then."""
+    query = select(Attempt.rendezvous).where(
+        Attempt.job_id == claimed.job_id, Attempt.number == claimed.number, Attempt.node_rank == 0
+    )
+    rendezvous = session.scalar(query)
+    session.commit()
+    return rendezvous

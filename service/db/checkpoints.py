@@ -1,0 +1,45 @@
+"""Checkpoints: registered once complete, the oldest beyond a job's `keep_last` dropped."""
+
+from __future__ import annotations
+
+from sqlalchemy import delete, select
+from sqlalchemy.orm import Session
+
+from api_schemas import JobEventType
+from service.db import state
+from service.db.dialect import dialect_insert
+from service.db.jobs import job_visible_to
+from service.db.models import Checkpoint, User, utcnow
+
+
+def record_checkpoint(
+    session: Session, job_id: int, attempt_id: int, step: int, path: str, sha256: str, size_bytes: int, keep_last: int
+) -> list[str]:
+    """Register a complete checkpoint, then drop the oldest beyond `keep_last`; returns their paths to delete."""
+    insert = dialect_insert(session)
+    checkpoint_id = session.scalar(
+        insert(Checkpoint)
+        .values(job_id=job_id, attempt_id=attempt_id, step=step, path=path, sha256=sha256, size_bytes=size_bytes, created_at=utcnow())
+        .on_conflict_do_nothing(index_elements=["job_id", "step"])
+        .returning(Checkpoint.id)
+    )
+    if checkpoint_id is not None:  # None: a re-sent checkpoint, already recorded
+        data = {"checkpoint_id": checkpoint_id, "step": step, "sha256": sha256, "size_bytes": size_bytes}
+        state.append_events(session, job_id, [(JobEventType.checkpoint, data)])
+    newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())).all()
+    stale = newest_first[keep_last:]
+    if stale:
+        session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in stale])))
+    session.commit()
+    return [c.path for c in stale if c.path != path]
+
+
+def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
+    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+
+
+def checkpoint_visible_to(session: Session, user: User, checkpoint_id: int) -> Checkpoint | None:
+    checkpoint = session.get(Checkpoint, checkpoint_id)
+    if checkpoint is None or job_visible_to(session, user, checkpoint.job_id) is None:
+        return None
+    return checkpoint

@@ -1,0 +1,105 @@
+"""Jobs as their owners see them: submit (with the active-job quota), list, cancel, and the event log."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from api_schemas import JobSpec, JobStatus
+from service.db import state
+from service.db.doorbell import ring
+from service.db.models import Job, JobEvent, User
+
+
+class QuotaExceeded(Exception):
+    def __init__(self, limit: int, active: int):
+        super().__init__(f"{active} active jobs (queued, scheduled or running); the limit is {limit} per user")
+        self.limit, self.active = limit, active
+
+
+def create_job(
+    session: Session, owner: User, spec: JobSpec, idempotency_key: str | None = None, max_active: int | None = None
+) -> Job:
+    """Queue a job. A retried request with the same Idempotency-Key returns the job it created.
+
+    Raises QuotaExceeded if the owner already has `max_active` active jobs."""
+    by_key = select(Job).where(Job.owner_id == owner.id, Job.idempotency_key == idempotency_key)
+    if idempotency_key and (existing := session.scalar(by_key)):
+        return existing
+    if max_active is not None:
+        # Lock the owner's row so two concurrent submits can't both see room for one more job
+        # (PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers).
+        session.execute(select(User.id).where(User.id == owner.id).with_for_update())
+        active = active_job_count(session, owner)
+        if active >= max_active:
+            session.rollback()
+            raise QuotaExceeded(max_active, active)
+    job = Job(
+        owner_id=owner.id,
+        name=spec.name,
+        spec=spec.model_dump(mode="json"),
+        status=JobStatus.queued,
+        priority=spec.priority,
+        max_steps=spec.training.max_steps or 0,  # 0: a script that didn't say
+        idempotency_key=idempotency_key,
+    )
+    session.add(job)
+    try:
+        session.flush()
+    except IntegrityError:
+        if not idempotency_key:
+            raise
+        # A concurrent retry with the same key inserted first (the unique constraint decided): its job.
+        session.rollback()
+        return session.scalar(by_key)
+    state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
+    ring(session)
+    session.commit()
+    return job
+
+
+def active_job_count(session: Session, owner: User) -> int:
+    return session.scalar(select(func.count()).select_from(Job).where(Job.owner_id == owner.id, Job.status.in_(state.ACTIVE_JOB)))
+
+
+def job_visible_to(session: Session, user: User, job_id: int) -> Job | None:
+    """The job if `user` owns it or is an admin; None otherwise, so others can't tell it exists."""
+    job = session.get(Job, job_id)
+    if job is None or (job.owner_id != user.id and not user.is_admin):
+        return None
+    return job
+
+
+def jobs_visible_to(session: Session, user: User, *, status: JobStatus | None, limit: int, before_id: int | None) -> list[Job]:
+    """Newest first; `before_id` is the cursor (the last id of the previous page)."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if not user.is_admin:
+        query = query.where(Job.owner_id == user.id)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if before_id is not None:
+        query = query.where(Job.id < before_id)
+    return list(session.scalars(query))
+
+
+def request_cancel(session: Session, job: Job) -> Job:
+    """A queued job is cancelled at once; a placed or running one when its worker notices."""
+    if job.status == JobStatus.queued:
+        state.move_job(session, job, JobStatus.cancelled, reason="cancelled by user")
+    elif not JobStatus(job.status).is_final:
+        job.cancel_requested = True
+    session.commit()
+    # A concurrent transition may have placed the job after we read it: the flag covers that too.
+    session.refresh(job)
+    return job
+
+
+def job_events_after(session: Session, job_id: int, after_seq: int, limit: int) -> list[JobEvent]:
+    """The job's events numbered after `after_seq`, oldest first."""
+    query = select(JobEvent).where(JobEvent.job_id == job_id, JobEvent.seq > after_seq).order_by(JobEvent.seq).limit(limit)
+    return list(session.scalars(query))
+
+
+def job_status(session: Session, job_id: int) -> JobStatus:
+    return JobStatus(session.scalar(select(Job.status).where(Job.id == job_id)))

@@ -1,0 +1,134 @@
+"""What the scheduler reads and writes in a pass: the queue, the hosts' load, placements, expired leases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from sqlalchemy import bindparam, or_, select, text
+from sqlalchemy.orm import Session, contains_eager, lazyload
+
+from api_schemas import AttemptStatus, JobStatus
+from service.db import state
+from service.db.models import Attempt, Job, WorkerHost
+
+
+def lock_scheduler(session: Session) -> None:
+    """Serialise scheduler passes across processes (PostgreSQL); SQLite's BEGIN IMMEDIATE already does."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtext('trainyard-scheduler'))"))
+
+
+_ONLINE_HOSTS_WITH_LOAD = (
+    select(WorkerHost, Attempt.slots, Attempt.device_ids)
+    .outerjoin(Attempt, (Attempt.host_name == WorkerHost.name) & Attempt.status.in_(state.ACTIVE_ATTEMPT))
+    .where(WorkerHost.last_heartbeat >= bindparam("cutoff"))
+    .order_by(WorkerHost.name)
+)
+
+
+def online_hosts_with_load(
+    session: Session, now: datetime, host_timeout: float
+) -> tuple[list[WorkerHost], dict[str, int], dict[str, set[int]]]:
+    """The online hosts with the process slots and GPU indices their active attempts hold: one
+    read for what a scheduler pass places by (a host and each of its active attempts per row)."""
+    rows = session.execute(_ONLINE_HOSTS_WITH_LOAD, {"cutoff": now - timedelta(seconds=host_timeout)}).all()
+    hosts = list(dict.fromkeys(host for host, _, _ in rows))
+    return (hosts, *_sum_busy((host.name, used, device_ids) for host, used, device_ids in rows if used is not None))
+
+
+def _sum_busy(attempts: Iterable[tuple[str, int, list[int] | None]]) -> tuple[dict[str, int], dict[str, set[int]]]:
+    slots: dict[str, int] = {}
+    gpus: dict[str, set[int]] = {}
+    for host, used, device_ids in attempts:
+        slots[host] = slots.get(host, 0) + used
+        if device_ids:
+            gpus.setdefault(host, set()).update(device_ids)
+    return slots, gpus
+
+
+def preemptible_attempts(session: Session) -> list[Attempt]:
+    """Running attempts of preemptible jobs, including those already asked to stop."""
+    # With their jobs in the same read: one query, not one more per running attempt.
+    query = select(Attempt).join(Attempt.job).options(contains_eager(Attempt.job)).where(Attempt.status == AttemptStatus.running)
+    return [attempt for attempt in session.scalars(query) if attempt.job.spec.get("preemptible")]
+
+
+def request_preemption(attempt: Attempt) -> None:
+    """Its worker sees this at the next lease renewal and stops it at a checkpoint."""
+    attempt.preempt_requested = True
+
+
+def set_waiting_reason(job: Job, reason: str) -> None:
+    if job.waiting_reason != reason:  # most passes change nothing: write only what did
+        job.waiting_reason = reason
+
+
+def queued_jobs(session: Session, limit: int) -> list[Job]:
+    """Highest priority first, oldest first within a priority; rows locked by another scheduler are skipped."""
+    return list(session.scalars(_QUEUED_JOBS, {"limit": limit}))
+
+
+_QUEUED_JOBS = (
+    select(Job)
+    .where(Job.status == JobStatus.queued)
+    .order_by(Job.priority.desc(), Job.id)
+    .limit(bindparam("limit"))
+    .with_for_update(skip_locked=True, of=Job)
+    # Neither their attempts nor their owners: a pass needs neither, and each is a join or a
+    # query more on the path of every job's start.
+    .options(lazyload(Job.attempts), lazyload(Job.owner))
+    .execution_options(populate_existing=True)  # this pass's own changes (a reaped job re-queued) read back
+)
+
+
+@dataclass(frozen=True)
+class PlacedAttempt:
+    id: int
+    job_id: int
+    number: int
+    host_name: str
+
+
+def place_jobs(
+    session: Session, placements: list[tuple[Job, list[tuple[str, list[int] | None]], int]], now: datetime
+) -> list[PlacedAttempt]:
+    """Place queued jobs, each on its hosts at once (one attempt per node, node 0 first, each with
+    the GPU indices reserved for it there, None or [] on CPU): each job moves to `scheduled` and
+    gets new scheduled attempts sharing one number, with `slots` slots each. A job another process
+    took meanwhile gets none. Returns the attempts created.
+
+    Read the jobs in this transaction (queued_jobs does): their row locks then keep anyone else
+    from placing them too until commit."""
+    next_number = state.schedule_jobs(session, [job for job, _, _ in placements], now=now)
+    rows = [
+        {"job_id": job.id, "number": next_number[job.id], "node_rank": rank, "host_name": host, "slots": slots,
+         "device_ids": gpus or None, "status": AttemptStatus.scheduled, "dispatched_at": now}
+        for job, hosts, slots in placements if job.id in next_number
+        for rank, (host, gpus) in enumerate(hosts)
+    ]
+    if not rows:
+        return []
+    # One INSERT for all of them, which gives them their ids; a Core insert, as the ORM's unit of
+    # work took as much CPU as moving the jobs to scheduled.
+    attempts = Attempt.__table__
+    ids = session.scalars(attempts.insert().returning(attempts.c.id, sort_by_parameter_order=True), rows).all()
+    return [PlacedAttempt(id, row["job_id"], row["number"], row["host_name"]) for id, row in zip(ids, rows)]
+
+
+def expired_leases(session: Session, now: datetime) -> list[Attempt]:
+    return list(
+        session.scalars(select(Attempt).where(Attempt.status == AttemptStatus.running, Attempt.lease_expires_at < now))
+    )
+
+
+def unclaimed_attempts(session: Session, online: set[str], resend_before: datetime) -> list[Attempt]:
+    """Attempts placed but not claimed yet whose host went offline or whose dispatch is older than
+    `resend_before`: the ones the scheduler acts on. The rest are left in the database, so a pass
+    costs the same however many fresh dispatches are in flight."""
+    query = select(Attempt).where(
+        Attempt.status == AttemptStatus.scheduled,
+        or_(Attempt.host_name.not_in(online), Attempt.dispatched_at < resend_before),
+    )
+    return list(session.scalars(query))
