@@ -237,8 +237,32 @@ class DiskDatasetConfig(_DatasetPath, _CorpusWindows):
     tasks: ClassVar[tuple[str, ...]] = ("lm", "classify")
 
 
+class FSDPConfig(_Config):
+    """Options of the `fsdp` strategy: torch's FSDP2 (`fully_shard`), one unit per transformer block."""
+
+    reshard_after_forward: bool = Field(
+        True, description="Free each block's gathered parameters after its forward (gather again for backward): less memory, more communication."
+    )
+    # No float16: without a loss scaler its gradients underflow (training.precision `fp16` has one, `ddp` only).
+    param_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Mixed precision: the dtype blocks compute in (parameters are kept and stepped in float32)."
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="The dtype gradients are reduce-scattered in.")
+    cpu_offload: bool = Field(False, description="Keep sharded parameters, gradients and optimizer state in (pinned) CPU memory (cuda only).")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in backward instead of keeping them: less memory, about one more forward."
+    )
+
+
 class TrainingConfig(_Config):
     """How the loop runs. A step is one optimizer step."""
+
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description="`ddp`: every process holds the whole model, its gradients and optimizer state; `fsdp`: they are sharded "
+        "across processes (torch FSDP2, per transformer block; `fsdp` holds its options). Built-in models only.",
+    )
+    fsdp: FSDPConfig | None = Field(None, description="Options of strategy `fsdp` (defaults when left out).")
 
     max_steps: int | None = Field(
         None, ge=1, le=10_000_000,
@@ -426,6 +450,7 @@ class JobSpec(_Config):
                 "dataset.kind: a language model (`gpt`, an `hf` causal LM) trains on a `text` or `hf_disk` dataset, "
                 "a classifier (`mlp`, an `hf` …ForSequenceClassification) on `jsonl`, `csv` or `hf_disk`"
             )
+        self._strategy_fits()
         if self.training.grad_clip_norm and self.training.grad_clip_value:
             raise ValueError("training: set grad_clip_norm or grad_clip_value, not both")
         if self.schedule.warmup_steps is not None and self.schedule.warmup_steps >= self.training.max_steps:
@@ -433,6 +458,24 @@ class JobSpec(_Config):
         if self.schedule.min_lr > self.optimizer.lr:
             raise ValueError("schedule.min_lr must not exceed optimizer.lr")
         return self
+
+    def _strategy_fits(self) -> None:
+        training = self.training
+        if training.strategy != "fsdp":
+            if training.fsdp is not None:
+                raise ValueError("training.fsdp: options of strategy `fsdp`; set training.strategy to `fsdp` or leave them out")
+            return
+        fsdp = training.fsdp or FSDPConfig()
+        if self.model.kind == "custom":
+            raise ValueError("training.strategy: `fsdp` shards the built-in models (gpt, mlp, hf); a custom loop prepares its own")
+        if training.precision != "no":
+            raise ValueError("training.precision: with strategy `fsdp`, set training.fsdp.param_dtype and reduce_dtype instead")
+        if training.compile:
+            raise ValueError("training.compile: not with strategy `fsdp`")
+        if self.resources.nodes > 1:
+            raise ValueError("resources.nodes: strategy `fsdp` writes every process's shard into one checkpoint directory, so one node only")
+        if fsdp.cpu_offload and self.resources.device == "cpu":
+            raise ValueError("training.fsdp.cpu_offload: needs device 'cuda' (on the CPU the state is in CPU memory already)")
 
     @property
     def warmup_steps(self) -> int:

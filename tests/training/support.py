@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from api_schemas import JobSpec
 from api_schemas.manifest import MODEL_FILE
+from workers.supervisor import free_port, launch_command
 from workers.training import GPT, TokenWindows, load_text_corpus, lr_at, train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,3 +188,35 @@ def reference_training(spec: JobSpec, data_root: Path, steps: int) -> Reference:
         lrs.append(lr)
     final = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return Reference(initial, final, losses, norms, lrs)
+
+
+def launch(
+    spec: JobSpec, data_root: Path, run_dir: Path, events: Path, resume_from: Path | None = None, processes: int | None = None,
+) -> subprocess.Popen:
+    """The worker's own launch command for `spec` (gloo processes on the CPU), started; on
+    `processes` processes if given, as an elastic job resumed on another count is (its spec unchanged)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "spec.json").write_text(spec.model_dump_json())
+    placed = spec if processes is None else spec.model_copy(update={"resources": spec.resources.model_copy(update={"processes_per_node": processes})})
+    command = launch_command(placed, run_dir, data_root, resume_from, f"127.0.0.1:{free_port()}")
+    # Its own session, so that a test can kill the launcher and its ranks together.
+    return subprocess.Popen(
+        command, cwd=REPO, env=subprocess_env(events), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+
+
+def launched(spec: JobSpec, data_root: Path, run_dir: Path, resume_from: Path | None = None, processes: int | None = None) -> list[dict]:
+    """launch() to the end; the events it wrote."""
+    events = run_dir.parent / f"{run_dir.name}-events.jsonl"
+    process = launch(spec, data_root, run_dir, events, resume_from, processes)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    return read_events(events)
+
+
+def metrics_of(events: list[dict]) -> dict[int, dict[str, float]]:
+    return {e["step"]: e["values"] for e in events if e["type"] == "metrics"}
+
+
+def checkpoints_of(events: list[dict]) -> dict[int, Path]:
+    return {e["step"]: Path(e["path"]) for e in events if e["type"] == "checkpoint"}

@@ -52,7 +52,7 @@ def test_the_final_checkpoint_holds_weights_state_spec_tokenizer_and_a_manifest_
     on_disk = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file() and p.name != MANIFEST_FILE}
     assert set(manifest["files"]) == on_disk  # every file, state/ included, is listed
 
-    assert json.loads((final / "trainer_state.json").read_text()) == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS}
+    assert json.loads((final / "trainer_state.json").read_text()) == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS, "processes": 1}
     model, tokenizer, saved_spec = load_model_from_checkpoint(final)
     assert saved_spec == spec
     assert tokenizer.to_json() == load_text_corpus(spec.dataset, data_root).tokenizer.to_json()

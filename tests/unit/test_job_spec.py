@@ -45,6 +45,13 @@ def test_default_warmup_is_ten_percent_of_steps():
         ({"training.precision": "fp16"}, (), "fp16 needs device 'cuda'"),
         ({"schedule.warmup_steps": 5000}, (), "warmup_steps must be smaller than training.max_steps"),
         ({"training.grad_clip_value": 0.5}, (), "set grad_clip_norm or grad_clip_value, not both"),
+        ({"training.strategy": "zero3"}, ("training", "strategy"), "'ddp' or 'fsdp'"),
+        ({"training.fsdp": {"param_dtype": "bfloat16"}}, (), "training.fsdp: options of strategy `fsdp`"),
+        ({"training.strategy": "fsdp", "training.fsdp": {"param_dtype": "float16"}}, ("training", "fsdp", "param_dtype"), "'float32' or 'bfloat16'"),
+        ({"training.strategy": "fsdp", "training.precision": "bf16"}, (), "training.precision: with strategy `fsdp`"),
+        ({"training.strategy": "fsdp", "training.compile": True}, (), "training.compile: not with strategy `fsdp`"),
+        ({"training.strategy": "fsdp", "resources.nodes": 2}, (), "resources.nodes: strategy `fsdp`"),
+        ({"training.strategy": "fsdp", "training.fsdp": {"cpu_offload": True}}, (), "training.fsdp.cpu_offload: needs device 'cuda'"),
     ],
 )
 def test_invalid_specs_name_the_field_and_the_reason(overrides, field, reason):

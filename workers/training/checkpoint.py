@@ -4,8 +4,10 @@
       model.safetensors     unwrapped, consolidated weights: load_file() + load_state_dict() into a fresh GPT
                             (a custom job's models by name: `generator.0.weight`, `discriminator.0.weight`, …)
       state/                what accelerator.save_state() writes (load_state() resumes from it): model,
-                            optimizer, scheduler, RNG of every process
-      trainer_state.json    where the loop was: step, epoch, batch index within the epoch
+                            optimizer, scheduler, RNG of every process; with strategy `fsdp`, the model
+                            and optimizer as every process's shards instead (DCP: .metadata, __<rank>_0.distcp)
+      trainer_state.json    where the loop was: step, epoch, batch index within the epoch, and the
+                            number of processes that batch index counts for
       spec.json, tokenizer.json (none for a custom job), labels.json (classifiers), config.json (`hf` models)
       manifest.json         sha256 and size of every other file
 """
@@ -18,12 +20,13 @@ import logging
 import shutil
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.checkpointing import save_accelerator_state, save_custom_state
+from accelerate.checkpointing import load_accelerator_state, save_accelerator_state, save_custom_state
 from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, DistributedType, save
 from safetensors.torch import load_file, save_file
 
@@ -32,6 +35,7 @@ from api_schemas.manifest import MODEL_FILE, checkpoint_name, write_manifest
 from workers.training.data import Tokenizer
 from workers.training.model import build_model
 from workers.training.reporter import Reporter
+from workers.training.sharding import ShardedState, full_weights
 
 
 log = logging.getLogger(__name__)
@@ -102,19 +106,21 @@ class CheckpointWriter:
     flight: save() and finish() wait for the previous one first, so the loop never starts a second
     save, nor exits, while one is being written. A crash meanwhile leaves only the `.tmp-` staging
     directory, never reported.
-    Setups whose state Accelerate saves its own way (FSDP, DeepSpeed, save hooks) get a plain
-    save_state, as does a host without the memory for the snapshot.
+    Setups whose state Accelerate saves its own way (its FSDP plugin, DeepSpeed, save hooks) get a
+    plain save_state, as does a host without the memory for the snapshot. A model sharded by the
+    `fsdp` strategy (`sharded`) has its model and optimizer state written by every process in the
+    background (ShardedState), the rest as above; model.safetensors is gathered whole at save().
     """
 
     def __init__(
         self, accelerator: Accelerator, run_dir: Path, spec: JobSpec, reporter: Reporter,
-        tokenizer: Tokenizer | None = None, labels: list[str] | None = None,
+        tokenizer: Tokenizer | None = None, labels: list[str] | None = None, sharded: ShardedState | None = None,
     ):
         self.accelerator, self.run_dir, self.spec, self.reporter = accelerator, run_dir, spec, reporter
-        self.tokenizer, self.labels = tokenizer, labels
+        self.tokenizer, self.labels, self._sharded = tokenizer, labels, sharded
         self._pending: tuple[int, Path, threading.Thread] | None = None
         self._error: BaseException | None = None
-        self._snapshot: StateSnapshot | None = StateSnapshot() if snapshots_supported(accelerator) else None
+        self._snapshot: StateSnapshot | None = StateSnapshot() if sharded is None and snapshots_supported(accelerator) else None
         # Set while no snapshot copy is pending; an optimizer step waits for it (see _take_snapshot).
         self._copied = threading.Event()
         self._copied.set()
@@ -150,7 +156,8 @@ class CheckpointWriter:
             texts["labels.json"] = json.dumps(self.labels)
         if pending:
             self._copied.clear()
-        thread = threading.Thread(target=self._write, args=(staging, final, step, state, pending, ready, texts), daemon=True)
+        shards = self._sharded.pending if self._sharded is not None else None
+        thread = threading.Thread(target=self._write, args=(staging, final, step, state, pending, ready, shards, texts), daemon=True)
         self._pending = (step, final, thread)
         thread.start()
         return final
@@ -161,6 +168,8 @@ class CheckpointWriter:
         and scheduler states (none when save_state wrote them) and the unwrapped weights, with the
         copies left to do (StateSnapshot.take)."""
         accelerator = self.accelerator
+        if self._sharded is not None:
+            return self._take_sharded_state(state_dir, models[""])
         unwrapped = {
             f"{prefix}.{name}" if prefix else name: tensor
             for prefix, each in models.items()
@@ -176,10 +185,11 @@ class CheckpointWriter:
         # The live weights, copied: training changes them in place from the next step on.
         return {"weights": {name: tensor.detach().to("cpu", copy=True) for name, tensor in unwrapped.items()}}, [], None
 
-    def _take_snapshot(self, state_dir: Path, unwrapped: dict[str, torch.Tensor]) -> tuple[dict, list, torch.cuda.Event | None]:
+    def _save_small_files(self, state_dir: Path) -> None:
+        """Accelerate's files besides the models, optimizers and schedulers, as save_state writes
+        them, now: the RNG states must be this step's."""
         accelerator = self.accelerator
         config = accelerator.project_configuration
-        # The small files, as save_state writes them, now: the RNG states must be this step's.
         state_dir.mkdir(parents=True, exist_ok=True)
         save_accelerator_state(
             str(state_dir), [], [], [], accelerator._dataloaders, accelerator.state.process_index, accelerator.step,
@@ -187,6 +197,21 @@ class CheckpointWriter:
         )
         for i, custom in enumerate(accelerator._custom_objects):
             save_custom_state(custom, str(state_dir), i, save_on_each_node=config.save_on_each_node)
+
+    def _take_sharded_state(self, state_dir: Path, model: torch.nn.Module) -> tuple[dict, list, None]:
+        """The sharded strategy's state: its shards saved in the background on every process; on
+        the main process the full weights (gathered here, from every process) and the schedule."""
+        accelerator = self.accelerator
+        weights = full_weights(model)
+        self._save_small_files(state_dir)
+        self._sharded.save(model, accelerator._optimizers[0].optimizer, state_dir)
+        if not accelerator.is_main_process:
+            return {}, [], None
+        return {"schedulers": [copy.deepcopy(each.state_dict()) for each in accelerator._schedulers], "weights": weights}, [], None
+
+    def _take_snapshot(self, state_dir: Path, unwrapped: dict[str, torch.Tensor]) -> tuple[dict, list, torch.cuda.Event | None]:
+        accelerator = self.accelerator
+        self._save_small_files(state_dir)
         if not accelerator.is_main_process:  # Accelerate writes the rest from the main process only
             return {}, [], None
         # What only an optimizer step changes (its parameters and their moments) on the CPU is
@@ -216,7 +241,8 @@ class CheckpointWriter:
         self._copied.wait()
 
     def _write(
-        self, staging: Path, final: Path, step: int, state: dict, pending: list, ready: torch.cuda.Event | None, texts: dict[str, str]
+        self, staging: Path, final: Path, step: int, state: dict, pending: list, ready: torch.cuda.Event | None,
+        shards: Future | None, texts: dict[str, str],
     ) -> None:
         try:
             try:
@@ -225,6 +251,8 @@ class CheckpointWriter:
                 self._copied.set()  # the optimizers may step again
             if ready is not None:
                 ready.synchronize()  # the snapshot's GPU → CPU copies are done
+            if shards is not None:
+                shards.result()  # every process's shards are written (ShardedState)
             write_accelerate_state(staging / "state", state)
             # Distinct tensors for tied weights, which safetensors refuses to save as two names of one storage.
             seen: set[int] = set()
@@ -255,10 +283,12 @@ class CheckpointWriter:
             prune_checkpoints(self.run_dir, self.spec.checkpoint.keep_last)
 
     def finish(self) -> None:
-        """Wait for the checkpoint in flight, if any, and report it."""
+        """Wait for the checkpoint in flight, if any, and report it (every process waits for its shards)."""
         if self._pending is not None:
             self._pending[2].join()
             self.report_finished()
+        if self._sharded is not None:
+            self._sharded.wait()
 
 
 def snapshots_supported(accelerator: Accelerator) -> bool:
@@ -284,6 +314,20 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
     """Keep the newest `keep_last` local checkpoints (run outside a worker, nobody else cleans up)."""
     for old in sorted((run_dir / "checkpoints").glob("step-*"))[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def load_state(
+    accelerator: Accelerator, state_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharded: ShardedState | None
+) -> None:
+    """Resume from a checkpoint's state/: accelerator.load_state(), or for a sharded model its
+    model and optimizer from their shards (on any number of processes) and the rest as load_state reads it."""
+    if sharded is None:
+        accelerator.load_state(str(state_dir))
+        return
+    sharded.load(model, optimizer.optimizer, state_dir)
+    load_accelerator_state(
+        str(state_dir), [], [], accelerator._schedulers, accelerator._dataloaders, accelerator.process_index, accelerator.scaler
+    )
 
 
 def load_trainer_state(checkpoint: Path) -> dict:

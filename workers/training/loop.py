@@ -20,12 +20,14 @@ from accelerate.utils import DataLoaderConfiguration, set_seed
 from torch.utils.data import DataLoader
 
 from api_schemas import JobSpec
-from workers.training.checkpoint import CheckpointWriter, load_trainer_state
+from workers.training.checkpoint import CheckpointWriter, load_state, load_trainer_state
 from workers.training.data import LabelledTexts, TokenWindows, load_labelled_corpus, load_text_corpus
+from workers.training.elastic import accumulation_steps, batches_on
 from workers.training.evaluate import eval_dataloader, evaluate_metrics
 from workers.training.model import build_model
 from workers.training.reporter import Reporter
-from workers.training.schedule import make_scheduler
+from workers.training.schedule import make_scheduler, recount_scheduler
+from workers.training.sharding import ShardedState, shard_model
 
 
 @dataclass
@@ -68,13 +70,15 @@ def pinned(accelerator: Accelerator) -> bool:
 def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None = None) -> TrainResult:
     cfg = spec.training
     accelerator = make_accelerator(spec)
+    # The spec's optimizer step on however many processes run it (elastic.py).
+    accelerator.gradient_accumulation_steps = accumulation_steps(spec, accelerator.num_processes)
     set_seed(cfg.seed)
 
     # Data: fixed samples (token windows, or labelled texts) whose order depends only on (seed,
     # epoch), so a resumed run and a run on more processes see exactly the same ones. Each epoch
     # holds whole optimizer steps: Accelerate ends an epoch's last accumulation window early, yet
     # still divides its loss by the full window length, which would shrink that step.
-    samples_per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
+    samples_per_step = spec.effective_batch_size
     labels = None
     if spec.model.task == "lm":
         corpus = load_text_corpus(spec.dataset, data_root)
@@ -90,18 +94,29 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True, pin_memory=pinned(accelerator))
     eval_dl = eval_dataloader(corpus.val, spec)
 
-    # Model, optimizer, schedule: built once, prepared once.
+    # Model, optimizer, schedule: built once, prepared once. A sharded model is sharded by torch
+    # before the optimizer sees its parameters, and left out of Accelerate's prepare (sharding.py).
     model = build_model(spec.model, corpus.tokenizer.vocab_size, data_root)
+    sharded = cfg.strategy == "fsdp"
+    if sharded:
+        model = shard_model(model, spec, accelerator.device)
     optimizer = make_optimizer(model, spec)
     scheduler = make_scheduler(optimizer, spec, accelerator.num_processes)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    if sharded:
+        optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(optimizer, train_dl, eval_dl, scheduler)
+    else:
+        model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+    sharded_state = ShardedState(accelerator.device) if sharded else None
 
-    # Resume: weights, optimizer, schedule and RNG from the Accelerate state; where the loop was
-    # from the explicit trainer state. Loaded before compiling, so no weights go into a compiled module.
+    # Resume: weights, optimizer, schedule and RNG from the Accelerate state (and the sharded state);
+    # where the loop was from the explicit trainer state, in this run's count of processes.
+    # Loaded before compiling, so no weights go into a compiled module.
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     if resume_from is not None:
-        accelerator.load_state(str(resume_from / "state"))
+        load_state(accelerator, resume_from / "state", model, optimizer, sharded_state)
         progress = load_trainer_state(resume_from)
+        progress["batch_in_epoch"] = batches_on(progress, accelerator.num_processes, spec)
+        recount_scheduler(scheduler, progress["step"], accelerator.num_processes)
         accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
     forward = torch.compile(model) if cfg.compile else model
 
@@ -110,7 +125,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     last_eval = None
     preempted = False
     lagged = LaggedMetrics(accelerator.device)
-    checkpoints = CheckpointWriter(accelerator, run_dir, spec, reporter, corpus.tokenizer, labels)
+    checkpoints = CheckpointWriter(accelerator, run_dir, spec, reporter, corpus.tokenizer, labels, sharded_state)
 
     def report(read: tuple[int, dict[str, float]] | None) -> bool:
         """Report a step's metrics from the main process; True if any process voted to stop."""
@@ -153,6 +168,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                         lr = optimizer.param_groups[0]["lr"]
                         # The norm before clipping; an infinite limit measures without clipping.
                         grad_norm = accelerator.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm or float("inf"))
+                        if sharded:  # a DTensor over the shards; the reported norm is the whole one
+                            grad_norm = grad_norm.full_tensor()
                         if cfg.grad_clip_value:
                             accelerator.clip_grad_value_(model.parameters(), cfg.grad_clip_value)
                     optimizer.step()
@@ -195,7 +212,9 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                 # in the background (CheckpointWriter), and a save waits for the previous one.
                 if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
                     report(lagged.take())
-                    checkpoints.save(model, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch})
+                    checkpoints.save(
+                        model, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "processes": accelerator.num_processes}
+                    )
                 if last_step or preempted:
                     break
                 window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
@@ -204,6 +223,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
 
         report(lagged.take())
         checkpoints.finish()  # the last checkpoint is complete and reported before the process exits
+        if sharded_state is not None:
+            sharded_state.close()
     accelerator.end_training()
     return TrainResult(step=step, preempted=preempted, last_eval_loss=last_eval)
 

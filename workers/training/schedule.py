@@ -28,3 +28,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer, spec: JobSpec, num_processe
     # (its convention for schedules counted in per-process batches); dividing the count by the
     # number of processes keeps `lr_at` a function of the optimizer step for any process count.
     return LambdaLR(optimizer, lambda count: lr_at(count // num_processes, spec) / spec.optimizer.lr)
+
+
+def recount_scheduler(scheduler, step: int, num_processes: int) -> None:
+    """After loading a checkpoint: the count as `num_processes` processes reach `step` (see
+    make_scheduler), whatever number of processes wrote it."""
+    scheduler.scheduler.last_epoch = step * num_processes
