@@ -31,7 +31,7 @@ from service.db.scheduling import (
     unclaimed_attempts,
 )
 from service.logs import job_fields
-from service.placement import HostRoom, preemption_plan, waiting_reason
+from service.placement import Rooms, preemption_plan, waiting_reason
 from service.queue import dispatch_attempt
 from service.settings import Settings
 
@@ -67,8 +67,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     # gets all its hosts in this one transaction or none, so two gangs can never each hold half of
     # what they need and wait on each other forever. Order: priority, raised the longer a job has
     # waited (aging, so a low priority is never starved), then first come first served.
-    room = {host.name: HostRoom.of(host, busy_slots, busy_gpus) for host in hosts}
-    idle = {host.name: HostRoom.of(host, {}, {}) for host in hosts}
+    rooms = Rooms(hosts, busy_slots, busy_gpus)
     reserved: set[str] = set()
     preemptible: list | None = None  # read only when a job has to wait: most passes need none
     # Hosts are chosen job by job, then all placements written at once. The queued jobs' rows are
@@ -77,32 +76,31 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     placements = []
     for job in queue_order(queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
         resources = JobSpec.model_validate(job.spec).resources
-        offers = {name: devices for name, r in room.items() if name not in reserved and (devices := r.offer(resources)) is not None}
-        if len(offers) < resources.nodes:
-            reason = waiting_reason(resources, len(offers))
+        chosen = rooms.best_fit(resources, skip=reserved)
+        if chosen is None:
+            reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved))
             # The first job that must wait gets hosts held for it: nothing behind it starts there,
             # so jobs that fit elsewhere go on (backfill) without ever delaying its start.
-            could_ever = [name for name in idle if name not in reserved and idle[name].offer(resources) is not None]
-            if not reserved and len(could_ever) >= resources.nodes:
+            could_ever = [] if reserved else rooms.could_ever(resources, skip=reserved)
+            if len(could_ever) >= resources.nodes:
                 # Sooner still if stopping lower-priority preemptible jobs (at a checkpoint) makes room.
                 if preemptible is None:
                     preemptible = preemptible_attempts(session)
-                plan = preemption_plan(resources, job.priority, {name: room[name] for name in could_ever}, preemptible)
+                plan = preemption_plan(resources, job.priority, {name: rooms.room[name] for name in could_ever}, preemptible)
                 if plan is not None:
                     held = plan.hosts
                     for victim in plan.victims:
                         request_preemption(victim)
                         log.info("preempting job %s on %s for job %s", victim.job_id, victim.host_name, job.id, extra=job_fields(victim.job_id, victim.id))
                 else:
-                    held = sorted(could_ever, key=lambda name: (-room[name].size(resources), name))[: resources.nodes]
+                    held = sorted(could_ever, key=lambda name: (-rooms.room[name].free, name))[: resources.nodes]
                 reserved.update(held)
                 reason += f"; {', '.join(held)} held for it" + (" (preempting lower priorities)" if plan else "")
             set_waiting_reason(job, reason)
             continue
-        chosen = sorted(offers, key=lambda name: (room[name].size(resources), name))[: resources.nodes]
-        for name in chosen:
-            room[name].take(resources.processes_per_node, offers[name])
-        placements.append((job, [(name, offers[name]) for name in chosen], resources.processes_per_node))
+        for name, devices in chosen:
+            rooms.take(name, resources.processes_per_node, devices)
+        placements.append((job, chosen, resources.processes_per_node))
     attempts = place_jobs(session, placements, now)
     to_dispatch += [(attempt.id, attempt.host_name) for attempt in attempts]
     for job_id, gang in itertools.groupby(attempts, key=lambda attempt: attempt.job_id):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import bindparam, or_, select, text
+from sqlalchemy import bindparam, func, or_, select, text
 from sqlalchemy.orm import Session, contains_eager, lazyload
 
 from api_schemas import AttemptStatus, JobStatus
@@ -20,32 +19,28 @@ def lock_scheduler(session: Session) -> None:
         session.execute(text("SELECT pg_advisory_xact_lock(hashtext('trainyard-scheduler'))"))
 
 
-_ONLINE_HOSTS_WITH_LOAD = (
-    select(WorkerHost, Attempt.slots, Attempt.device_ids)
-    .outerjoin(Attempt, (Attempt.host_name == WorkerHost.name) & Attempt.status.in_(state.ACTIVE_ATTEMPT))
-    .where(WorkerHost.last_heartbeat >= bindparam("cutoff"))
-    .order_by(WorkerHost.name)
+_ONLINE_HOSTS = select(WorkerHost).where(WorkerHost.last_heartbeat >= bindparam("cutoff")).order_by(WorkerHost.name)
+# Summed in the database: a row per active attempt cost a pass over a large backlog more with
+# every pass that placed part of it.
+_BUSY_SLOTS = select(Attempt.host_name, func.sum(Attempt.slots)).where(Attempt.status.in_(state.ACTIVE_ATTEMPT)).group_by(Attempt.host_name)
+_BUSY_GPUS = (
+    select(Attempt.host_name, Attempt.device_ids)
+    .join(WorkerHost, WorkerHost.name == Attempt.host_name)
+    .where(Attempt.status.in_(state.ACTIVE_ATTEMPT), WorkerHost.device == "cuda")
 )
 
 
 def online_hosts_with_load(
     session: Session, now: datetime, host_timeout: float
 ) -> tuple[list[WorkerHost], dict[str, int], dict[str, set[int]]]:
-    """The online hosts with the process slots and GPU indices their active attempts hold: one
-    read for what a scheduler pass places by (a host and each of its active attempts per row)."""
-    rows = session.execute(_ONLINE_HOSTS_WITH_LOAD, {"cutoff": now - timedelta(seconds=host_timeout)}).all()
-    hosts = list(dict.fromkeys(host for host, _, _ in rows))
-    return (hosts, *_sum_busy((host.name, used, device_ids) for host, used, device_ids in rows if used is not None))
-
-
-def _sum_busy(attempts: Iterable[tuple[str, int, list[int] | None]]) -> tuple[dict[str, int], dict[str, set[int]]]:
-    slots: dict[str, int] = {}
+    """The online hosts, the process slots their active attempts hold, and on GPU hosts which GPU
+    indices: what a scheduler pass places by."""
+    hosts = list(session.scalars(_ONLINE_HOSTS, {"cutoff": now - timedelta(seconds=host_timeout)}))
+    slots = {host: int(used) for host, used in session.execute(_BUSY_SLOTS)}
     gpus: dict[str, set[int]] = {}
-    for host, used, device_ids in attempts:
-        slots[host] = slots.get(host, 0) + used
-        if device_ids:
-            gpus.setdefault(host, set()).update(device_ids)
-    return slots, gpus
+    for host, device_ids in session.execute(_BUSY_GPUS):
+        gpus.setdefault(host, set()).update(device_ids or [])
+    return hosts, slots, gpus
 
 
 def preemptible_attempts(session: Session) -> list[Attempt]:
