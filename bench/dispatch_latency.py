@@ -42,10 +42,10 @@ from bench.scratch import REDIS_URL, postgres_database, sqlite_database  # noqa:
 from service.db import crud  # noqa: E402
 from service.db.models import Attempt, Job, utcnow  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
+from service.embedded import stop_children  # noqa: E402
 from service.queue import make_celery  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from tests.helpers import tiny_spec  # noqa: E402
-from trainyard.server_cli import stop_children  # noqa: E402
 from api_schemas import JobSpec  # noqa: E402
 
 PEER_TASK, PEER_QUEUE = "bench.noop", "bench.noop"
