@@ -18,7 +18,7 @@ $(VENV)/.test-stamp: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.demo-stamp
-	$(PYTHON) -m trainyard.demo
+	$(PYTHON) -m service.demo
 
 # Real programs some tests drive, from Debian's packages: Chromium for the dashboard page (never
 # `playwright install`'s download), nginx for downloads behind the shipped proxy config.

@@ -1,25 +1,56 @@
-"""The `trainyard` command."""
+"""The `trainyard` command: the client's commands, and the server's, which the server package runs.
+
+The client needs none of the server: a server command is only named here, and its module is
+imported when one is run, so the CLI works where only `api_schemas` and `trainyard` are installed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
-from trainyard.client_cli import add_client_commands
-from trainyard.server_cli import add_server_commands
+from trainyard.client_cli import EXIT_FAILED, add_client_commands
+
+# Their options and handlers are in SERVER_CLI; the one-line help is here, for `trainyard --help`.
+SERVER_COMMANDS = {
+    "up": "run API, scheduler and local workers in one command (SQLite, no servers)",
+    "api": "run the REST API",
+    "scheduler": "run the scheduler",
+    "worker": "run a worker host",
+    "db": "database schema",
+    "user": "users and tokens",
+}
+SERVER_CLI = "service.cli"  # named, not imported: importing the client must not import the server
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainyard", description="Run distributed PyTorch training jobs.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    add_server_commands(subparsers)
+    for name, help in SERVER_COMMANDS.items():
+        subparsers.add_parser(name, help=help, add_help=False)  # listed; main() hands their arguments to SERVER_CLI
     add_client_commands(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVER_COMMANDS:
+        return run_server_command(argv)
     args = build_parser().parse_args(argv)
     return args.func(args)
+
+
+def run_server_command(argv: list[str]) -> int:
+    try:
+        server_cli = importlib.import_module(SERVER_CLI)
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("service", SERVER_CLI):
+            raise  # the server is installed but broken: that traceback is the useful message
+        print(f"error: `trainyard {argv[0]}` is a server command, and the Trainyard server (the `service` package) "
+              "is not installed here; the client commands work without it", file=sys.stderr)
+        return EXIT_FAILED
+    return server_cli.main(argv)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """No Docker engine runs here, so the deploy files are checked for agreement with the code instead:
-they parse, name only settings that exist, and run only commands the CLI accepts."""
+they parse, name only settings that exist, and run only server commands that `trainyard` accepts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import yaml
 
+from service.cli import build_parser
 from service.settings import Settings
-from trainyard.cli import build_parser
+from trainyard.cli import SERVER_COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINYARD_IMAGES = {"trainyard:latest", "trainyard:gpu"}  # CPU torch, CUDA torch (see the Dockerfile)
@@ -25,6 +26,7 @@ def kubernetes() -> list[dict]:
 
 def assert_cli_accepts(args: list[str]) -> None:
     args = [a.replace("$(NODE_NAME)", "node-1").replace("$(POD_IP)", "10.0.0.7") for a in args]
+    assert args[0] in SERVER_COMMANDS, args  # what `trainyard` hands to the server's parser
     parsed = build_parser().parse_args(args)
     assert callable(parsed.func), args
 

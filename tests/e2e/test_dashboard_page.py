@@ -12,11 +12,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.embedded import embedded_stack
 from tests.conftest import IN_CI, REPO
 from tests.e2e.test_end_to_end import wait_for_event
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
-from trainyard.server_cli import embedded_stack
 from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,8 +18,8 @@ import pytest
 from safetensors.torch import load as safetensors_load
 
 from api_schemas import JobSpec, JobStatus
+from service.embedded import embedded_stack
 from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
-from trainyard.server_cli import embedded_stack
 from workers.supervisor import EventTail, free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 

@@ -14,12 +14,12 @@ from sqlalchemy import select
 
 from service.db.models import Attempt
 from service.db.session import session_factory
+from service.embedded import embedded_stack, stop_children
 from tests.conftest import IN_CI
 from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.e2e.test_faults import assert_same_run, final_weights, run_reference, training_ranks
 from tests.helpers import tiny_spec
-from trainyard.server_cli import embedded_stack, stop_children
 from workers.supervisor import attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(400)

@@ -16,10 +16,10 @@ import psutil
 import pytest
 import torch
 
+from service.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.e2e.test_faults import FAULT_SPEC, final_weights, stack_pids_matching, wait_until_training
 from tests.helpers import spec_dict, tiny_spec
-from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)

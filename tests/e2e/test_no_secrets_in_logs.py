@@ -7,9 +7,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from service.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.helpers import tiny_spec
-from trainyard.server_cli import embedded_stack
 from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(300)

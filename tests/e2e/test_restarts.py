@@ -19,11 +19,11 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
+from service.embedded import embedded_stack
 from tests.conftest import service_missing
 from tests.e2e.test_end_to_end import wait_for, wait_for_event, wait_for_step
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
-from trainyard.server_cli import embedded_stack
 from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(300)

@@ -19,10 +19,10 @@ import torch
 import pytest
 from safetensors.torch import load
 
+from service.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.helpers import tiny_spec
 from trainyard.cli import main
-from trainyard.server_cli import embedded_stack
 from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
 
 pytestmark = pytest.mark.timeout(400)

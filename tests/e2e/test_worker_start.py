@@ -14,8 +14,8 @@ import subprocess
 import sys
 import time
 
+from service.embedded import prepare_embedded, stop_children
 from service.settings import Settings
-from trainyard.server_cli import prepare_embedded, stop_children
 
 
 def rows(database: str, query: str) -> list[tuple]:

@@ -1,4 +1,5 @@
-"""Architecture boundaries, checked in a fresh interpreter so other tests' imports don't mask a leak."""
+"""Architecture boundaries, checked in a fresh interpreter so other tests' imports don't mask a leak,
+and for the client also in its source, so that an import inside a function is caught too."""
 
 import ast
 import json
@@ -8,16 +9,46 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
+PROJECT_PACKAGES = {path.parent.name for path in REPO.glob("*/*.py")}  # api_schemas, service, workers, trainyard, tests, …
+CLIENT_FILES = sorted((REPO / "trainyard").rglob("*.py"))
 
-def modules_after_import(module: str) -> set[str]:
-    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
+
+def modules_after_import(*modules: str) -> set[str]:
+    code = f"import json, sys, {', '.join(modules)}; print(json.dumps(sorted(sys.modules)))"
     return set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout))
 
 
-@pytest.mark.parametrize("module", ["service.api.main", "service.scheduler", "trainyard.cli"])
+def imported_packages(path: Path) -> set[str]:
+    """The top-level package of every absolute import in the file, wherever in the file it is."""
+    packages = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            packages |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:  # a relative import stays in its own package
+            packages.add(node.module.split(".")[0])
+    return packages
+
+
+@pytest.mark.parametrize("module", ["service.api.main", "service.scheduler", "service.cli", "service.demo"])
 def test_the_service_never_imports_torch_or_accelerate(module):
     loaded = modules_after_import(module)
     assert "torch" not in loaded and "accelerate" not in loaded
+
+
+def test_the_client_source_is_found():
+    assert {"cli.py", "client.py", "client_cli.py", "progress.py"} <= {path.name for path in CLIENT_FILES}
+
+
+@pytest.mark.parametrize("path", CLIENT_FILES, ids=lambda path: path.name)
+def test_the_client_imports_only_api_schemas_itself_and_third_party_libraries(path):
+    project = imported_packages(path) & PROJECT_PACKAGES
+    assert project <= {"api_schemas", "trainyard"}, f"trainyard/{path.name} imports {sorted(project - {'api_schemas', 'trainyard'})}"
+
+
+def test_importing_the_client_loads_neither_the_server_nor_torch():
+    loaded = {name.split(".")[0] for name in modules_after_import("trainyard.cli", "trainyard.client")}
+    assert "trainyard" in loaded and not loaded & {"service", "workers", "torch", "sqlalchemy"}
 
 
 def test_api_schemas_import_nothing_of_the_project():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -36,6 +38,11 @@ def test_cuda_on_a_host_without_a_gpu_is_refused():
 
 def test_the_worker_command_says_what_is_wrong_without_a_traceback(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TRAINYARD_DATA_DIR", str(tmp_path))
+    # The command points the root logger at this test's captured stderr, closed after it: later tests
+    # that log would print "--- Logging error ---" into the stderr they assert on. Restore it after.
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
     assert main(["worker", "--host-name", "h", "--devices", "cpu:0"]) == 2
     err = capsys.readouterr().err
     assert "--devices 'cpu:0': expected cpu:N with N >= 1" in err and "Traceback" not in err

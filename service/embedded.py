@@ -1,13 +1,12 @@
-"""Server-side commands: `up` (embedded stack), `api`, `scheduler`, `worker`, `db upgrade`, `user create`."""
+"""The embedded stack (`trainyard up`, the demo, the end-to-end tests): API, scheduler and local
+worker hosts as child processes of one command (on SQLite and the SQLAlchemy broker transport unless
+given the URLs of others)."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,84 +22,6 @@ REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 REPO_PLUGINS = REPO_DATA.parent / "examples" / "plugins"
 ADMIN_NAME = "admin"
 
-
-def _settings() -> Settings:
-    return Settings()
-
-
-def _configure_logging(role: str) -> None:
-    from service.logs import configure_logging
-
-    configure_logging(role, _settings().log_format)
-
-
-def db_upgrade(args: argparse.Namespace) -> int:
-    from service.db.migrate import upgrade
-
-    upgrade(_settings().resolved_database_url)
-    print("database schema is up to date")
-    return 0
-
-
-def user_create(args: argparse.Namespace) -> int:
-    from service.db.accounts import create_user, user_by_name
-    from service.db.session import session_factory
-
-    with session_factory(_settings().resolved_database_url)() as session:
-        if user_by_name(session, args.name):
-            print(f"error: user {args.name!r} already exists", file=sys.stderr)
-            return 1
-        _, token = create_user(session, args.name, is_admin=args.admin, can_run_code=args.can_run_code)
-    print(token)
-    return 0
-
-
-def run_api(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from service.api.main import create_app
-
-    _configure_logging("api")
-    uvicorn.run(create_app(_settings()), host=args.host, port=args.port, log_level="info")
-    return 0
-
-
-def run_scheduler_command(args: argparse.Namespace) -> int:
-    from service.db.session import session_factory
-    from service.queue import make_celery
-    from service.scheduler import run_scheduler
-
-    _configure_logging("scheduler")
-    settings = _settings()
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    try:
-        run_scheduler(session_factory(settings.resolved_database_url), make_celery(settings), settings, stop=lambda: bool(stopping))
-    except KeyboardInterrupt:
-        pass
-    return 0
-
-
-def _own_address() -> str:
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
-def run_worker_command(args: argparse.Namespace) -> int:
-    from workers.host import run_worker
-
-    _configure_logging(f"worker[{args.host_name}]")
-    try:
-        run_worker(_settings(), args.host_name, args.devices, args.address or _own_address())
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-# --- the embedded stack ----------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class StackInfo:
@@ -239,51 +160,3 @@ def _wait_for(ready, failure: str, children: list[subprocess.Popen], log_dir: Pa
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{failure} within {timeout:.0f} s{see_logs}")
-
-
-def run_up(args: argparse.Namespace) -> int:
-    with embedded_stack(Path(args.data_dir), args.port, args.workers, devices=args.devices) as stack:
-        print(f"Trainyard is up at {stack.url}; dashboard: {stack.url}/dashboard (log in with the admin token)")
-        print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
-        try:
-            while not stop:
-                time.sleep(0.5)
-        except KeyboardInterrupt:
-            pass
-    return 0
-
-
-def add_server_commands(subparsers) -> None:
-    up = subparsers.add_parser("up", help="run API, scheduler and local workers in one command (SQLite, no servers)")
-    up.add_argument("--data-dir", default=os.environ.get("TRAINYARD_DATA_DIR", ".trainyard"))
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--workers", type=int, default=1, help="local worker hosts to start")
-    up.add_argument("--devices", help="devices of each local worker: cpu:N (default: all cores), cuda:all or cuda:0,1")
-    up.set_defaults(func=run_up)
-
-    api = subparsers.add_parser("api", help="run the REST API")
-    api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8000)
-    api.set_defaults(func=run_api)
-
-    subparsers.add_parser("scheduler", help="run the scheduler").set_defaults(func=run_scheduler_command)
-
-    worker = subparsers.add_parser("worker", help="run a worker host")
-    worker.add_argument("--host-name", required=True, help="unique name of this host")
-    worker.add_argument("--devices", default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
-    worker.add_argument("--address", help="where the other hosts of a multi-node job reach this one (default: this host's IP)")
-    worker.set_defaults(func=run_worker_command)
-
-    db = subparsers.add_parser("db", help="database schema")
-    db_commands = db.add_subparsers(dest="db_command", required=True)
-    db_commands.add_parser("upgrade", help="migrate the schema to the latest version").set_defaults(func=db_upgrade)
-
-    user = subparsers.add_parser("user", help="users and tokens")
-    user_commands = user.add_subparsers(dest="user_command", required=True)
-    create = user_commands.add_parser("create", help="create a user and print its token")
-    create.add_argument("name")
-    create.add_argument("--admin", action="store_true")
-    create.add_argument("--can-run-code", action="store_true", help="may submit `script` jobs, which run the user's own code on worker hosts")
-    create.set_defaults(func=user_create)
