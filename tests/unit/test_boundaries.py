@@ -19,15 +19,20 @@ def modules_after_import(*modules: str) -> set[str]:
     return set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout))
 
 
-def imported_packages(path: Path) -> set[str]:
-    """The top-level package of every absolute import in the file, wherever in the file it is."""
-    packages = set()
+def imported_modules(path: Path) -> set[str]:
+    """Every module the file imports absolutely, wherever in the file (function-level imports too);
+    `from a.b import c` counts as a.b.c, which is a module or a name in a.b."""
+    imported = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            packages |= {alias.name.split(".")[0] for alias in node.names}
+            imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0:  # a relative import stays in its own package
-            packages.add(node.module.split(".")[0])
-    return packages
+            imported |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return imported
+
+
+def project_imports(path: Path) -> set[str]:
+    return {name for name in imported_modules(path) if name.split(".")[0] in PROJECT_PACKAGES}
 
 
 @pytest.mark.parametrize("module", ["service.api.main", "service.scheduler", "service.cli", "service.demo"])
@@ -42,7 +47,7 @@ def test_the_client_source_is_found():
 
 @pytest.mark.parametrize("path", CLIENT_FILES, ids=lambda path: path.name)
 def test_the_client_imports_only_api_schemas_itself_and_third_party_libraries(path):
-    project = imported_packages(path) & PROJECT_PACKAGES
+    project = {name.split(".")[0] for name in project_imports(path)}
     assert project <= {"api_schemas", "trainyard"}, f"trainyard/{path.name} imports {sorted(project - {'api_schemas', 'trainyard'})}"
 
 
@@ -76,20 +81,6 @@ print(json.dumps(sorted(sys.modules)))
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout))
     assert "datasets" in loaded and "torch" not in loaded and "transformers" not in loaded
 
-
-REPO = Path(__file__).resolve().parents[2]
-PROJECT_PACKAGES = ("api_schemas", "service", "workers", "trainyard", "tests", "bench")
-
-
-def project_imports(path: Path) -> set[str]:
-    """The project modules a file imports, at any depth of its code (function-level imports too)."""
-    imported = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            imported.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in imported if name.split(".")[0] in PROJECT_PACKAGES}
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "service" / "db").glob("*.py")), ids=lambda path: path.name)
