@@ -43,7 +43,8 @@ class Settings(BaseSettings):
     log_format: Literal["text", "json"] = Field("text", description="`json`: one object per line with job_id and attempt_id fields.")
 
     max_active_jobs_per_user: int | None = Field(
-        None, ge=1, description="Most queued, scheduled and running jobs one user may have; a submit beyond it gets 429. Unset: no limit."
+        100, ge=1,
+        description="Most queued, scheduled and running jobs one user may have; a submit beyond it gets 429 with Retry-After. On by default on a shared service; None (in code): no limit.",
     )
     max_request_bytes: int = Field(1_000_000, gt=0, description="Largest accepted request body (uploads: max_upload_bytes).")
     max_upload_bytes: int = Field(200_000_000, gt=0, description="Largest dataset file or code bundle one POST /v1/datasets or /v1/code accepts.")
@@ -66,6 +67,12 @@ class Settings(BaseSettings):
         ),
     )
     events_heartbeat_seconds: float = Field(15.0, gt=0, description="An /events stream with nothing to send sends a comment this often, so proxies keep it open.")
+    max_failed_auths_per_minute: int = Field(
+        30, gt=0, description="Wrong bearer tokens one client address may send per minute; past that its requests get 429 with Retry-After until the minute is over."
+    )
+    max_streams_per_user: int = Field(
+        50, gt=0, description="Most followed /events and /logs streams one user may have open at once on one API process; another gets 429."
+    )
 
     @property
     def resolved_database_url(self) -> str:

@@ -487,6 +487,16 @@ def job_events_after(session: Session, job_id: int, after_seq: int, limit: int) 
     return list(session.scalars(query))
 
 
+def last_event_seq(session: Session, job_id: int) -> int:
+    """The seq of the job's latest event; 0 before any."""
+    return session.scalar(select(func.coalesce(func.max(JobEvent.seq), 0)).where(JobEvent.job_id == job_id))
+
+
+def last_log_line_id(session: Session, job_id: int) -> int:
+    """The id of the job's latest stored log line; 0 before any."""
+    return session.scalar(select(func.coalesce(func.max(LogLine.id), 0)).where(LogLine.job_id == job_id))
+
+
 def job_status(session: Session, job_id: int) -> JobStatus:
     return JobStatus(session.scalar(select(Job.status).where(Job.id == job_id)))
 
