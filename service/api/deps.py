@@ -105,7 +105,12 @@ def visible_job(session: Session, user: User, job_id: int) -> Job:
 
 
 def get_visible_job(job_id: RowId, session: SessionDep, user: CurrentUser) -> Job:
-    return visible_job(session, user, job_id)
+    job = visible_job(session, user, job_id)
+    # Hand the connection back before the route runs, in another of the thread pool's threads: a
+    # connection held across that hop, with every thread waiting for a connection, is a deadlock
+    # (until the pool's timeout) under hundreds of requests at once. The job stays loaded.
+    session.commit()
+    return job
 
 
 VisibleJob = Annotated[Job, Depends(get_visible_job)]
