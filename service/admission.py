@@ -46,18 +46,21 @@ def bad_field(field: tuple[str, ...], message: str) -> Refused:
     return Refused(HTTPStatus.UNPROCESSABLE_ENTITY, field, message)
 
 
-def admit(session: Session, user: User, spec: JobSpec, settings: Settings, idempotency_key: str | None = None) -> Job:
-    """The queued job for `spec`, or Refused. The quota is counted in the transaction that inserts
-    the job, so two submits at once can't both take the last place; a retry with the same
-    idempotency key returns the job it created."""
+def admit(
+    reads: Session, writes: Session, user: User, spec: JobSpec, settings: Settings, idempotency_key: str | None = None
+) -> Job:
+    """The queued job for `spec`, or Refused. The checks read (files too) in `reads`, which takes no
+    write lock on SQLite; only the insert runs in `writes`. The quota is counted in the transaction
+    that inserts the job, so two submits at once can't both take the last place; a retry with the
+    same idempotency key returns the job it created."""
     if spec.script is not None:
-        _check_script(session, user, spec.script, settings)
+        _check_script(reads, user, spec.script, settings)
     else:
-        _check_data(session, user, spec, settings)
-    if reason := never_fits(spec.resources, all_hosts(session)):
+        _check_data(reads, user, spec, settings)
+    if reason := never_fits(spec.resources, all_hosts(reads)):
         raise bad_field(("resources",), reason)
     try:
-        return create_job(session, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
+        return create_job(writes, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
     except QuotaExceeded as exc:
         raise Refused(
             HTTPStatus.TOO_MANY_REQUESTS, None, str(exc), QUOTA_RETRY_AFTER_SECONDS, {"limit": exc.limit, "active": exc.active}

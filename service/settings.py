@@ -61,7 +61,8 @@ class ApiSettings(_FromEnvironment):
     """The API: what one request, one upload and one user may ask of it, and how its streams run."""
 
     max_active_jobs_per_user: int | None = Field(
-        None, ge=1, description="Most queued, scheduled and running jobs one user may have; a submit beyond it gets 429. Unset: no limit."
+        100, ge=1,
+        description="Most queued, scheduled and running jobs one user may have; a submit beyond it gets 429 with Retry-After. On by default on a shared service; None (in code): no limit.",
     )
     max_request_bytes: int = Field(1_000_000, gt=0, description="Largest accepted request body (uploads: max_upload_bytes).")
     max_upload_bytes: int = Field(200_000_000, gt=0, description="Largest dataset file or code bundle one POST /v1/datasets or /v1/code accepts.")
@@ -83,6 +84,12 @@ class ApiSettings(_FromEnvironment):
             "`/_artifacts/`). A checkpoint download is then answered with X-Accel-Redirect once access is checked, "
             "and nginx sends the file itself (sendfile, Range). Unset: the API sends the bytes."
         ),
+    )
+    max_failed_auths_per_minute: int = Field(
+        30, gt=0, description="Wrong bearer tokens one client address may send per minute; past that its requests get 429 with Retry-After until the minute is over."
+    )
+    max_streams_per_user: int = Field(
+        50, gt=0, description="Most followed /events and /logs streams one user may have open at once on one API process; another gets 429."
     )
 
 

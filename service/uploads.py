@@ -2,8 +2,9 @@
 unpacked under the artifact root).
 
 Both arrive the same way: the request body is streamed into a temporary file next to where it
-will live, hashed and counted as it comes (over `max_bytes` stops it), and only a complete,
-checked upload is renamed into place. A code bundle is unpacked member by member, by us rather than
+will live, hashed and counted as it comes (over `max_bytes` stops it), a code bundle is unpacked
+into a temporary directory beside it, and only a complete, checked upload is renamed into place,
+in the short transaction that records it (no transaction is open while the body arrives). A code bundle is unpacked member by member, by us rather than
 by tarfile/zipfile, so nothing can land outside its directory: no absolute paths, no `..`, no links,
 no devices, and limits on the total size and the number of files.
 """
@@ -66,7 +67,7 @@ class MultipartFile:
         _, options = parse_options_header(content_type)
         if not options.get(b"boundary"):
             raise UploadRefused("a multipart body needs a boundary")
-        self.stream, self.filename, self.found = stream, None, False
+        self.stream, self.filename, self.found, self.complete = stream, None, False, False
         self._pending: list[bytes] = []
         self._field, self._value, self._headers, self._in_file = b"", b"", {}, False
         self._parser = MultipartParser(options[b"boundary"], {
@@ -76,6 +77,7 @@ class MultipartFile:
             "on_header_end": self._header_end,
             "on_headers_finished": self._headers_finished,
             "on_part_data": self._part_data,
+            "on_end": self._end,
         })
 
     def _part_begin(self) -> None:
@@ -98,6 +100,9 @@ class MultipartFile:
             filename = options.get(b"filename")
             self.filename = PurePosixPath(filename.decode("utf-8", "replace").replace("\\", "/")).name if filename else None
 
+    def _end(self) -> None:
+        self.complete = True
+
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._in_file:
             self._pending.append(bytes(data[start:end]))
@@ -113,6 +118,8 @@ class MultipartFile:
             pending, self._pending = self._pending, []
             for data in pending:
                 yield data
+        if not self.complete:  # a body cut short: what arrived of the file may be only its start
+            raise UploadRefused("the multipart body ends before its closing boundary")
         if not self.found:
             raise UploadRefused(f"the multipart body has no `{FILE_FIELD}` field")
 
@@ -156,18 +163,26 @@ def code_directory(settings: Settings, code: CodeSource) -> Path:
     return directory
 
 
-def place(received: Received, final: Path) -> None:
-    """Rename a received dataset file into place (same file system: atomic)."""
+def place(staged: Path, final: Path) -> None:
+    """Rename a received file or unpacked bundle directory into place (same file system: atomic)."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(received.path, final)
+    os.replace(staged, final)
 
 
-def unpack_bundle(archive: Path, final: Path, max_bytes: int, max_files: int) -> None:
-    """Unpack a tar (plain or compressed) or zip archive into the new directory `final`, safely.
+def discard(staged: Path) -> None:
+    """Remove a received file or unpacked directory that was not placed (no error if it was)."""
+    if staged.is_dir():
+        shutil.rmtree(staged, ignore_errors=True)
+    else:
+        staged.unlink(missing_ok=True)
 
-    The archive is unpacked into a temporary sibling first and renamed at the end, so `final`
-    either holds the whole bundle or does not exist. Raises UploadRefused naming the first bad member."""
-    staging = final.parent / f".tmp-{uuid.uuid4().hex}"
+
+def unpack_bundle(archive: Path, directory: Path, max_bytes: int, max_files: int) -> Path:
+    """Unpack a tar (plain or compressed) or zip archive, safely, into a new temporary directory in
+    `directory`, returned for `place` to rename once the upload is recorded; the archive can take a
+    while to unpack, and no transaction waits for it. Raises UploadRefused naming the first bad
+    member, having removed what it unpacked."""
+    staging = directory / f".tmp-{uuid.uuid4().hex}"
     staging.mkdir(parents=True)
     try:
         if zipfile.is_zipfile(archive):
@@ -178,10 +193,10 @@ def unpack_bundle(archive: Path, final: Path, max_bytes: int, max_files: int) ->
             raise UploadRefused("a code bundle must be a tar (.tar, .tar.gz, .tgz) or zip archive")
         if not any(staging.iterdir()):
             raise UploadRefused("the archive holds no files")
-        os.replace(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    return staging
 
 
 def _is_tar(path: Path) -> bool:

@@ -1,4 +1,10 @@
-"""Dependencies shared by the routes: settings, a DB session, the authenticated user, the artifact store."""
+"""Dependencies shared by the routes: settings, DB sessions, the authenticated user, the artifact store.
+
+No dependency holds a database connection past its route's function: the caller is authenticated in
+a transaction of its own, closed before the route runs (an upload's body then streams in, a
+download's bytes stream out, with no transaction open), and a route's sessions close when it
+returns, before its response is sent.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +16,20 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from api_schemas import ErrorOut
+from service.api.limits import FailedAuthLimiter
 from service.artifacts import ArtifactStore
 from service.db.accounts import user_by_token
 from service.db.jobs import job_visible_to
 from service.db.models import Job, User
-from service.db.session import session_factory
+from service.db.session import read_session_factory, session_factory
 from service.settings import Settings
 
 
 # Error responses for the OpenAPI schema, so clients (and schemathesis) know every status a route gives.
-NEEDS_TOKEN = {401: {"model": ErrorOut, "description": "Missing or invalid bearer token."}}
+NEEDS_TOKEN = {
+    401: {"model": ErrorOut, "description": "Missing or invalid bearer token."},
+    429: {"description": "Too many failed authentications from this client address lately (see Retry-After), or a route's own limit."},
+}
 MAY_BE_MISSING = {404: {"model": ErrorOut, "description": "No such item, or not yours."}}
 
 
@@ -31,17 +41,39 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
 def get_session(settings: SettingsDep) -> Iterator[Session]:
+    with read_session_factory(settings.resolved_database_url)() as session:
+        yield session
+
+
+def get_write_session(settings: SettingsDep) -> Iterator[Session]:
     with session_factory(settings.resolved_database_url)() as session:
         yield session
 
 
-SessionDep = Annotated[Session, Depends(get_session)]
+# scope="function": closed when the route returns, not after its response (a stream, a slow client) is sent.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]  # reads only
+WriteSessionDep = Annotated[Session, Depends(get_write_session, scope="function")]
 
 _bearer = HTTPBearer(auto_error=False)
 
 
-def get_current_user(session: SessionDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> User:
-    user = user_by_token(session, credentials.credentials) if credentials else None
+def get_current_user(
+    request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> User:
+    """The token's user, read in a short transaction of its own (the User comes back detached, its
+    columns loaded). A client address with too many wrong tokens lately gets 429 without a lookup."""
+    limiter: FailedAuthLimiter = request.app.state.failed_auths
+    address = request.client.host if request.client else ""
+    if retry_after := limiter.retry_after(address):
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS, "too many failed authentications from this address", headers={"Retry-After": str(retry_after)}
+        )
+    user = None
+    if credentials:
+        with read_session_factory(settings.resolved_database_url)() as session:
+            user = user_by_token(session, credentials.credentials)
+        if user is None:
+            limiter.failed(address)
     if user is None:
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
     return user
@@ -65,11 +97,20 @@ def not_found(what: str) -> HTTPException:
 RowId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 
 
-def get_visible_job(job_id: RowId, session: SessionDep, user: CurrentUser) -> Job:
-    """The path's job, if the caller may see it. Others get the same 404 as for a missing job."""
+def visible_job(session: Session, user: User, job_id: int) -> Job:
+    """The job, if the caller may see it. Others get the same 404 as for a missing job."""
     job = job_visible_to(session, user, job_id)
     if job is None:
         raise not_found("job")
+    return job
+
+
+def get_visible_job(job_id: RowId, session: SessionDep, user: CurrentUser) -> Job:
+    job = visible_job(session, user, job_id)
+    # Hand the connection back before the route runs, in another of the thread pool's threads: a
+    # connection held across that hop, with every thread waiting for a connection, is a deadlock
+    # (until the pool's timeout) under hundreds of requests at once. The job stays loaded.
+    session.commit()
     return job
 
 

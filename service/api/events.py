@@ -1,77 +1,227 @@
-"""Server-Sent Events polled from the database: a job's event log (GET /v1/jobs/{id}/events) and
-its output (GET /v1/jobs/{id}/logs?follow=true).
+"""Server-Sent Events of a job's event log (GET /v1/jobs/{id}/events) and of its output
+(GET /v1/jobs/{id}/logs?follow=true), fanned out to any number of followers.
 
 Each message carries one item as JSON with the item's position as its SSE id: the event's seq, or
 the log line's id. A client that reconnects with `Last-Event-ID: n` (or, for logs, `cursor=n`)
 gets exactly the items after n, since both are numbered in commit order. Once the job is final and
 every item is sent, an `end` message (no id) closes the stream; a stream that stops without it was
 cut, and should be resumed.
+
+Per API process, one watcher per followed job and kind (a task on the event loop) reads what is
+new every `events_poll_seconds`, in one short read transaction, however many follow it, and hands
+each follower the batch. A follower waiting for the next batch is a coroutine parked on its queue:
+no thread, no connection. It first catches up from the database, page by page, a few followers at
+a time; its queue holds at most QUEUE_BATCHES batches, and a follower that falls that far behind
+(its client reads slowly) stops receiving batches and catches up from the database again, at its
+own pace, instead of being buffered for. A client that reads nothing for SEND_TIMEOUT_SECONDS is
+dropped (it resumes with Last-Event-ID).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
 
 from service.api.views import job_event_out, log_line_out
-from service.db.jobs import job_events_after, job_status
-from service.db.log_lines import log_lines_after
+from service.db.jobs import job_events_after, job_status, last_event_seq
+from service.db.log_lines import last_log_line_id, log_lines_after
+
+log = logging.getLogger("trainyard.api")
 
 PAGE = 500
+QUEUE_BATCHES = 64  # batches one follower may have waiting before it is made to catch up from the database
+CATCH_UPS_AT_ONCE = 4  # followers reading history at once, per process (each holds a thread and a connection meanwhile)
+SEND_TIMEOUT_SECONDS = 60.0  # a client that takes no bytes for this long is dropped
 END = "event: end\ndata: {}\n\n"
 HEARTBEAT = ": keep-alive\n\n"  # a comment: EventSource ignores it, proxies see traffic
 
-# (is the job final, its next (id, SSE event name, JSON) items after an id): one page, oldest first.
-Poll = Callable[[int], tuple[bool, list[tuple[int, str, str]]]]
+
+@dataclass(frozen=True)
+class Item:
+    id: int
+    event: str  # the SSE event name
+    data: str  # JSON
+    rank: int | None = None  # a log line's rank, for followers of one rank
+
+    def message(self) -> str:
+        return f"id: {self.id}\nevent: {self.event}\ndata: {self.data}\n\n"
 
 
-async def polled_stream(poll: Poll, after: int, *, follow: bool, poll_seconds: float, heartbeat_seconds: float) -> AsyncIterator[str]:
-    """SSE messages of the items after `after`; without `follow`, only those there are now."""
-    last_sent = time.monotonic()
-    while True:
-        # The database is read in a worker thread, so a waiting stream holds neither the event
-        # loop nor a thread nor a pooled connection between polls.
-        final, items = await run_in_threadpool(poll, after)
-        for item_id, name, data in items:
-            yield f"id: {item_id}\nevent: {name}\ndata: {data}\n\n"
-            after, last_sent = item_id, time.monotonic()
-        if len(items) == PAGE:
-            continue
-        if final:
-            yield END
+@dataclass(frozen=True)
+class Source:
+    """What a stream reads: `page(session, job_id, after, limit, rank)` (oldest first) and
+    `last_id(session, job_id)`."""
+
+    kind: str
+    page: Callable[[Session, int, int, int, int | None], list[Item]]
+    last_id: Callable[[Session, int], int]
+
+
+def _event_page(session: Session, job_id: int, after: int, limit: int, _rank: int | None) -> list[Item]:
+    events = [job_event_out(event) for event in job_events_after(session, job_id, after, limit)]
+    return [Item(event.id, event.type.value, event.model_dump_json()) for event in events]
+
+
+def _log_page(session: Session, job_id: int, after: int, limit: int, rank: int | None) -> list[Item]:
+    return [
+        Item(line.id, "line", log_line_out(line).model_dump_json(), line.rank)
+        for line in log_lines_after(session, job_id, after, limit, rank)
+    ]
+
+
+EVENTS = Source("events", _event_page, last_event_seq)
+LOG_LINES = Source("logs", _log_page, last_log_line_id)
+
+
+def _read(sessions: sessionmaker[Session], source: Source, job_id: int, after: int, rank: int | None) -> tuple[bool, list[Item]]:
+    """(is the job final, one page of its items after `after`). The status is read first: a final
+    status commits together with (events) or after (log lines: the worker stores its output before
+    it ends the attempt) the last items, so the items read after a final status include the last ones."""
+    with sessions() as session:
+        final = job_status(session, job_id).is_final
+        return final, source.page(session, job_id, after, PAGE, rank)
+
+
+class _Follower:
+    def __init__(self, after: int, rank: int | None):
+        self.after, self.rank = after, rank
+        self.batches: asyncio.Queue[tuple[list[Item], bool]] = asyncio.Queue(QUEUE_BATCHES)
+        self.behind = False  # batches were left out: catch up from the database
+
+    def offer(self, items: list[Item], final: bool) -> None:
+        if self.behind:
             return
+        try:
+            self.batches.put_nowait((items, final))
+        except asyncio.QueueFull:
+            self.behind = True
+
+
+class _Watcher:
+    """The one reader of one job's items of one kind in this process, while anyone follows them."""
+
+    def __init__(self, feeds: Feeds, source: Source, job_id: int):
+        self.feeds, self.source, self.job_id = feeds, source, job_id
+        self.followers: set[_Follower] = set()
+        self.started = asyncio.Event()  # its position is known: followers catch up after this
+        self.task = asyncio.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        after = None
+        final = False
+        while not final:
+            try:
+                if after is None:
+                    after = await run_in_threadpool(_last_id, self.feeds.sessions, self.source, self.job_id)
+                    self.started.set()
+                await asyncio.sleep(self.feeds.poll_seconds)
+                while True:
+                    final, items = await run_in_threadpool(_read, self.feeds.sessions, self.source, self.job_id, after, None)
+                    ended = final and len(items) < PAGE
+                    if items or ended:
+                        after = items[-1].id if items else after
+                        for follower in self.followers:
+                            follower.offer(items, ended)
+                    if len(items) < PAGE:
+                        break
+            except Exception:  # the database away for a moment: read on from where it was
+                log.warning("job %s %s watcher: reading failed; trying again", self.job_id, self.source.kind, exc_info=True)
+                await asyncio.sleep(self.feeds.poll_seconds)
+
+
+def _last_id(sessions: sessionmaker[Session], source: Source, job_id: int) -> int:
+    with sessions() as session:
+        return source.last_id(session, job_id)
+
+
+class Feeds:
+    """The watchers of this API process, and the streams their followers read."""
+
+    def __init__(self, sessions: sessionmaker[Session], poll_seconds: float):
+        self.sessions, self.poll_seconds = sessions, poll_seconds
+        self.watchers: dict[tuple[str, int], _Watcher] = {}
+        self._catch_ups = asyncio.Semaphore(CATCH_UPS_AT_ONCE)
+
+    async def stream(
+        self, source: Source, job_id: int, after: int, *, rank: int | None = None, follow: bool, heartbeat_seconds: float
+    ) -> AsyncIterator[str]:
+        """SSE messages of the items after `after`; without `follow`, only those there are now."""
+        follower = _Follower(after, rank)
         if not follow:
+            async for message in self._catch_up(source, job_id, follower):
+                yield message
             return
-        if time.monotonic() - last_sent >= heartbeat_seconds:
-            yield HEARTBEAT
-            last_sent = time.monotonic()
-        await asyncio.sleep(poll_seconds)
+        key = (source.kind, job_id)
+        watcher = self.watchers.get(key)
+        if watcher is None:
+            watcher = self.watchers[key] = _Watcher(self, source, job_id)
+        watcher.followers.add(follower)
+        try:
+            await watcher.started.wait()
+            while True:
+                follower.behind = False
+                while not follower.batches.empty():  # all of it is in the database: read it there
+                    follower.batches.get_nowait()
+                async for message in self._catch_up(source, job_id, follower):
+                    yield message
+                    if message is END:
+                        return
+                while not follower.behind:
+                    try:
+                        items, final = await asyncio.wait_for(follower.batches.get(), heartbeat_seconds)
+                    except TimeoutError:
+                        yield HEARTBEAT
+                        continue
+                    for item in items:
+                        if item.id > follower.after and (rank is None or item.rank == rank):
+                            yield item.message()
+                            follower.after = item.id
+                    if final:
+                        yield END
+                        return
+        finally:
+            watcher.followers.discard(follower)
+            if not watcher.followers:  # the last one gone: so is its watcher
+                watcher.task.cancel()
+                if self.watchers.get(key) is watcher:
+                    del self.watchers[key]
+
+    async def _catch_up(self, source: Source, job_id: int, follower: _Follower) -> AsyncIterator[str]:
+        """The stored items after the follower's position, page by page, then END if the job is final."""
+        while True:
+            async with self._catch_ups:
+                final, items = await run_in_threadpool(_read, self.sessions, source, job_id, follower.after, follower.rank)
+            for item in items:
+                yield item.message()
+                follower.after = item.id
+            if len(items) < PAGE:
+                if final:
+                    yield END
+                return
 
 
-# The status is read before the items in both polls: a final status commits together with (events)
-# or after (log lines: the worker stores its output before it ends the attempt) the last items, so
-# the items read after a final status include the last ones.
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that runs `on_close` when it ends, however it ends, and drops a client that
+    takes no bytes for SEND_TIMEOUT_SECONDS (its connection is closed; it resumes with Last-Event-ID)."""
 
-def job_events(sessions: sessionmaker[Session], job_id: int) -> Poll:
-    def poll(after: int) -> tuple[bool, list[tuple[int, str, str]]]:
-        with sessions() as session:
-            final = job_status(session, job_id).is_final
-            events = [job_event_out(event) for event in job_events_after(session, job_id, after, PAGE)]
-        return final, [(event.id, event.type.value, event.model_dump_json()) for event in events]
+    def __init__(self, messages: AsyncIterator[str], on_close: Callable[[], None] = lambda: None):
+        # no-cache and X-Accel-Buffering: proxies must pass each message on as it comes.
+        super().__init__(messages, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
 
-    return poll
+    async def __call__(self, scope, receive, send) -> None:
+        async def send_or_give_up(message) -> None:
+            await asyncio.wait_for(send(message), SEND_TIMEOUT_SECONDS)
 
-
-def job_log_lines(sessions: sessionmaker[Session], job_id: int, rank: int | None) -> Poll:
-    def poll(after: int) -> tuple[bool, list[tuple[int, str, str]]]:
-        with sessions() as session:
-            final = job_status(session, job_id).is_final
-            lines = log_lines_after(session, job_id, after, PAGE, rank)
-            out = [(line.id, log_line_out(line)) for line in lines]
-        return final, [(line_id, "line", line.model_dump_json()) for line_id, line in out]
-
-    return poll
+        try:
+            await super().__call__(scope, receive, send_or_give_up)
+        except TimeoutError:
+            log.info("dropped an event stream whose client read nothing for %s s", SEND_TIMEOUT_SECONDS)
+        finally:
+            self.on_close()

@@ -13,7 +13,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import field_location
 from service.admission import Refused
+from service.api.events import Feeds
+from service.api.limits import FailedAuthLimiter, StreamSlots
 from service.api.routes import checkpoints, dashboard, jobs, monitoring, uploads
+from service.db.session import read_session_factory
 from service.settings import Settings, get_settings
 
 log = logging.getLogger("trainyard.api")
@@ -96,6 +99,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.")
     app.state.settings = settings
+    app.state.failed_auths = FailedAuthLimiter(settings.max_failed_auths_per_minute)
+    app.state.stream_slots = StreamSlots(settings.max_streams_per_user)
+    app.state.feeds = Feeds(read_session_factory(settings.resolved_database_url), settings.events_poll_seconds)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees what BodySizeLimit lets through
     app.include_router(jobs.router)
@@ -107,7 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(monitoring.router)
 
     @app.get("/healthz", tags=["health"])
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:  # on the event loop: it answers even while the thread pool is busy
         return {"status": "ok"}
 
     @app.exception_handler(RequestValidationError)

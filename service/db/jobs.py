@@ -101,5 +101,10 @@ def job_events_after(session: Session, job_id: int, after_seq: int, limit: int) 
     return list(session.scalars(query))
 
 
+def last_event_seq(session: Session, job_id: int) -> int:
+    """The seq of the job's latest event; 0 before any."""
+    return session.scalar(select(func.coalesce(func.max(JobEvent.seq), 0)).where(JobEvent.job_id == job_id))
+
+
 def job_status(session: Session, job_id: int) -> JobStatus:
     return JobStatus(session.scalar(select(Job.status).where(Job.id == job_id)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from service.db.attempts import ClaimedAttempt
@@ -45,3 +45,8 @@ def log_lines_after(session: Session, job_id: int, after_id: int, limit: int, ra
     if rank is not None:
         query = query.where(LogLine.rank == rank)
     return list(session.scalars(query))
+
+
+def last_log_line_id(session: Session, job_id: int) -> int:
+    """The id of the job's latest stored log line; 0 before any."""
+    return session.scalar(select(func.coalesce(func.max(LogLine.id), 0)).where(LogLine.job_id == job_id))

@@ -1,4 +1,12 @@
-"""Engine and session factory for SQLite (embedded) and PostgreSQL (production)."""
+"""Engine and session factories for SQLite (embedded) and PostgreSQL (production).
+
+Two kinds of session share one engine: `session_factory` for transactions that may write, and
+`read_session_factory` for those that only read. On PostgreSQL they are the same. On SQLite a write
+transaction begins IMMEDIATE (it takes the one write lock at once, so a read-then-write never fails
+half-way with "database is locked"), while a read transaction begins DEFERRED and, under WAL, reads
+its snapshot beside the writer without ever taking that lock: API reads never queue a worker's lease
+renewal or heartbeat, and never wait for a write themselves.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +21,11 @@ from sqlalchemy.orm import Session, sessionmaker
 # A connection idle for longer than this is pinged before use, whatever its socket says: a server
 # whose host went down (power, network) sent no goodbye, and is found this way once it is back.
 PING_AFTER_IDLE_SECONDS = 10.0
+
+# How long a SQLite writer waits for the write lock before "database is locked".
+SQLITE_BUSY_TIMEOUT_SECONDS = 60
+
+_READ_ONLY = "trainyard_read_only"  # an execution option and a Session.info key
 
 
 def make_engine(url: str) -> Engine:
@@ -46,10 +59,10 @@ def make_engine(url: str) -> Engine:
 
         return engine
 
-    # API, scheduler and workers are separate processes sharing one SQLite file. WAL lets
-    # readers run beside the writer; BEGIN IMMEDIATE takes the write lock at the start of a
-    # transaction, so a read-then-write never fails half-way with "database is locked".
-    engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+    # API, scheduler and workers are separate processes sharing one SQLite file. WAL lets readers
+    # run beside the writer; a writer waits for the lock up to the busy timeout (writes are short:
+    # nothing holds a write transaction open across a client's network or a file's copy).
+    engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_SECONDS, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):
@@ -62,11 +75,27 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
 
 
 @lru_cache
 def session_factory(url: str) -> sessionmaker[Session]:
+    """Sessions that may write (on SQLite: BEGIN IMMEDIATE)."""
     return sessionmaker(make_engine(url), expire_on_commit=False)
+
+
+@lru_cache
+def read_session_factory(url: str) -> sessionmaker[Session]:
+    """Sessions that only read (on SQLite: a deferred BEGIN, which takes no write lock). They share
+    the writers' engine and pool; one that tries to flush a change is refused before it reaches
+    the database, where on SQLite the upgrade to a write lock could fail half-way."""
+    engine = session_factory(url).kw["bind"].execution_options(**{_READ_ONLY: True})
+    return sessionmaker(engine, expire_on_commit=False, info={_READ_ONLY: True})
+
+
+@event.listens_for(Session, "before_flush")
+def _refuse_writes_in_a_read_session(session: Session, _flush_context, _instances) -> None:
+    if session.info.get(_READ_ONLY) and (session.new or session.dirty or session.deleted):
+        raise RuntimeError("a read-only session was asked to write: open it with session_factory")

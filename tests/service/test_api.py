@@ -516,3 +516,26 @@ def test_a_saved_dataset_the_model_cannot_use_gets_422_naming_the_problem(api, t
     assert response.status_code == 422, response.text
     [error] = response.json()["detail"]
     assert error["loc"] == ["body", "dataset", "path"] and reason in error["msg"], error
+
+
+def test_wrong_tokens_past_the_limit_get_429_with_retry_after_from_that_address_only(settings, tokens):
+    api = TestClient(create_app(settings.model_copy(update={"max_failed_auths_per_minute": 3})))
+    for _ in range(3):
+        assert api.get("/v1/jobs", headers=auth("ty_wrong")).status_code == 401
+    refused = api.get("/v1/jobs", headers=auth(tokens["alice"]))  # the right token too, from that address
+    assert refused.status_code == 429 and 0 < int(refused.headers["Retry-After"]) <= 60
+    assert api.get("/v1/jobs").status_code == 429
+    other = TestClient(create_app(settings.model_copy(update={"max_failed_auths_per_minute": 3})), client=("10.0.0.2", 50000))
+    assert other.get("/v1/jobs", headers=auth(tokens["alice"])).status_code == 200
+
+
+def test_a_stream_past_the_per_user_cap_gets_429(settings, tokens):
+    api = TestClient(create_app(settings.model_copy(update={"max_streams_per_user": 1, "events_poll_seconds": 0.05})))
+    job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    with api.stream("GET", f"/v1/jobs/{job_id}/events", headers=auth(tokens["alice"])) as first:
+        lines = first.iter_lines()
+        next(lines)
+        assert api.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true"}, headers=auth(tokens["alice"])).status_code == 429
+        finish_job(settings, start_job(settings, job_id))
+        assert "event: end" in list(lines)
+    assert api.get(f"/v1/jobs/{job_id}/events", headers=auth(tokens["alice"])).status_code == 200  # its slot is free again

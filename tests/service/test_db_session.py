@@ -116,3 +116,20 @@ def test_a_connection_idle_past_the_limit_is_pinged_so_a_server_host_that_went_d
     finally:
         sessions.kw["bind"].dispose()
         relay.close()
+
+
+def test_on_sqlite_a_read_runs_beside_a_held_write_lock_and_a_read_session_refuses_to_write(sqlite_url):
+    from service.db.models import User
+    from service.db.session import read_session_factory
+
+    with session_factory(sqlite_url)() as writer:
+        writer.add(User(name="w", token_hash="x" * 64))
+        writer.flush()  # the write lock is held until this transaction ends
+        started = time.monotonic()
+        with read_session_factory(sqlite_url)() as reader:
+            assert reader.scalar(sa.select(sa.func.count()).select_from(User)) == 0  # the last committed snapshot
+            assert time.monotonic() - started < 1  # no wait for the writer's lock
+            reader.add(User(name="r", token_hash="y" * 64))
+            with pytest.raises(RuntimeError, match="read-only session"):
+                reader.flush()
+        writer.commit()

@@ -2,19 +2,21 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, status
+from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
 from service.admission import admit
-from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep, VisibleJob
-from service.api.events import job_events, job_log_lines, polled_stream
+from service.api.deps import (
+    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, VisibleJob, WriteSessionDep, visible_job,
+)
+from service.api.events import EVENTS, LOG_LINES, EventStreamResponse, Source
+from service.api.limits import TooManyStreams
 from service.api.views import checkpoint_out, job_out, job_outs, log_line_out
 from service.db.checkpoints import list_checkpoints
 from service.db.jobs import jobs_visible_to, request_cancel
 from service.db.log_lines import log_lines_after, log_tail
 from service.db.metrics import metric_series
-from service.db.session import session_factory
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
 
@@ -31,11 +33,12 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, *
 def submit_job(
     spec: JobSpec,
     session: SessionDep,
+    writes: WriteSessionDep,
     user: CurrentUser,
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
-    return job_out(admit(session, user, spec, settings, idempotency_key))
+    return job_out(admit(session, writes, user, spec, settings, idempotency_key))
 
 
 @router.get("", response_model=JobPage)
@@ -57,8 +60,8 @@ def get_job(job: VisibleJob, session: SessionDep) -> JobOut:
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
-def cancel_job(job: VisibleJob, session: SessionDep) -> JobOut:
-    return job_out(request_cancel(session, job))
+def cancel_job(job_id: RowId, session: WriteSessionDep, user: CurrentUser) -> JobOut:
+    return job_out(request_cancel(session, visible_job(session, user, job_id)))
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut)
@@ -79,10 +82,15 @@ def get_metrics(
 @router.get(
     "/{job_id}/logs",
     response_model=LogsOut,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "JSON (LogsOut), or with `follow=true` a stream."}},
+    responses={
+        200: {"content": {"text/event-stream": {}}, "description": "JSON (LogsOut), or with `follow=true` a stream."},
+        429: {"description": "With `follow`: `max_streams_per_user` streams open already."},
+    },
 )
 def get_logs(
+    request: Request,
     job: VisibleJob,
+    user: CurrentUser,
     session: SessionDep,
     settings: SettingsDep,
     tail: Annotated[int, Query(ge=1, description="The last N lines (without `cursor`), or the page size (with it).")] = 100,
@@ -100,9 +108,7 @@ def get_logs(
         if after is None:  # start at the tail: the line just before its first
             first = log_tail(session, job.id, limit, rank)[:1]
             after = first[0].id - 1 if first else 0
-        session.close()  # the stream polls with short sessions of its own (see stream_events)
-        poll = job_log_lines(session_factory(settings.resolved_database_url), job.id, rank)
-        return _event_stream(polled_stream(poll, after, follow=True, poll_seconds=settings.events_poll_seconds, heartbeat_seconds=settings.events_heartbeat_seconds))
+        return _event_stream(request, user, LOG_LINES, job.id, after, rank=rank, follow=True)
     if after is not None:
         lines = log_lines_after(session, job.id, after, limit, rank)
     else:
@@ -117,24 +123,29 @@ def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]
     return [checkpoint_out(c) for c in list_checkpoints(session, job.id)]
 
 
-@router.get("/{job_id}/events", response_class=StreamingResponse, responses={200: {"content": {"text/event-stream": {}}}})
+@router.get(
+    "/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}, 429: {"description": "`max_streams_per_user` streams open already."}},
+)
 def stream_events(
+    request: Request,
     job: VisibleJob,
-    session: SessionDep,
-    settings: SettingsDep,
+    user: CurrentUser,
     follow: Annotated[bool, Query(description="false: send the events there are now, then end.")] = True,
     last_event_id: Annotated[int | None, Header(ge=0, lt=2**31, description="Resume after this event id.")] = None,
 ) -> StreamingResponse:
     """Status changes, metric points and checkpoints as Server-Sent Events, until the job is final."""
-    # The stream polls with short sessions of its own. The request's session would otherwise stay
-    # open until the stream ends, holding a connection (and, on SQLite, the write lock).
-    session.close()
-    poll = job_events(session_factory(settings.resolved_database_url), job.id)
-    return _event_stream(
-        polled_stream(poll, last_event_id or 0, follow=follow, poll_seconds=settings.events_poll_seconds, heartbeat_seconds=settings.events_heartbeat_seconds)
-    )
+    return _event_stream(request, user, EVENTS, job.id, last_event_id or 0, follow=follow)
 
 
-def _event_stream(messages) -> StreamingResponse:
-    # no-cache and X-Accel-Buffering: proxies must pass each message on as it comes.
-    return StreamingResponse(messages, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+def _event_stream(request: Request, user, source: Source, job_id: int, after: int, *, rank: int | None = None, follow: bool) -> StreamingResponse:
+    """The stream, if the user has a stream slot left (429 if not). It reads with sessions of its
+    own: the route's is closed before the response starts."""
+    slots, settings = request.app.state.stream_slots, request.app.state.settings
+    try:
+        slots.take(user.id)
+    except TooManyStreams as exc:
+        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers={"Retry-After": "5"}) from None
+    messages = request.app.state.feeds.stream(source, job_id, after, rank=rank, follow=follow, heartbeat_seconds=settings.events_heartbeat_seconds)
+    return EventStreamResponse(messages, on_close=lambda: slots.give_back(user.id))

@@ -3,6 +3,11 @@
 The body is the file itself (`application/octet-stream`) or a `multipart/form-data` form with a
 `file` field, streamed to disk as it arrives either way; `?name=` is the file name to show
 (default: the form's file name). Uploads are owned by their user: others get 404.
+
+No transaction is open while the body arrives (at whatever speed the client sends it) or while a
+bundle unpacks: the caller is authenticated before, and the upload recorded after, each in a short
+transaction of its own. A body cut short (before its Content-Length, or a multipart body before its
+closing boundary) is refused with 422 and nothing is stored.
 """
 
 from __future__ import annotations
@@ -10,14 +15,20 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 from fastapi import APIRouter, HTTPException, Query, Request, status
 from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from api_schemas import UploadOut
 from service import uploads
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, not_found
-from service.db.models import Upload
 from service.db.uploads import create_upload, upload_visible_to, uploads_visible_to
+from service.db.models import Upload, User
+from service.db.session import session_factory
+from service.settings import Settings
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_. +-]*$"
 UploadName = Annotated[
@@ -30,7 +41,7 @@ UploadName = Annotated[
 UPLOAD_ERRORS = {
     **NEEDS_TOKEN,
     413: {"description": "Larger than TRAINYARD_MAX_UPLOAD_BYTES."},
-    422: {"description": "Empty, or (code) not a safe tar/zip archive within the unpack limits."},
+    422: {"description": "Empty, cut short, or (code) not a safe tar/zip archive within the unpack limits."},
 }
 BINARY = {"type": "string", "format": "binary"}
 BODY = {
@@ -57,7 +68,7 @@ async def _receive(request: Request, directory, max_bytes: int, name: str | None
     """The body's file on disk, and the name to show it by."""
     content_type = request.headers.get("content-type", "")
     try:
-        body = uploads.MultipartFile(request.stream(), content_type) if content_type.startswith("multipart/form-data") else request.stream()
+        body = uploads.MultipartFile(_whole_body(request), content_type) if content_type.startswith("multipart/form-data") else _whole_body(request)
         received = await uploads.receive(body, directory, max_bytes)
     except uploads.UploadTooLarge as exc:
         raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, str(exc)) from None
@@ -71,52 +82,65 @@ async def _receive(request: Request, directory, max_bytes: int, name: str | None
     return received, name
 
 
+async def _whole_body(request: Request) -> AsyncIterator[bytes]:
+    """The request body as it arrives. Raises UploadRefused if it ends before its Content-Length,
+    whether the client went away or the server was told it was complete."""
+    declared, arrived = request.headers.get("content-length"), 0
+    try:
+        async for chunk in request.stream():
+            arrived += len(chunk)
+            yield chunk
+    except ClientDisconnect:
+        raise uploads.UploadRefused("the body ended before its declared length: the connection closed") from None
+    if declared is not None and arrived != int(declared):
+        raise uploads.UploadRefused(f"the body ended after {arrived} of its declared {declared} bytes")
+
+
 def _refused(exc: Exception) -> HTTPException:
     return HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["body"], "msg": str(exc), "type": "value_error"}])
 
 
 @datasets.post("", status_code=status.HTTP_201_CREATED, response_model=UploadOut, responses=UPLOAD_ERRORS, openapi_extra=BODY)
-async def upload_dataset(
-    request: Request, session: SessionDep, user: CurrentUser, settings: SettingsDep, name: UploadName = None
-) -> UploadOut:
+async def upload_dataset(request: Request, user: CurrentUser, settings: SettingsDep, name: UploadName = None) -> UploadOut:
     """A dataset file, then usable by your jobs as `"dataset": {"kind": …, "upload_id": ID}`."""
     root = settings.resolved_data_root
     received, name = await _receive(request, root / "uploads", settings.max_upload_bytes, name)
-
-    def put_in_place(upload_id: int) -> str:
-        relative = uploads.upload_path(uploads.DATASET, upload_id)
-        uploads.place(received, root / relative)
-        return relative
-
-    return await _record(session, user, uploads.DATASET, name, received, put_in_place)
+    return await _record(settings, user, uploads.DATASET, name, received, received.path, root)
 
 
 @code.post("", status_code=status.HTTP_201_CREATED, response_model=UploadOut, responses=UPLOAD_ERRORS, openapi_extra=BODY)
-async def upload_code(
-    request: Request, session: SessionDep, user: CurrentUser, settings: SettingsDep, name: UploadName = None
-) -> UploadOut:
+async def upload_code(request: Request, user: CurrentUser, settings: SettingsDep, name: UploadName = None) -> UploadOut:
     """A code bundle (tar, tar.gz or zip), unpacked safely; then usable by your `script` jobs as `"code": {"upload_id": ID}`."""
     root = settings.resolved_artifact_root
     received, name = await _receive(request, root / "code", settings.max_upload_bytes, name)
-
-    def put_in_place(upload_id: int) -> str:
-        relative = uploads.upload_path(uploads.CODE, upload_id)
-        uploads.unpack_bundle(received.path, root / relative, settings.max_unpacked_bytes, settings.max_unpacked_files)
-        return relative
-
-    return await _record(session, user, uploads.CODE, name, received, put_in_place)
-
-
-async def _record(session, user, kind: str, name: str, received: uploads.Received, put_in_place) -> UploadOut:
-    """The upload's row, with its file put in place by `put_in_place(id)` before the row commits;
-    the received temporary file is gone afterwards either way."""
     try:
-        upload = await run_in_threadpool(create_upload, session, user, kind, name, received.sha256, received.size, put_in_place)
-    except uploads.UploadRefused as exc:  # a code bundle that can't be unpacked safely
+        unpacked = await run_in_threadpool(
+            uploads.unpack_bundle, received.path, root / "code", settings.max_unpacked_bytes, settings.max_unpacked_files
+        )
+    except uploads.UploadRefused as exc:
         raise _refused(exc) from None
     finally:
         received.path.unlink(missing_ok=True)
-    return upload_out(upload)
+    return await _record(settings, user, uploads.CODE, name, received, unpacked, root)
+
+
+async def _record(settings: Settings, user: User, kind: str, name: str, received: uploads.Received, staged: Path, root: Path) -> UploadOut:
+    """The upload's row, in one short transaction that also renames `staged` (the received file, or
+    the unpacked bundle) to where its id says under `root`; `staged` is gone afterwards either way."""
+
+    def put_in_place(upload_id: int) -> str:
+        relative = uploads.upload_path(kind, upload_id)
+        uploads.place(staged, root / relative)
+        return relative
+
+    def record() -> Upload:
+        with session_factory(settings.resolved_database_url)() as session:
+            return create_upload(session, user, kind, name, received.sha256, received.size, put_in_place)
+
+    try:
+        return upload_out(await run_in_threadpool(record))
+    finally:
+        uploads.discard(staged)
 
 
 def _routes_to_read(router: APIRouter, kind: str) -> None:
