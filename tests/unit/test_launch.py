@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from api_schemas import JobSpec
-from tests.helpers import job_spec, tiny_spec
+from tests.helpers import job_spec
 from workers.launch import launch_command, script_environment, training_environment, working_dir
 
 
@@ -66,7 +66,7 @@ def test_a_built_in_jobs_processes_get_the_workers_environment_without_the_servi
     monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
     monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    env = training_environment(JobSpec.model_validate(tiny_spec()), tmp_path, None)
+    env = training_environment(job_spec(), tmp_path, None)
     assert not any("secret" in value for value in env.values()) and env["OMP_NUM_THREADS"] == "3"
     assert env["TRAINYARD_EVENTS_FILE"] == str(tmp_path / "events.jsonl")
     assert working_dir(job_spec(), tmp_path) == tmp_path
