@@ -1,10 +1,18 @@
-"""How the worker and the training processes it launches talk: an environment variable and exit codes.
+"""How the worker and the training processes it launches talk: environment variables, an events
+file and exit codes.
 
-The training loop appends JSON lines to the file named by EVENTS_FILE_ENV:
-    {"type": "metrics", "step": N, "values": {"train_loss": …, …}}
-    {"type": "checkpoint", "step": N, "path": "/abs/dir"}   (a complete directory, see manifest.py)
-and exits 0 when done, EXIT_PREEMPTED after checkpointing on SIGTERM, anything else on failure.
+The training processes append one JSON line per event (MetricsEvent, CheckpointEvent) to the file
+named by EVENTS_FILE_ENV, written with encode_event and read back with decode_events, and exit 0
+when done, EXIT_PREEMPTED after checkpointing on SIGTERM, anything else on failure.
 """
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 EVENTS_FILE_ENV = "TRAINYARD_EVENTS_FILE"
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped at a checkpoint, resume later
@@ -12,3 +20,46 @@ EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped at a checkpoint, resume later
 # A `script` job's processes also get (see workers/script_hooks.py):
 CHECKPOINT_DIR_ENV = "TRAINYARD_CHECKPOINT_DIR"  # where save_state() without a directory of its own writes
 RESUME_FROM_ENV = "TRAINYARD_RESUME_FROM"  # the checkpoint directory to load_state() from, when resuming
+
+
+class MetricsEvent(BaseModel):
+    """`{"type": "metrics", "step": N, "values": {"train_loss": …, …}}`: one optimizer step's numbers."""
+
+    type: Literal["metrics"] = "metrics"
+    step: int
+    values: dict[str, float]
+
+
+class CheckpointEvent(BaseModel):
+    """`{"type": "checkpoint", "step": N, "path": "/abs/dir"}`: a complete checkpoint directory (see manifest.py)."""
+
+    type: Literal["checkpoint"] = "checkpoint"
+    step: int
+    path: Path
+
+
+Event = Annotated[MetricsEvent | CheckpointEvent, Field(discriminator="type")]
+_EVENT = TypeAdapter(Event)
+
+
+def encode_event(event: MetricsEvent | CheckpointEvent) -> str:
+    """One line of the events file, newline included. json.dumps, not pydantic's JSON, so a NaN
+    metric is written as NaN (not null) and the line reads as it always has."""
+    return json.dumps(event.model_dump(mode="json")) + "\n"
+
+
+def decode_events(data: bytes) -> tuple[list[MetricsEvent | CheckpointEvent], int]:
+    """The events in the complete lines of `data`, and how many bytes those lines take. A last line
+    with no newline yet is being written: it is left for the next read. A line of a type this side
+    doesn't know (a newer writer's) is skipped; a line that is no event raises ValueError."""
+    complete = data[: data.rfind(b"\n") + 1]
+    events = []
+    for line in complete.splitlines():
+        if not line.strip():
+            continue
+        try:
+            events.append(_EVENT.validate_json(line))
+        except ValidationError as error:
+            if error.errors()[0]["type"] != "union_tag_invalid":
+                raise
+    return events, len(complete)

@@ -31,7 +31,8 @@ sys.path.insert(0, str(REPO))
 
 from api_schemas.worker_protocol import EVENTS_FILE_ENV  # noqa: E402
 from service.embedded import embedded_stack  # noqa: E402
-from workers.supervisor import EVENTS_FILE_NAME, attempt_dir, free_port  # noqa: E402
+from workers.launch import EVENTS_FILE_NAME, attempt_dir  # noqa: E402
+from workers.supervisor import free_port  # noqa: E402
 
 
 def start_spec() -> dict:

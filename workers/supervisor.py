@@ -2,15 +2,17 @@
 
 The Celery message only says "run attempt X". The supervisor claims X in the database with a
 lease (a duplicate delivery finds it claimed and does nothing), launches the training processes
-with Accelerate's launcher, and while they run: renews the lease, stops them on cancel, kills them
-when they stop making steps (`training.stall_timeout_s`), and forwards what the training loop
-wrote (metrics and checkpoint events in a JSONL file, stdout and stderr) to the database and
-artifact store. The events file is the worker-side buffer: if the database is briefly
-unreachable, nothing is lost, it is delivered on the next successful flush.
+with Accelerate's launcher (their command and environment: workers/launch.py), and while they run
+(RunningAttempt): renews the lease, stops them on cancel, kills them when they stop making steps
+(`training.stall_timeout_s`), and forwards what the training loop wrote (metrics and checkpoint
+events in a JSONL file, stdout and stderr) to the database and artifact store. The events file is
+the worker-side buffer: if the database is briefly unreachable, nothing is lost, it is delivered
+on the next successful flush.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -20,9 +22,9 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,14 +34,15 @@ from sqlalchemy.orm import sessionmaker
 from api_schemas import AttemptStatus, JobSpec
 from api_schemas.manifest import CorruptCheckpoint
 from api_schemas.requirements import unmet
-from api_schemas.worker_protocol import CHECKPOINT_DIR_ENV, EVENTS_FILE_ENV, EXIT_PREEMPTED, RESUME_FROM_ENV
+from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, MetricsEvent, decode_events
 from service.artifacts import ArtifactStore
+from service.uploads import UploadRefused, code_directory
 from service.db.attempts import ClaimedAttempt, Lease, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
 from service.db.checkpoints import record_checkpoint
 from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
 from service.settings import Settings
-from service.uploads import UploadRefused, code_directory
+from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, launch_command, training_environment, working_dir
 
 log = logging.getLogger("trainyard.worker")
 
@@ -48,100 +51,9 @@ REASON_LOG_LINES = 20
 # How long a sync waits for a checkpoint being taken into the store before it renews the lease
 # anyway (a move takes milliseconds; a copy to another filesystem, and its hash, can take minutes).
 INGEST_WAIT_SECONDS = 1.0
-# In an attempt's directory: what the training loop reports (metrics, checkpoints), as JSON lines.
-EVENTS_FILE_NAME = "events.jsonl"
 
-
-def launch_command(
-    spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0,
-    plugin_dir: Path | None = None,
-) -> list[str]:
-    """`accelerate launch -m workers.training …` with the job's process counts and precision, for
-    node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet.
-    A `script` job runs `accelerate launch <entrypoint> <args>` instead (in its code directory)."""
-    command = _accelerate_launch(spec, run_dir, rendezvous, node_rank)
-    if spec.script is not None:
-        args = list(spec.script.args)
-        if resume_from is not None:
-            args += [arg.replace("{checkpoint}", str(resume_from)) for arg in spec.script.resume_args]
-        return command + [spec.script.entrypoint, *args]
-    command += ["-m", "workers.training", "--spec", str(run_dir / "spec.json"), "--data-root", str(data_root), "--run-dir", str(run_dir)]
-    if resume_from is not None:
-        command += ["--resume-from", str(resume_from)]
-    if plugin_dir is not None:
-        command += ["--plugin-dir", str(plugin_dir)]
-    return command
-
-
-# What a script job's processes inherit from the worker's environment: nothing else, so no service
-# credential (database or broker URL, tokens) reaches user code.
-SCRIPT_INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")
-SCRIPT_SITE = Path(__file__).resolve().parent / "script_site"  # its sitecustomize.py installs workers/script_hooks.py
-
-
-# The service's own credentials: no training process needs them (it reports through files).
-SERVICE_CREDENTIALS = ("TRAINYARD_DATABASE_URL", "TRAINYARD_BROKER_URL")
-
-
-def training_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
-    """The environment of an attempt's processes: a script's clean one, else the worker's own
-    without the service's credentials."""
-    if spec.script is not None:
-        return script_environment(spec, run_dir, resume_from)
-    env = {name: value for name, value in os.environ.items() if name not in SERVICE_CREDENTIALS}
-    return {**env, EVENTS_FILE_ENV: str(run_dir / EVENTS_FILE_NAME), "PYTHONUNBUFFERED": "1"}
-
-
-def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
-    """The whole environment of a script job's processes (the launcher's own additions aside)."""
-    env = {name: os.environ[name] for name in SCRIPT_INHERITED_ENV if name in os.environ}
-    env.update({
-        "PYTHONPATH": str(SCRIPT_SITE),
-        "PYTHONUNBUFFERED": "1",
-        EVENTS_FILE_ENV: str(run_dir / EVENTS_FILE_NAME),
-        CHECKPOINT_DIR_ENV: str(run_dir / "checkpoints"),
-        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": str(spec.training.gradient_accumulation_steps),
-    })
-    if spec.resources.device == "cpu":
-        env["ACCELERATE_USE_CPU"] = "true"  # several processes on CPU meet over gloo (`--cpu` would run just one)
-    if resume_from is not None:
-        env[RESUME_FROM_ENV] = str(resume_from)
-    return env
-
-
-def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank: int) -> list[str]:
-    resources = spec.resources
-    address, _, port = rendezvous.rpartition(":")
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--num_processes", str(spec.world_size),
-        "--num_machines", str(resources.nodes),
-        "--machine_rank", str(node_rank),
-        "--main_process_ip", address,
-        "--main_process_port", port,
-        "--mixed_precision", spec.training.precision,
-        "--dynamo_backend", "no",
-    ]
-    if resources.device == "cpu":
-        # Accelerate's own default thread count, passed explicitly so the launcher doesn't warn.
-        threads = max(1, (os.cpu_count() or 1) // resources.processes_per_node)
-        command += ["--num_cpu_threads_per_process", str(threads)]
-    if spec.world_size > 1:
-        # torchrun prefixes each process's output with `[default<local rank>]:` (see split_rank).
-        command += ["--tee", "3", "--log_dir", str(run_dir / "rank-logs")]
-        # "One process per device, torchrun-style": gloo on CPU (the loop's Accelerator(cpu=True)
-        # picks it), NCCL on GPUs. Accelerate's --cpu flag would run a single process instead.
-        command.append("--multi_gpu")
-    elif resources.device == "cpu":
-        command.append("--cpu")
-    return command
-
-
-def attempt_dir(work_root: Path, job_id: int, number: int, node_rank: int | None = None) -> Path:
-    """Where an attempt runs: its events file, checkpoints and a script's copy of its code.
-    `node_rank` only for a multi-node job, whose nodes share the attempt's number."""
-    node = "" if node_rank is None else f"-node-{node_rank}"
-    return work_root / f"job-{job_id}" / f"attempt-{number}{node}"
+# What an attempt came to: the status to record, and why. No status: nothing to record (lease lost).
+Outcome = tuple[AttemptStatus | None, str | None]
 
 
 def free_port() -> int:
@@ -151,21 +63,21 @@ def free_port() -> int:
 
 
 class EventTail:
-    """Reads the complete lines appended to the training loop's events file since the last read."""
+    """Reads the events appended to the training loop's events file since the last read."""
 
     def __init__(self, path: Path):
         self.path, self.offset = path, 0
 
-    def read(self) -> list[dict]:
+    def read(self) -> list[MetricsEvent | CheckpointEvent]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
         except FileNotFoundError:
             return []
-        complete = data[: data.rfind(b"\n") + 1]  # a half-written last line waits for the next read
-        self.offset += len(complete)
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        events, used = decode_events(data)  # a half-written last line waits for the next read
+        self.offset += used
+        return events
 
 
 @dataclass
@@ -173,10 +85,9 @@ class Outbox:
     """What the attempt produced that the database has not stored yet."""
 
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
-    logs: list[tuple[int, str]] = field(default_factory=list)
+    logs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (seq, rank, line)
     checkpoints: list[tuple[int, Path]] = field(default_factory=list)
     ingesting: Future | None = None  # the first of `checkpoints`, being taken into the store
-    recent_logs: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not (self.metrics or self.logs or self.checkpoints)
@@ -198,6 +109,10 @@ class StallWatch:
     @property
     def reason(self) -> str:
         return f"stalled: no optimizer step for {self.timeout_seconds:g} s; its processes were killed"
+
+
+class CannotStart(Exception):
+    """The attempt cannot run on this host; the message says why."""
 
 
 class AttemptRunner:
@@ -234,126 +149,42 @@ class AttemptRunner:
 
     # -- the attempt's life ----------------------------------------------------------------------
 
-    def _supervise(self, claimed: ClaimedAttempt) -> tuple[AttemptStatus | None, str | None]:
+    def _supervise(self, claimed: ClaimedAttempt) -> Outcome:
         spec = JobSpec.model_validate(claimed.spec)
+        try:
+            run_dir, process = self._start(claimed, spec)
+        except CannotStart as exc:
+            return AttemptStatus.failed, str(exc)
+        return RunningAttempt(self, claimed, spec, run_dir, process).supervise()
+
+    def _start(self, claimed: ClaimedAttempt, spec: JobSpec) -> tuple[Path, subprocess.Popen]:
+        """The attempt's directory, and its processes launched in it once node 0 of the job has
+        started. Raises CannotStart if they can't be launched here."""
         node_rank = claimed.node_rank if spec.resources.nodes > 1 else None
         run_dir = attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "spec.json").write_text(json.dumps(claimed.spec))
+        (run_dir / SPEC_FILE_NAME).write_text(json.dumps(claimed.spec))
         resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
         rendezvous = self._wait_for_node_0(claimed)
         if rendezvous is None:
-            return AttemptStatus.failed, f"node 0 of this job did not start within {self.node_0_wait_seconds:.0f} s"
-        command = launch_command(
-            spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir
-        )
-        cwd = run_dir
+            raise CannotStart(f"node 0 of this job did not start within {self.node_0_wait_seconds:.0f} s")
+        cwd = working_dir(spec, run_dir)
         if spec.script is not None:
-            # The script runs in a copy of its code: what it writes there stays with this attempt.
-            cwd = run_dir / "code"
             shutil.rmtree(cwd, ignore_errors=True)
             try:
                 shutil.copytree(code_directory(self.settings, spec.script.code), cwd, symlinks=True)
             except (UploadRefused, OSError) as exc:  # e.g. a code root that differs on this host
-                return AttemptStatus.failed, f"cannot get the script's code on {self.host_name}: {exc}"
+                raise CannotStart(f"cannot get the script's code on {self.host_name}: {exc}") from exc
             if problems := unmet(spec.script.requirements):
-                return AttemptStatus.failed, f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}"
-        env = training_environment(spec, run_dir, resume_from)
-        if claimed.device_ids:
-            # Only the GPUs reserved for this attempt: another job on this host has the others.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, claimed.device_ids))
-
+                raise CannotStart(f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}")
+        command = launch_command(
+            spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir
+        )
+        env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
         process = subprocess.Popen(
             command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )
-        lines: queue.Queue[str | None] = queue.Queue()
-        output = threading.Event()  # set by the pump on each line and when the output ends
-        threading.Thread(target=_pump_lines, args=(process.stdout, lines, output), daemon=True).start()
-        events = EventTail(run_dir / EVENTS_FILE_NAME)
-        outbox = Outbox()
-        stall = StallWatch(spec.training.stall_timeout_s)
-        stalled = False
-        seq = 0
-        next_sync = 0.0
-        output_done = False
-        preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
-        while True:
-            exit_code = process.poll()
-            if self.shutting_down.is_set() and preempted_because is None and exit_code is None:
-                preempted_because = self._preempt(process, f"host {self.host_name} shut down")
-            output.clear()  # a line from here on wakes the next wait
-            while True:  # move the training output into the outbox
-                try:
-                    line = lines.get_nowait()
-                except queue.Empty:
-                    break
-                if line is None:
-                    output_done = True
-                    break
-                rank, line = split_rank(line, claimed.node_rank, spec)
-                outbox.logs.append((seq, rank, line[:MAX_LOG_LINE]))
-                outbox.recent_logs = (outbox.recent_logs + [line[:MAX_LOG_LINE]])[-REASON_LOG_LINES:]
-                seq += 1
-            for event in events.read():
-                if event["type"] == "metrics":
-                    outbox.metrics += [(event["step"], name, float(value)) for name, value in event["values"].items()]
-                    stall.progressed()
-                elif event["type"] == "checkpoint":
-                    path = Path(event["path"]).resolve()
-                    if path.is_relative_to(run_dir):  # the worker deletes it once stored: nothing outside the attempt
-                        outbox.checkpoints.append((int(event["step"]), path))
-                    else:
-                        log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", claimed.job_id, path, run_dir)
-            if exit_code is None and not stalled and stall.expired():
-                # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through
-                # us, so nothing else would ever notice. It won't answer SIGTERM: kill the group.
-                log.warning("job %s attempt %s: %s", claimed.job_id, claimed.number, stall.reason)
-                _stop(process, grace_seconds=0)
-                stalled = True
-
-            finished = exit_code is not None and output_done
-            if finished or time.monotonic() >= next_sync:
-                next_sync = time.monotonic() + self.settings.heartbeat_seconds
-                lease = self._sync(claimed, spec, outbox)
-                if lease is not None and not lease.held:
-                    _stop(process)
-                    return None, "lease lost"
-                # A rank that failed after the cancel failed because of it: in a gang, the ranks of
-                # another node stopped first and took this node's collectives down with them.
-                if lease is not None and lease.cancel_requested and not (finished and exit_code == 0):
-                    _stop(process)
-                    self._sync(claimed, spec, outbox, wait=True)
-                    return AttemptStatus.cancelled, "cancelled by user"
-                if lease is not None and lease.preempt_requested and preempted_because is None and exit_code is None:
-                    preempted_because = self._preempt(process, "preempted for a higher-priority job")
-            if finished and outbox.empty():
-                break
-            if finished:
-                time.sleep(1.0)  # only the outbox left to deliver: retry it
-            else:
-                # Until the training writes a line or its output ends, at most half a second (a
-                # tenth once the output has ended, for the exit), at least a tenth: this process
-                # shares the cores with the training, and each wake-up is taken from it.
-                woke = time.monotonic()
-                output.wait(0.1 if output_done else 0.5)
-                time.sleep(max(0.0, woke + 0.1 - time.monotonic()))
-
-        if exit_code == 0:
-            return AttemptStatus.succeeded, None
-        if stalled:
-            return AttemptStatus.failed, stall.reason
-        # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
-        # itself), so what counts is that we asked for the stop, not the code we got back.
-        if preempted_because or exit_code == EXIT_PREEMPTED:
-            return AttemptStatus.preempted, f"{preempted_because or 'SIGTERM'}; stopped at a checkpoint"
-        tail = "\n".join(outbox.recent_logs[-REASON_LOG_LINES:])
-        return AttemptStatus.failed, f"training process exited with code {exit_code}; last output:\n{tail}"
-
-    @staticmethod
-    def _preempt(process: subprocess.Popen, reason: str) -> str:
-        """The training loop answers SIGTERM with a checkpoint at the next step, then exits."""
-        os.killpg(process.pid, signal.SIGTERM)
-        return reason
+        return run_dir, process
 
     def _wait_for_node_0(self, claimed: ClaimedAttempt) -> str | None:
         """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a
@@ -427,6 +258,133 @@ class AttemptRunner:
             except Exception:
                 log.exception("could not record the end of job %s attempt %s; retrying", claimed.job_id, claimed.number)
                 time.sleep(2)
+
+
+class RunningAttempt:
+    """An attempt's processes, watched until they are done and all they produced is delivered.
+    Each round of `supervise` takes what they wrote, kills them if they stalled, syncs with the
+    database every heartbeat, and waits for more output."""
+
+    def __init__(self, runner: AttemptRunner, claimed: ClaimedAttempt, spec: JobSpec, run_dir: Path, process: subprocess.Popen):
+        self.runner, self.claimed, self.spec, self.run_dir, self.process = runner, claimed, spec, run_dir, process
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output = threading.Event()  # set by the pump on each line and when the output ends
+        threading.Thread(target=_pump_lines, args=(process.stdout, self.lines, self.output), daemon=True).start()
+        self.events = EventTail(run_dir / EVENTS_FILE_NAME)
+        self.outbox = Outbox()
+        self.line_numbers = itertools.count()
+        self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
+        self.stall = StallWatch(spec.training.stall_timeout_s)
+        self.stalled = False
+        self.exit_code: int | None = None  # as of this round's start
+        self.output_done = False
+        self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
+        self.next_sync = 0.0
+
+    @property
+    def finished(self) -> bool:
+        """The processes have exited and all their output is read."""
+        return self.exit_code is not None and self.output_done
+
+    def supervise(self) -> Outcome:
+        while True:
+            self.exit_code = self.process.poll()
+            if self.runner.shutting_down.is_set():
+                self._preempt(f"host {self.runner.host_name} shut down")
+            self.output.clear()  # a line from here on wakes the next wait
+            self._take_output()
+            self._take_events()
+            self._kill_if_stalled()
+            if (ended := self._sync_if_due()) is not None:
+                return ended
+            if self.finished and self.outbox.empty():
+                return self._outcome()
+            self._wait()
+
+    def _take_output(self) -> None:
+        """Move the lines the processes printed since the last round into the outbox."""
+        while True:
+            try:
+                line = self.lines.get_nowait()
+            except queue.Empty:
+                return
+            if line is None:
+                self.output_done = True
+                return
+            rank, line = split_rank(line, self.claimed.node_rank, self.spec)
+            self.outbox.logs.append((next(self.line_numbers), rank, line[:MAX_LOG_LINE]))
+            self.recent_lines.append(line[:MAX_LOG_LINE])
+
+    def _take_events(self) -> None:
+        """Move the metrics and checkpoints the training reported since the last round into the outbox."""
+        for event in self.events.read():
+            if isinstance(event, MetricsEvent):
+                self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items()]
+                self.stall.progressed()
+            # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
+            elif (path := event.path.resolve()).is_relative_to(self.run_dir):
+                self.outbox.checkpoints.append((event.step, path))
+            else:
+                log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", self.claimed.job_id, path, self.run_dir)
+
+    def _kill_if_stalled(self) -> None:
+        # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through us, so
+        # nothing else would ever notice. It won't answer SIGTERM: kill the group.
+        if self.exit_code is None and not self.stalled and self.stall.expired():
+            log.warning("job %s attempt %s: %s", self.claimed.job_id, self.claimed.number, self.stall.reason)
+            _stop(self.process, grace_seconds=0)
+            self.stalled = True
+
+    def _sync_if_due(self) -> Outcome | None:
+        """Every heartbeat, and every round once the processes are done: deliver the outbox and
+        renew the lease. An outcome if the lease says the attempt ends now."""
+        if not (self.finished or time.monotonic() >= self.next_sync):
+            return None
+        self.next_sync = time.monotonic() + self.runner.settings.heartbeat_seconds
+        lease = self.runner._sync(self.claimed, self.spec, self.outbox)
+        if lease is None:  # the database is out of reach: all is kept for the next sync
+            return None
+        if not lease.held:
+            _stop(self.process)
+            return None, "lease lost"
+        # A rank that failed after the cancel failed because of it: in a gang, the ranks of
+        # another node stopped first and took this node's collectives down with them.
+        if lease.cancel_requested and not (self.finished and self.exit_code == 0):
+            _stop(self.process)
+            self.runner._sync(self.claimed, self.spec, self.outbox, wait=True)
+            return AttemptStatus.cancelled, "cancelled by user"
+        if lease.preempt_requested:
+            self._preempt("preempted for a higher-priority job")
+        return None
+
+    def _preempt(self, reason: str) -> None:
+        """Ask the running training to stop: it answers SIGTERM with a checkpoint at the next step, then exits."""
+        if self.preempted_because is None and self.exit_code is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.preempted_because = reason
+
+    def _wait(self) -> None:
+        if self.finished:
+            time.sleep(1.0)  # only the outbox left to deliver: retry it
+            return
+        # Until the training writes a line or its output ends, at most half a second (a tenth once
+        # the output has ended, for the exit), at least a tenth: this process shares the cores
+        # with the training, and each wake-up is taken from it.
+        woke = time.monotonic()
+        self.output.wait(0.1 if self.output_done else 0.5)
+        time.sleep(max(0.0, woke + 0.1 - time.monotonic()))
+
+    def _outcome(self) -> Outcome:
+        if self.exit_code == 0:
+            return AttemptStatus.succeeded, None
+        if self.stalled:
+            return AttemptStatus.failed, self.stall.reason
+        # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
+        # itself), so what counts is that we asked for the stop, not the code we got back.
+        if self.preempted_because or self.exit_code == EXIT_PREEMPTED:
+            return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
+        tail = "\n".join(self.recent_lines)
+        return AttemptStatus.failed, f"training process exited with code {self.exit_code}; last output:\n{tail}"
 
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")

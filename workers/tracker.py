@@ -1,9 +1,10 @@
 """Accelerate's tracker interface, writing to the events file a Trainyard worker tails.
 
-`accelerator.log({"loss": 0.4}, step=12)` becomes `{"type": "metrics", "step": 12, "values": {"loss": 0.4}}`,
-the same event the built-in training loop writes (workers/training/reporter.py). Under a Trainyard
-`script` job the tracker is added to every Accelerator on the main process (workers/script_hooks.py);
-it can also be passed by hand: `Accelerator(log_with=[TrainyardTracker.from_env()])`.
+`accelerator.log({"loss": 0.4}, step=12)` becomes `MetricsEvent(step=12, values={"loss": 0.4})`
+(api_schemas/worker_protocol.py), written by the built-in training loop's own reporter
+(workers/training/reporter.py). Under a Trainyard `script` job the tracker is added to every
+Accelerator on the main process (workers/script_hooks.py); it can also be passed by hand:
+`Accelerator(log_with=[TrainyardTracker.from_env()])`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ from tests.conftest import IN_CI, REPO
 from tests.e2e.test_end_to_end import wait_for_event
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
-from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
+from workers.launch import EVENTS_FILE_NAME, attempt_dir
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

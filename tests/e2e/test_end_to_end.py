@@ -18,6 +18,7 @@ import pytest
 from safetensors.torch import load as safetensors_load
 
 from api_schemas import JobSpec, JobStatus
+from api_schemas.worker_protocol import CheckpointEvent, MetricsEvent
 from service.embedded import embedded_stack
 from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
 from workers.supervisor import EventTail, free_port
@@ -69,13 +70,13 @@ def wait_for_checkpoint(client: httpx.Client, job_id: int, timeout: float = 180)
     return checkpoints
 
 
-def wait_for_event(events: EventTail, kind: str, timeout: float = 180) -> dict:
+def wait_for_event(events: EventTail, kind: str, timeout: float = 180) -> MetricsEvent | CheckpointEvent:
     """The next event of `kind` in an attempt's events file, as the training writes it: sooner than
     the API hears of it, which on a fast machine can be after the job has ended."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for event in events.read():
-            if event["type"] == kind:
+            if event.type == kind:
                 return event
         time.sleep(0.005)
     raise AssertionError(f"the training wrote no {kind} event within {timeout} s")

@@ -20,7 +20,8 @@ from safetensors.torch import load
 from service.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint, wait_for_event
 from tests.helpers import spec_dict, tiny_spec
-from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
+from workers.launch import EVENTS_FILE_NAME, attempt_dir
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -20,7 +20,8 @@ from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.e2e.test_faults import assert_same_run, final_weights, run_reference, training_ranks
 from tests.helpers import tiny_spec
-from workers.supervisor import attempt_dir, free_port
+from workers.launch import attempt_dir
+from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
 

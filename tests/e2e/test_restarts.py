@@ -24,7 +24,8 @@ from tests.conftest import service_missing
 from tests.e2e.test_end_to_end import wait_for, wait_for_event, wait_for_step
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
-from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
+from workers.launch import EVENTS_FILE_NAME, attempt_dir
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -161,7 +162,7 @@ def test_redis_postgres_and_the_api_restarted_mid_job_lose_no_step_no_checkpoint
     # renewing the lease, and keeps what the training wrote until the database is back.
     run_dir = attempt_dir(stack.data_dir / "work", job_id, 1)
     events = EventTail(run_dir / EVENTS_FILE_NAME)
-    first_step = wait_for_event(events, "metrics")["step"]
+    first_step = wait_for_event(events, "metrics").step
     ranks = training_ranks(run_dir)
     assert ranks, "no training process found for the running attempt"
     signal_ranks(ranks, signal.SIGSTOP)
@@ -177,7 +178,7 @@ def test_redis_postgres_and_the_api_restarted_mid_job_lose_no_step_no_checkpoint
         assert second.status_code == 201
         postgres.stop()
         signal_ranks(ranks, signal.SIGCONT)
-        checkpoint_step = wait_for_event(events, "checkpoint")["step"]
+        checkpoint_step = wait_for_event(events, "checkpoint").step
         signal_ranks(ranks, signal.SIGSTOP)
         assert checkpoint_step < max_steps
         postgres.start()

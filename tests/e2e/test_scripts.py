@@ -23,7 +23,8 @@ from service.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.helpers import tiny_spec
 from trainyard.cli import main
-from workers.supervisor import EVENTS_FILE_NAME, EventTail, attempt_dir, free_port
+from workers.launch import EVENTS_FILE_NAME, attempt_dir
+from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -1,10 +1,9 @@
-"""Submitting `script` jobs: who may, which code they may name, and what the worker launches."""
+"""Submitting `script` jobs: who may, which code they may name (what the worker launches: tests/unit/test_launch.py)."""
 
 from __future__ import annotations
 
 import io
 import tarfile
-from pathlib import Path
 
 import pytest
 
@@ -19,9 +18,8 @@ from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
 from tests.client.serve import serve_app
-from tests.helpers import auth, job_spec, start_job, tiny_spec
+from tests.helpers import auth, start_job, tiny_spec
 from trainyard.cli import main
-from workers.supervisor import launch_command, script_environment, training_environment
 
 OCTETS = {"Content-Type": "application/octet-stream"}
 
@@ -150,41 +148,6 @@ def test_a_script_job_leaves_out_model_dataset_and_optimizer_and_built_in_jobs_n
     del builtin["optimizer"], builtin["training"]["max_steps"]
     with pytest.raises(ValueError, match="optimizer, training.max_steps: required"):
         JobSpec.model_validate(builtin)
-
-
-def test_the_worker_launches_the_script_with_the_jobs_settings_in_a_clean_environment(monkeypatch, tmp_path: Path):
-    monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
-    monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
-    spec = JobSpec.model_validate({
-        **script_spec(args=["--lr", "3e-4"], resume_args=["--resume_from_checkpoint", "{checkpoint}"]),
-        "training": {"precision": "bf16", "gradient_accumulation_steps": 4},
-        "resources": {"nodes": 2, "processes_per_node": 2},
-    })
-    checkpoint = tmp_path / "jobs" / "1" / "checkpoints" / "step-00000050"
-    command = launch_command(spec, tmp_path, tmp_path / "data", checkpoint, "10.0.0.1:29500", node_rank=1)
-    def flag(name: str) -> str:
-        return command[command.index(name) + 1]
-
-    assert flag("--num_processes") == "4" and flag("--num_machines") == "2" and flag("--machine_rank") == "1"
-    assert flag("--main_process_ip") == "10.0.0.1" and flag("--main_process_port") == "29500" and flag("--mixed_precision") == "bf16"
-    assert command[-5:] == ["train.py", "--lr", "3e-4", "--resume_from_checkpoint", str(checkpoint)]
-
-    env = training_environment(spec, tmp_path, checkpoint)
-    assert env == script_environment(spec, tmp_path, checkpoint)
-    assert not any("secret" in value for value in env.values())
-    assert set(env) <= {"PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED", "ACCELERATE_USE_CPU",
-                        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "TRAINYARD_EVENTS_FILE", "TRAINYARD_CHECKPOINT_DIR", "TRAINYARD_RESUME_FROM"}
-    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4" and env["TRAINYARD_RESUME_FROM"] == str(checkpoint)
-    assert (Path(env["PYTHONPATH"]) / "sitecustomize.py").is_file()
-
-
-def test_a_built_in_jobs_processes_get_the_workers_environment_without_the_service_credentials(monkeypatch, tmp_path: Path):
-    monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
-    monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    env = training_environment(job_spec(), tmp_path, None)
-    assert not any("secret" in value for value in env.values()) and env["OMP_NUM_THREADS"] == "3"
-    assert env["TRAINYARD_EVENTS_FILE"] == str(tmp_path / "events.jsonl")
 
 
 def test_user_create_grants_can_run_code_only_when_asked(tmp_path, monkeypatch, capsys):

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from api_schemas import JobSpec
 from api_schemas.manifest import MODEL_FILE
-from workers.supervisor import free_port, launch_command
+from workers.launch import launch_command
+from workers.supervisor import free_port
 from workers.training import GPT, TokenWindows, load_text_corpus, lr_at, train
 
 REPO = Path(__file__).resolve().parents[2]

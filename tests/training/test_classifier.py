@@ -11,7 +11,8 @@ import pytest
 from api_schemas.manifest import MODEL_FILE
 from tests.helpers import classifier_spec, job_spec
 from tests.training.support import REPO, read_events, run_training, subprocess_env
-from workers.supervisor import free_port, launch_command
+from workers.launch import launch_command
+from workers.supervisor import free_port
 from workers.training import MLPClassifier, eval_dataloader, evaluate_metrics, load_labelled_corpus, load_model_from_checkpoint
 
 STEPS = 60

@@ -20,7 +20,8 @@ from api_schemas import JobSpec
 from api_schemas.manifest import MODEL_FILE, verify_manifest
 from api_schemas.worker_protocol import EXIT_PREEMPTED
 from tests.training.support import REPO, Collector, entry_point, read_events, reset_accelerate, subprocess_env
-from workers.supervisor import free_port, launch_command
+from workers.launch import launch_command
+from workers.supervisor import free_port
 from workers.training.custom import run_custom
 
 EXAMPLE = REPO / "examples" / "plugins" / "gan_example.py"

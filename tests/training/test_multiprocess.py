@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from api_schemas.manifest import MODEL_FILE
 from tests.helpers import job_spec
 from tests.training.support import REPO, read_events, run_training, subprocess_env, write_corpus
-from workers.supervisor import free_port, launch_command
+from workers.launch import launch_command
+from workers.supervisor import free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 
 STEPS = 4

@@ -1,5 +1,5 @@
 """What a `script` job's own Accelerate code gets from Trainyard's sitecustomize, in a real process
-with the environment the worker gives it (workers.supervisor.script_environment)."""
+with the environment the worker gives it (workers.launch.script_environment)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from api_schemas import JobSpec
 from api_schemas.manifest import verify_manifest
-from workers.supervisor import script_environment
+from workers.launch import script_environment
 
 SPEC = JobSpec.model_validate({"name": "s", "script": {"entrypoint": "train.py", "code": {"path": "p"}}})
 

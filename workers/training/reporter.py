@@ -6,12 +6,11 @@ Under a Trainyard worker, events go to a JSONL file the worker tails and forward
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Protocol
 
-from api_schemas.worker_protocol import EVENTS_FILE_ENV
+from api_schemas.worker_protocol import EVENTS_FILE_ENV, CheckpointEvent, MetricsEvent, encode_event
 
 
 class Reporter(Protocol):
@@ -27,22 +26,22 @@ class Reporter(Protocol):
 
 
 class JsonlReporter:
-    """One JSON object per line, flushed per line so the worker sees each step as it ends."""
+    """The worker's events file: one event per line, flushed per line so the worker sees each step as it ends."""
 
     takes_checkpoints = True
 
     def __init__(self, path: Path):
         self._file = open(path, "a", encoding="utf-8")
 
-    def _write(self, event: dict) -> None:
-        self._file.write(json.dumps(event) + "\n")
+    def _write(self, event: MetricsEvent | CheckpointEvent) -> None:
+        self._file.write(encode_event(event))
         self._file.flush()
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
-        self._write({"type": "metrics", "step": step, "values": values})
+        self._write(MetricsEvent(step=step, values=values))
 
     def checkpoint(self, step: int, path: Path) -> None:
-        self._write({"type": "checkpoint", "step": step, "path": str(path.resolve())})
+        self._write(CheckpointEvent(step=step, path=path.resolve()))
 
     def close(self) -> None:
         self._file.close()

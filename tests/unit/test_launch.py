@@ -1,0 +1,79 @@
+"""What an attempt's processes are started with (workers/launch.py): built from the spec alone, no process run."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from api_schemas import JobSpec
+from tests.helpers import job_spec
+from workers.launch import launch_command, script_environment, training_environment, working_dir
+
+
+def script_job(**fields) -> JobSpec:
+    return JobSpec.model_validate({"name": "mine", "script": {"entrypoint": "train.py", "code": {"path": "project"}}, **fields})
+
+
+def test_a_two_process_job_is_one_accelerate_launch_of_the_training_entry_point_with_a_log_per_rank(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    spec = job_spec(**{"resources.processes_per_node": 2})
+    checkpoint, plugins = tmp_path / "store" / "step-6", tmp_path / "plugins"
+    command = launch_command(spec, tmp_path, tmp_path / "data", checkpoint, "10.0.0.1:29500", plugin_dir=plugins)
+    assert command == [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--num_processes", "2", "--num_machines", "1", "--machine_rank", "0",
+        "--main_process_ip", "10.0.0.1", "--main_process_port", "29500",
+        "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--num_cpu_threads_per_process", "4",  # the 8 cores shared by the 2 processes
+        "--tee", "3", "--log_dir", str(tmp_path / "rank-logs"), "--multi_gpu",  # one process per device, gloo on CPU
+        "-m", "workers.training", "--spec", str(tmp_path / "spec.json"), "--data-root", str(tmp_path / "data"),
+        "--run-dir", str(tmp_path), "--resume-from", str(checkpoint), "--plugin-dir", str(plugins),
+    ]
+    single = launch_command(job_spec(), tmp_path, tmp_path / "data", None, "10.0.0.1:29500")
+    assert "--cpu" in single and "--multi_gpu" not in single and "--tee" not in single and "--resume-from" not in single
+
+
+def test_the_worker_launches_the_script_with_the_jobs_settings_in_a_clean_environment(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
+    monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
+    spec = script_job(
+        script={"entrypoint": "train.py", "code": {"path": "project"}, "args": ["--lr", "3e-4"],
+                "resume_args": ["--resume_from_checkpoint", "{checkpoint}"]},
+        training={"precision": "bf16", "gradient_accumulation_steps": 4},
+        resources={"nodes": 2, "processes_per_node": 2},
+    )
+    checkpoint = tmp_path / "jobs" / "1" / "checkpoints" / "step-00000050"
+    command = launch_command(spec, tmp_path, tmp_path / "data", checkpoint, "10.0.0.1:29500", node_rank=1)
+    def flag(name: str) -> str:
+        return command[command.index(name) + 1]
+
+    assert flag("--num_processes") == "4" and flag("--num_machines") == "2" and flag("--machine_rank") == "1"
+    assert flag("--main_process_ip") == "10.0.0.1" and flag("--main_process_port") == "29500" and flag("--mixed_precision") == "bf16"
+    assert command[-5:] == ["train.py", "--lr", "3e-4", "--resume_from_checkpoint", str(checkpoint)]
+    assert working_dir(spec, tmp_path) == tmp_path / "code"  # its own copy of its code
+
+    env = training_environment(spec, tmp_path, checkpoint)
+    assert env == script_environment(spec, tmp_path, checkpoint)
+    assert "TRAINYARD_DATABASE_URL" not in env and not any("secret" in value for value in env.values())
+    assert set(env) <= {"PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR", "PYTHONPATH", "PYTHONUNBUFFERED", "ACCELERATE_USE_CPU",
+                        "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "TRAINYARD_EVENTS_FILE", "TRAINYARD_CHECKPOINT_DIR", "TRAINYARD_RESUME_FROM"}
+    assert env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4" and env["TRAINYARD_RESUME_FROM"] == str(checkpoint)
+    assert (Path(env["PYTHONPATH"]) / "sitecustomize.py").is_file()
+
+
+def test_a_built_in_jobs_processes_get_the_workers_environment_without_the_service_credentials(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
+    monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = training_environment(job_spec(), tmp_path, None)
+    assert not any("secret" in value for value in env.values()) and env["OMP_NUM_THREADS"] == "3"
+    assert env["TRAINYARD_EVENTS_FILE"] == str(tmp_path / "events.jsonl")
+    assert working_dir(job_spec(), tmp_path) == tmp_path
+
+
+def test_an_attempt_sees_only_the_gpus_reserved_for_it(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")  # the host's: another job has the others
+    assert training_environment(job_spec(), tmp_path, None, device_ids=[2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert training_environment(script_job(), tmp_path, None, device_ids=[1])["CUDA_VISIBLE_DEVICES"] == "1"
+    assert "CUDA_VISIBLE_DEVICES" not in training_environment(script_job(), tmp_path, None)  # a script inherits none

@@ -1,0 +1,48 @@
+"""The events file between the training processes and the worker (api_schemas/worker_protocol.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from api_schemas.worker_protocol import CheckpointEvent, MetricsEvent, decode_events, encode_event
+
+
+def test_events_come_back_as_they_were_written_in_the_lines_the_service_has_always_read():
+    written = [
+        MetricsEvent(step=1, values={"train_loss": 2.5, "lr": 1e-3}),
+        CheckpointEvent(step=6, path=Path("/work/job-1/attempt-1/checkpoints/step-00000006")),
+    ]
+    data = "".join(map(encode_event, written)).encode()
+    assert data.decode().splitlines() == [
+        '{"type": "metrics", "step": 1, "values": {"train_loss": 2.5, "lr": 0.001}}',
+        '{"type": "checkpoint", "step": 6, "path": "/work/job-1/attempt-1/checkpoints/step-00000006"}',
+    ]
+    assert decode_events(data) == (written, len(data))
+
+
+def test_a_diverged_metric_is_written_as_nan_and_read_back_as_nan():
+    [event], _ = decode_events(encode_event(MetricsEvent(step=3, values={"train_loss": math.nan})).encode())
+    assert math.isnan(event.values["train_loss"])
+
+
+def test_a_torn_last_line_is_left_for_the_next_read():
+    whole = encode_event(MetricsEvent(step=1, values={"loss": 1.0})).encode()
+    torn = encode_event(MetricsEvent(step=2, values={"loss": 0.5})).encode()
+    events, used = decode_events(whole + torn[:10])
+    assert [event.step for event in events] == [1] and used == len(whole)
+    assert decode_events(torn[:10]) == ([], 0)
+    events, used = decode_events(torn[:10] + torn[10:])  # the rest of the line arrived
+    assert [event.step for event in events] == [2] and used == len(torn)
+
+
+def test_a_line_of_an_unknown_type_is_skipped_and_a_line_that_is_no_event_is_an_error():
+    newer = json.dumps({"type": "profile", "step": 1, "trace": "…"}).encode() + b"\n"
+    metrics = encode_event(MetricsEvent(step=1, values={"loss": 1.0})).encode()
+    assert decode_events(newer + b"\n" + metrics) == ([MetricsEvent(step=1, values={"loss": 1.0})], len(newer) + 1 + len(metrics))
+    for broken in (b'{"type": "metrics", "step": 1}\n', b'{"step": 1}\n', b"not json\n"):
+        with pytest.raises(ValueError):
+            decode_events(broken)
