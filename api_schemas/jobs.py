@@ -278,7 +278,15 @@ class TrainingConfig(_Config):
     precision: Literal["no", "fp16", "bf16"] = Field("no", description="Accelerate mixed precision mode (`--mixed_precision`).")
     grad_clip_norm: float | None = Field(None, gt=0.0, description="Clip the global gradient norm to this value; null disables.")
     grad_clip_value: float | None = Field(None, gt=0.0, description="Clamp each gradient element to ±this value; null disables.")
-    compile: bool = Field(False, description="Wrap the model with torch.compile.")
+    compile: bool | None = Field(
+        None,
+        description="Wrap the model with torch.compile (its kernels cached on the worker between jobs). null: on for "
+        "`cuda` jobs of strategy `ddp`, off on the CPU, where compiling costs more than it saves on small models; "
+        "the job's spec records what was chosen.",
+    )
+    tf32: bool = Field(
+        True, description="On GPUs that have them, float32 matmuls and convolutions in TF32 (10-bit mantissa, float32 range); no effect on the CPU."
+    )
     seed: int = Field(1337, ge=0, le=2**32 - 1, description="Seed for weights, data order and dropout.")
     eval_every: int = Field(250, ge=1, description="Evaluate every this many steps (and always at the last step).")
     eval_batches: int | None = Field(
@@ -301,6 +309,9 @@ class OptimizerConfig(_Config):
     lr: float = Field(gt=0.0, le=10.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="Decoupled weight decay (AdamW) or L2 (SGD).")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    fused: bool | None = Field(
+        None, description="The optimizer's fused kernel: one kernel for every parameter's update. null: on for `cuda` jobs; the spec records what was chosen."
+    )
 
     @field_validator("betas")
     @classmethod
@@ -457,7 +468,16 @@ class JobSpec(_Config):
             raise ValueError("schedule.warmup_steps must be smaller than training.max_steps")
         if self.schedule.min_lr > self.optimizer.lr:
             raise ValueError("schedule.min_lr must not exceed optimizer.lr")
+        self._choose_engine_defaults()
         return self
+
+    def _choose_engine_defaults(self) -> None:
+        """The GPU defaults (compile, fused optimizer), written into the spec so the job records them."""
+        on_gpu = self.resources.device == "cuda"
+        if self.training.compile is None:
+            self.training.compile = on_gpu and self.training.strategy == "ddp" and self.model.kind != "custom"
+        if self.optimizer.fused is None:
+            self.optimizer.fused = on_gpu
 
     def _strategy_fits(self) -> None:
         training = self.training

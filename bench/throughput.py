@@ -43,6 +43,7 @@ def bench_spec(steps: int, device: str, precision: str) -> dict:
     spec["schedule"]["warmup_steps"] = 10
     spec["resources"]["device"] = device
     if device == "cuda":
+        spec["training"].pop("compile")  # the GPU defaults: compiled, fused AdamW, TF32
         spec["model"].update(GPU_MODEL)
         spec["training"].update(micro_batch_size=GPU_BATCH, eval_batches=2)
     return spec

@@ -67,3 +67,17 @@ def test_custom_and_hf_models_name_their_fields_without_the_union_tag():
     del custom["dataset"]
     custom["model"]["entrypoint"] = "gan_example:train"
     assert JobSpec.model_validate(custom).dataset is None  # a custom loop may make its own data
+
+
+@pytest.mark.parametrize(("overrides", "compiled", "fused"), [
+    ({}, False, False),  # the CPU: compiling a small model costs more than it saves
+    ({"resources": {"device": "cuda"}}, True, True),
+    ({"resources": {"device": "cuda"}, "training.strategy": "fsdp"}, False, True),  # fsdp is not compiled
+    ({"resources": {"device": "cuda"}, "training.compile": False, "optimizer.fused": False}, False, False),
+    ({"training.compile": True, "optimizer.fused": True}, True, True),
+])
+def test_the_gpu_defaults_are_chosen_by_device_and_recorded_in_the_spec(overrides, compiled, fused):
+    spec = JobSpec.model_validate(spec_dict(**{"training.compile": None, **overrides}))  # the example says false
+    assert (spec.training.compile, spec.optimizer.fused) == (compiled, fused)
+    stored = JobSpec.model_validate_json(spec.model_dump_json())  # as the job row keeps it
+    assert (stored.training.compile, stored.optimizer.fused) == (compiled, fused)

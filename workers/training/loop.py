@@ -44,15 +44,18 @@ def make_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimiz
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": spec.optimizer.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
+    fused = bool(spec.optimizer.fused)
     if spec.optimizer.name == "sgd":
-        return torch.optim.SGD(groups, lr=spec.optimizer.lr, momentum=0.9)
-    return torch.optim.AdamW(groups, lr=spec.optimizer.lr, betas=spec.optimizer.betas)
+        return torch.optim.SGD(groups, lr=spec.optimizer.lr, momentum=0.9, fused=fused)
+    return torch.optim.AdamW(groups, lr=spec.optimizer.lr, betas=spec.optimizer.betas, fused=fused)
 
 
 def make_accelerator(spec: JobSpec) -> Accelerator:
     """The Accelerator of one training process, as the spec asks. Batches are copied to a GPU
     without blocking (from pinned memory: see `pinned`): a blocking copy makes the CPU wait until
     the GPU has drained its queue, once per micro-batch, so the next kernels start late."""
+    # TF32 is a process-wide switch: set here, where the built-in and custom loops both start.
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = spec.training.tf32
     return Accelerator(
         gradient_accumulation_steps=spec.training.gradient_accumulation_steps,
         mixed_precision=spec.training.precision,
