@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import field_location
 from service.admission import Refused
-from service.api.routes import checkpoints, dashboard, jobs, monitoring, uploads
+from service.api.routes import checkpoints, dashboard, jobs, monitoring, sweeps, uploads
 from service.settings import Settings, get_settings
 
 log = logging.getLogger("trainyard.api")
@@ -100,6 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees what BodySizeLimit lets through
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
+    app.include_router(sweeps.router)
     app.include_router(uploads.datasets)
     app.include_router(uploads.code)
     app.include_router(dashboard.router)
