@@ -163,12 +163,7 @@ class Client:
         params: dict[str, Any] = {"limit": limit}
         if status is not None:
             params["status"] = JobStatus(status).value
-        while True:
-            page = self._call(JobPage, "GET", "/v1/jobs", params=params)
-            yield from page.items
-            if page.next_cursor is None:
-                return
-            params["cursor"] = page.next_cursor
+        return self._pages(JobPage, "/v1/jobs", params)
 
     def job(self, job_id: int) -> JobOut:
         return self._call(JobOut, "GET", f"/v1/jobs/{job_id}")
@@ -185,13 +180,7 @@ class Client:
 
     def sweeps(self, limit: int = 50) -> Iterator[SweepOut]:
         """All visible sweeps, newest first, fetched `limit` per request as the iteration goes."""
-        params: dict[str, Any] = {"limit": limit}
-        while True:
-            page = self._call(SweepPage, "GET", "/v1/sweeps", params=params)
-            yield from page.items
-            if page.next_cursor is None:
-                return
-            params["cursor"] = page.next_cursor
+        return self._pages(SweepPage, "/v1/sweeps", {"limit": limit})
 
     def sweep(self, sweep_id: int) -> SweepOut:
         """The sweep with its trials, its best trial, and that trial's spec (`best_spec`), ready to submit."""
@@ -383,6 +372,15 @@ class Client:
         return dest / top
 
     # -- plumbing ----------------------------------------------------------------------------------
+
+    def _pages(self, page_model: type[JobPage] | type[SweepPage], path: str, params: dict[str, Any]) -> Iterator:
+        """Every item of a cursor-paginated list, a page per request as the iteration goes."""
+        while True:
+            page = self._call(page_model, "GET", path, params=params)
+            yield from page.items
+            if page.next_cursor is None:
+                return
+            params = {**params, "cursor": page.next_cursor}
 
     def _call(self, model: type[Model], method: str, path: str, **kwargs) -> Model:
         """One request; the JSON response parsed into `model` (a pydantic model, or a type like list[X])."""
