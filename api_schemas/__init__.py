@@ -40,6 +40,7 @@ from api_schemas.jobs import (
     TrainingConfig,
     field_location,
 )
+from api_schemas.sweeps import Dimension, SweepOut, SweepPage, SweepSpec, SweepStatus, TrialOut
 
 __all__ = [
     "AttemptOut",
@@ -49,6 +50,7 @@ __all__ = [
     "CodeSource",
     "CustomConfig",
     "DashboardOut",
+    "Dimension",
     "ErrorOut",
     "HostAttemptOut",
     "DatasetConfig",
@@ -73,7 +75,12 @@ __all__ = [
     "RunningJobOut",
     "ScheduleConfig",
     "ScriptConfig",
+    "SweepOut",
+    "SweepPage",
+    "SweepSpec",
+    "SweepStatus",
     "TrainingConfig",
+    "TrialOut",
     "UploadOut",
     "UserCreated",
     "WorkerOut",

@@ -24,10 +24,11 @@ class JobStatus(str, Enum):
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
+    pruned = "pruned"  # a sweep's trial stopped early (at a checkpoint): its objective fell behind the others'
 
     @property
     def is_final(self) -> bool:
-        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled, JobStatus.pruned)
 
 
 class AttemptStatus(str, Enum):
@@ -77,6 +78,8 @@ class JobOut(BaseModel):
     last_train_loss: float | None = Field(None, description="train_loss at the last reported step.")
     steps_per_second: float | None = Field(None, description="Optimizer steps per second at the last reported step.")
     eta_seconds: float | None = Field(None, description="Time left at the current rate; only while running.")
+    sweep_id: int | None = Field(None, description="The sweep this job is a trial of, if any.")
+    trial_number: int | None = Field(None, description="Its number in that sweep.")
 
 
 class JobPage(BaseModel):

@@ -4,7 +4,8 @@ The schema (api_schemas) has checked each field's form. What needs the service's
 here, so that a spec naming something missing is refused at once instead of failing an attempt:
 the caller may run code (a script job), what the spec names exists and is the caller's (uploads,
 data files, plugin modules, code and its requirements), some registered host could ever run it,
-and the caller is within the active-job quota. A refusal is a `Refused`; the API answers it.
+and the caller is within the active-job quota. A sweep's base spec is checked as a job's, and its
+trials are admitted as jobs. A refusal is a `Refused`; the API answers it.
 """
 
 from __future__ import annotations
@@ -12,17 +13,20 @@ from __future__ import annotations
 from http import HTTPStatus
 
 from packaging.requirements import InvalidRequirement
+from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api_schemas import JobSpec, ScriptConfig
+from api_schemas import JobSpec, ScriptConfig, SweepSpec
 from api_schemas.requirements import package_name
 from service.datasets import DatasetError, check_spec_paths
 from service.db.hosts import all_hosts
-from service.db.jobs import QuotaExceeded, create_job
+from service.db.jobs import QuotaExceeded, TrialOf, create_job
 from service.db.uploads import upload_visible_to
-from service.db.models import Job, User
+from service.db.models import Job, Sweep, User
+from service.db.sweeps import create_sweep
 from service.placement import never_fits
 from service.settings import Settings
+from service.sweep_space import NoSuchField, with_params
 from service.uploads import CODE, DATASET, UploadRefused, code_directory
 
 # Jobs run for minutes to days; a client over its quota has no reason to ask again sooner.
@@ -47,24 +51,56 @@ def bad_field(field: tuple[str, ...], message: str) -> Refused:
 
 
 def admit(
-    reads: Session, writes: Session, user: User, spec: JobSpec, settings: Settings, idempotency_key: str | None = None
+    reads: Session,
+    writes: Session,
+    user: User,
+    spec: JobSpec,
+    settings: Settings,
+    idempotency_key: str | None = None,
+    trial_of: TrialOf | None = None,
 ) -> Job:
     """The queued job for `spec`, or Refused. The checks read (files too) in `reads`, which takes no
     write lock on SQLite; only the insert runs in `writes`. The quota is counted in the transaction
     that inserts the job, so two submits at once can't both take the last place; a retry with the
-    same idempotency key returns the job it created."""
-    if spec.script is not None:
-        _check_script(reads, user, spec.script, settings)
-    else:
-        _check_data(reads, user, spec, settings)
-    if reason := never_fits(spec.resources, all_hosts(reads)):
-        raise bad_field(("resources",), reason)
+    same idempotency key returns the job it created. A sweep's trial is admitted here too (`trial_of`)."""
+    check_spec(reads, user, spec, settings)
     try:
-        return create_job(writes, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user)
+        return create_job(writes, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user, trial_of=trial_of)
     except QuotaExceeded as exc:
         raise Refused(
             HTTPStatus.TOO_MANY_REQUESTS, None, str(exc), QUOTA_RETRY_AFTER_SECONDS, {"limit": exc.limit, "active": exc.active}
         ) from exc
+
+
+def admit_sweep(reads: Session, writes: Session, user: User, spec: SweepSpec, settings: Settings) -> Sweep:
+    """The running sweep for `spec`, or Refused naming the field: its base spec is admitted as a
+    job's would be, and each search space path must name a field of it that takes the dimension's
+    values (each choice, a range's ends)."""
+    try:
+        check_spec(reads, user, spec.base, settings)
+    except Refused as exc:
+        raise Refused(exc.status, ("base", *exc.field) if exc.field else None, exc.message) from exc
+    base = spec.base.model_dump(mode="json")
+    for path, dimension in spec.search_space.items():
+        for value in dimension.extremes:
+            try:
+                JobSpec.model_validate(with_params(base, {path: value}))
+            except NoSuchField as exc:
+                raise bad_field(("search_space", path), "names no field of the job spec") from exc
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                raise bad_field(("search_space", path), f"{value!r}: {'.'.join(map(str, error['loc']))}: {error['msg']}") from exc
+    return create_sweep(writes, user, spec)
+
+
+def check_spec(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:
+    """Refused unless `user` may run `spec`: all of admission but the quota."""
+    if spec.script is not None:
+        _check_script(session, user, spec.script, settings)
+    else:
+        _check_data(session, user, spec, settings)
+    if reason := never_fits(spec.resources, all_hosts(session)):
+        raise bad_field(("resources",), reason)
 
 
 def _check_data(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:

@@ -1,4 +1,5 @@
-"""Places queued jobs on worker hosts and notices attempts whose worker went away.
+"""Places queued jobs on worker hosts and notices attempts whose worker went away; after each pass,
+the sweep controller (service/sweeps.py) submits and prunes sweeps' trials.
 
 One pass = one transaction: reap lost attempts, re-send dispatches nobody claimed, place queued
 jobs on hosts with free slots. Tasks are sent only after the transaction commits, so a worker
@@ -34,6 +35,7 @@ from service.logs import job_fields
 from service.placement import Rooms, preemption_plan, waiting_reason
 from service.queue import dispatch_attempt
 from service.settings import Settings
+from service.sweeps import advance_sweeps
 
 log = logging.getLogger("trainyard.scheduler")
 
@@ -146,6 +148,7 @@ def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, st
             last_reaped = time.monotonic() if reap else last_reaped
             for attempt_id, host in dispatches:
                 _send(celery, attempt_id, host)
+            advance_sweeps(sessions, settings)  # trials it submits ring the doorbell: placed by the next pass
         except Exception:
             # A database or broker restart must not kill the scheduler; the next pass retries.
             log.exception("scheduler pass failed; retrying")

@@ -30,8 +30,8 @@ import yaml
 from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
-    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, UploadOut,
-    WorkerOut, field_location,
+    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, SweepOut,
+    SweepPage, SweepSpec, UploadOut, WorkerOut, field_location,
 )
 from api_schemas.manifest import CorruptCheckpoint, verify_manifest
 
@@ -163,18 +163,31 @@ class Client:
         params: dict[str, Any] = {"limit": limit}
         if status is not None:
             params["status"] = JobStatus(status).value
-        while True:
-            page = self._call(JobPage, "GET", "/v1/jobs", params=params)
-            yield from page.items
-            if page.next_cursor is None:
-                return
-            params["cursor"] = page.next_cursor
+        return self._pages(JobPage, "/v1/jobs", params)
 
     def job(self, job_id: int) -> JobOut:
         return self._call(JobOut, "GET", f"/v1/jobs/{job_id}")
 
     def cancel(self, job_id: int) -> JobOut:
         return self._call(JobOut, "POST", f"/v1/jobs/{job_id}/cancel")
+
+    # -- sweeps ------------------------------------------------------------------------------------
+
+    def submit_sweep(self, spec: SweepSpec | dict) -> SweepOut:
+        """Start a hyperparameter search; its trials are jobs the server submits (see api_schemas/sweeps.py)."""
+        body = spec.model_dump(mode="json") if isinstance(spec, SweepSpec) else spec
+        return self._call(SweepOut, "POST", "/v1/sweeps", json=body)
+
+    def sweeps(self, limit: int = 50) -> Iterator[SweepOut]:
+        """All visible sweeps, newest first, fetched `limit` per request as the iteration goes."""
+        return self._pages(SweepPage, "/v1/sweeps", {"limit": limit})
+
+    def sweep(self, sweep_id: int) -> SweepOut:
+        """The sweep with its trials, its best trial, and that trial's spec (`best_spec`), ready to submit."""
+        return self._call(SweepOut, "GET", f"/v1/sweeps/{sweep_id}")
+
+    def cancel_sweep(self, sweep_id: int) -> SweepOut:
+        return self._call(SweepOut, "POST", f"/v1/sweeps/{sweep_id}/cancel")
 
     def wait(self, job_id: int, poll: float = 1.0, on_update: Callable[[JobOut], None] | None = None) -> JobOut:
         """Poll the job until it reaches a final status; `on_update` sees every poll's state."""
@@ -359,6 +372,15 @@ class Client:
         return dest / top
 
     # -- plumbing ----------------------------------------------------------------------------------
+
+    def _pages(self, page_model: type[JobPage] | type[SweepPage], path: str, params: dict[str, Any]) -> Iterator:
+        """Every item of a cursor-paginated list, a page per request as the iteration goes."""
+        while True:
+            page = self._call(page_model, "GET", path, params=params)
+            yield from page.items
+            if page.next_cursor is None:
+                return
+            params = {**params, "cursor": page.next_cursor}
 
     def _call(self, model: type[Model], method: str, path: str, **kwargs) -> Model:
         """One request; the JSON response parsed into `model` (a pydantic model, or a type like list[X])."""

@@ -289,7 +289,8 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
     return run
 
 
-def add_client_commands(subparsers) -> None:
+def add_client_commands(subparsers) -> argparse.ArgumentParser:
+    """The client's commands; returns the parser of the connection options they all take."""
     # Every client command takes the connection options, so they work after the command name.
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--server", help="API URL (default: $TRAINYARD_SERVER, the config file's server:, or http://127.0.0.1:8000)")
@@ -352,3 +353,4 @@ def add_client_commands(subparsers) -> None:
 
     command("dashboard", cmd_dashboard, "jobs by status, running jobs and workers")
     command("workers", cmd_workers, "list worker hosts")
+    return connection

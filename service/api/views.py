@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from api_schemas import AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus, LogLineOut
+from api_schemas import AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus, LogLineOut, SweepOut, SweepSpec, TrialOut
 from service.db.metrics import latest_metrics
-from service.db.models import Checkpoint, Job, JobEvent, LogLine
+from service.db.models import Checkpoint, Job, JobEvent, LogLine, Sweep
+from service.db.sweeps import trial_jobs
 
 # The latest values the jobs table shows: last loss, and the step time its rate and ETA come from.
 PROGRESS_METRICS = ["train_loss", "step_time_s"]
@@ -55,6 +56,8 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
         last_train_loss=latest.get("train_loss"),
         steps_per_second=1 / step_time if step_time else None,
         eta_seconds=(job.max_steps - job.step) * step_time if step_time and job.max_steps and job.status == JobStatus.running else None,
+        sweep_id=job.sweep_id,
+        trial_number=job.trial_number,
     )
 
 
@@ -75,3 +78,43 @@ def job_event_out(event: JobEvent) -> JobEventOut:
 
 def log_line_out(line: LogLine) -> LogLineOut:
     return LogLineOut(attempt=line.attempt_number, rank=line.rank, seq=line.seq, line=line.line)
+
+
+def sweep_outs(session: Session, sweeps: list[Sweep]) -> list[SweepOut]:
+    """Each sweep with its trials and best trial: two queries for the whole page."""
+    trials = trial_jobs(session, [sweep.id for sweep in sweeps])
+    metrics = {sweep.id: sweep.spec["objective"]["metric"] for sweep in sweeps}
+    latest = latest_metrics(session, [job.id for jobs in trials.values() for job in jobs], sorted(set(metrics.values())))
+    return [sweep_out(sweep, trials[sweep.id], {job.id: latest.get(job.id, {}).get(metrics[sweep.id]) for job in trials[sweep.id]}) for sweep in sweeps]
+
+
+def sweep_out(sweep: Sweep, jobs: list[Job], values: dict[int, float | None]) -> SweepOut:
+    spec = SweepSpec.model_validate(sweep.spec)
+    trials = [
+        TrialOut(
+            number=job.trial_number,
+            job_id=job.id,
+            params=job.trial["params"],
+            status=job.status,
+            step=job.step,
+            value=values[job.id],
+            reason=job.failure_reason if job.status != JobStatus.succeeded else None,
+        )
+        for job in jobs
+    ]
+    finished = [trial for trial in trials if trial.status == JobStatus.succeeded and trial.value is not None]
+    sign = 1 if spec.objective.direction == "min" else -1
+    best = min(finished, key=lambda trial: (sign * trial.value, trial.number), default=None)
+    return SweepOut(
+        id=sweep.id,
+        name=sweep.name,
+        owner=sweep.owner.name,
+        status=sweep.status,
+        failure_reason=sweep.failure_reason,
+        created_at=sweep.created_at,
+        finished_at=sweep.finished_at,
+        spec=spec,
+        trials=trials,
+        best_trial=best.number if best else None,
+        best_spec=next(job.spec for job in jobs if job.id == best.job_id) if best else None,
+    )

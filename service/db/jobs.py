@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -18,10 +20,25 @@ class QuotaExceeded(Exception):
         self.limit, self.active = limit, active
 
 
+@dataclass(frozen=True)
+class TrialOf:
+    """A job that is a sweep's trial: its number there, and the trial as Optuna knows it (see Job.trial)."""
+
+    sweep_id: int
+    number: int
+    trial: dict
+
+
 def create_job(
-    session: Session, owner: User, spec: JobSpec, idempotency_key: str | None = None, max_active: int | None = None
+    session: Session,
+    owner: User,
+    spec: JobSpec,
+    idempotency_key: str | None = None,
+    max_active: int | None = None,
+    trial_of: TrialOf | None = None,
 ) -> Job:
     """Queue a job. A retried request with the same Idempotency-Key returns the job it created.
+    A sweep's trial is recorded with it, in the same transaction (unique per sweep and number).
 
     Raises QuotaExceeded if the owner already has `max_active` active jobs."""
     by_key = select(Job).where(Job.owner_id == owner.id, Job.idempotency_key == idempotency_key)
@@ -44,6 +61,8 @@ def create_job(
         max_steps=spec.training.max_steps or 0,  # 0: a script that didn't say
         idempotency_key=idempotency_key,
     )
+    if trial_of is not None:
+        job.sweep_id, job.trial_number, job.trial = trial_of.sweep_id, trial_of.number, trial_of.trial
     session.add(job)
     try:
         session.flush()
@@ -85,14 +104,19 @@ def jobs_visible_to(session: Session, user: User, *, status: JobStatus | None, l
 
 def request_cancel(session: Session, job: Job) -> Job:
     """A queued job is cancelled at once; a placed or running one when its worker notices."""
-    if job.status == JobStatus.queued:
-        state.move_job(session, job, JobStatus.cancelled, reason="cancelled by user")
-    elif not JobStatus(job.status).is_final:
-        job.cancel_requested = True
+    ask_to_cancel(session, job)
     session.commit()
     # A concurrent transition may have placed the job after we read it: the flag covers that too.
     session.refresh(job)
     return job
+
+
+def ask_to_cancel(session: Session, job: Job) -> None:
+    """request_cancel without the commit, for a caller that cancels more in the same transaction."""
+    if job.status == JobStatus.queued:
+        state.move_job(session, job, JobStatus.cancelled, reason="cancelled by user")
+    elif not JobStatus(job.status).is_final:
+        job.cancel_requested = True
 
 
 def job_events_after(session: Session, job_id: int, after_seq: int, limit: int) -> list[JobEvent]:

@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 from sqlalchemy import JSON, TypeDecorator, BigInteger, Boolean, DateTime, Enum, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from api_schemas import AttemptStatus, JobEventType, JobStatus
+from api_schemas import AttemptStatus, JobEventType, JobStatus, SweepStatus
 from service.db import rollups
 
 
@@ -67,6 +67,25 @@ class Upload(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class Sweep(Base):
+    """A hyperparameter search. Its trials are jobs with its `sweep_id`; the Optuna study is rebuilt
+    from them each time the controller (service/sweeps.py) acts, so this row and theirs are all there is."""
+
+    __tablename__ = "sweeps"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    owner_id: Mapped[int] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(100))
+    spec: Mapped[dict] = mapped_column(JSON, doc="The SweepSpec as submitted.")
+    status: Mapped[SweepStatus] = mapped_column(_enum_column(SweepStatus), default=SweepStatus.running)
+    failure_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+    owner: Mapped[User] = relationship(lazy="joined")
+
+    __table_args__ = (Index("ix_sweeps_status", "status"),)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[int] = mapped_column(BigId, primary_key=True)
@@ -86,6 +105,14 @@ class Job(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     last_event_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0", doc="seq of the job's newest JobEvent.")
+    sweep_id: Mapped[int | None] = mapped_column(ForeignKey("sweeps.id"), nullable=True, doc="The sweep this job is a trial of.")
+    trial_number: Mapped[int | None] = mapped_column(Integer, nullable=True, doc="Its number in the sweep: inserted with the job, once.")
+    trial: Mapped[dict | None] = mapped_column(
+        JSON, nullable=True, doc="The trial as Optuna knows it: `params`, `system_attrs` (a pruner's rungs), `checked_step`."
+    )
+    prune_reason: Mapped[str | None] = mapped_column(
+        Text, nullable=True, doc="Set when the sweep prunes it: however its attempt then ends, the job ends `pruned` with this."
+    )
 
     owner: Mapped[User] = relationship(lazy="joined")
     attempts: Mapped[list[Attempt]] = relationship(back_populates="job", order_by="Attempt.number", lazy="selectin")
@@ -98,6 +125,7 @@ class Job(Base):
     __table_args__ = (
         Index("ix_jobs_queue", "status", "priority", "id"),
         UniqueConstraint("owner_id", "idempotency_key", name="uq_jobs_owner_idempotency_key"),
+        UniqueConstraint("sweep_id", "trial_number", name="uq_jobs_sweep_trial"),
     )
 
 

@@ -26,12 +26,13 @@ ACTIVE_JOB = (JobStatus.queued, JobStatus.scheduled, JobStatus.running)
 ACTIVE_ATTEMPT = (AttemptStatus.scheduled, AttemptStatus.running)
 
 JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
-    JobStatus.queued: {JobStatus.scheduled, JobStatus.cancelled, JobStatus.failed},
-    JobStatus.scheduled: {JobStatus.running, JobStatus.queued, JobStatus.failed, JobStatus.cancelled},
-    JobStatus.running: {JobStatus.succeeded, JobStatus.failed, JobStatus.queued, JobStatus.cancelled},
+    JobStatus.queued: {JobStatus.scheduled, JobStatus.cancelled, JobStatus.failed, JobStatus.pruned},
+    JobStatus.scheduled: {JobStatus.running, JobStatus.queued, JobStatus.failed, JobStatus.cancelled, JobStatus.pruned},
+    JobStatus.running: {JobStatus.succeeded, JobStatus.failed, JobStatus.queued, JobStatus.cancelled, JobStatus.pruned},
     JobStatus.succeeded: set(),
     JobStatus.failed: set(),
     JobStatus.cancelled: set(),
+    JobStatus.pruned: set(),
 }
 
 ATTEMPT_TRANSITIONS: dict[AttemptStatus, set[AttemptStatus]] = {
@@ -182,7 +183,8 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     succeeded → job succeeded (a multi-node gang: once every node has). Any other end of one node
     ends the rest of its gang as failed (cancelled, when the job's cancel was asked for; preempted,
     when it was preempted): they cannot go on without it; their workers see their lease gone and
-    stop. cancelled, or any end of a job whose cancel was requested → job cancelled. preempted →
+    stop. cancelled, or any end of a job whose cancel was requested → job cancelled. Any other end
+    of a job its sweep pruned (see request_prune) → job pruned. preempted →
     queued again, using no restart (the job did nothing wrong). failed or lost → queued again
     while restarts remain, else failed with the attempt's reason. A queued job resumes from its
     latest complete checkpoint.
@@ -206,6 +208,8 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
             move_attempt(session, other, ended, reason=f"node {attempt.node_rank} of this gang ended {outcome.value}: {reason}")
     if cancelled:
         return move_job(session, job, JobStatus.cancelled)
+    if job.prune_reason is not None:
+        return move_job(session, job, JobStatus.pruned, reason=job.prune_reason)
     if outcome == AttemptStatus.preempted:
         return move_job(session, job, JobStatus.queued, reason=f"attempt {attempt.number} preempted: {reason}")
     # An attempt that never started used no restart: its host vanished before it claimed it.
@@ -215,6 +219,19 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     if job.restarts <= job.spec.get("max_restarts", 0):
         return move_job(session, job, JobStatus.queued, reason=f"retrying after {which}: {reason}")
     return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}: {reason}")
+
+
+def request_prune(session: Session, job: Job, reason: str) -> None:
+    """End a sweep's trial early. A queued job is pruned at once; a placed or running one is asked
+    to stop as a preemption is (its worker sees the request at its next lease renewal, and the
+    training checkpoints and stops), and end_attempt then ends the job `pruned`, its checkpoints kept."""
+    if job.status == JobStatus.queued:
+        move_job(session, job, JobStatus.pruned, reason=reason)
+        return
+    job.prune_reason = reason
+    for attempt in job.attempts:
+        if not attempt.status.is_final:
+            attempt.preempt_requested = True
 
 
 def status_event(status: JobStatus, reason: str | None = None) -> tuple[JobEventType, dict]:

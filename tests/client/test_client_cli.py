@@ -13,6 +13,7 @@ import yaml
 from api_schemas import AttemptStatus, JobSpec
 from tests.client.conftest import run_next_job
 from tests.helpers import EXAMPLE_SPEC, tiny_spec
+from tests.sweep_helpers import run_sweep, sweep_spec
 from trainyard.cli import main
 from trainyard.client_cli import SpecFileError, load_spec_file
 
@@ -115,3 +116,33 @@ def test_ls_lists_the_newest_jobs(trainyard, tmp_path):
     lines = out.splitlines()
     assert lines[0].split() == ["ID", "NAME", "STATUS", "STEP", "OWNER", "CREATED"]
     assert [int(line.split()[0]) for line in lines[1:]] == submitted[:1:-1]
+
+
+def test_a_sweep_submitted_listed_and_shown_prints_its_best_spec_ready_to_submit(trainyard, settings, tmp_path):
+    spec_file = tmp_path / "sweep.json"
+    spec_file.write_text(json.dumps(sweep_spec()))
+
+    code, out, _ = trainyard("sweep", "submit", str(spec_file))
+    assert code == 0 and out.startswith("sweep 1 (search) submitted: up to 10 trials, 2 at a time")
+    run_sweep(settings, 1)
+
+    code, out, _ = trainyard("sweep", "ls")
+    assert code == 0 and out.splitlines()[1].split()[:4] == ["1", "search", "succeeded", "4/10"]
+    code, out, _ = trainyard("sweep", "show", "1")
+    assert code == 0
+    table, best = out.split("\nbest: trial ")
+    assert len(table.splitlines()) == 2 + 4  # the heading line, the table's, a row per trial
+    assert all(" succeeded " in row for row in table.splitlines()[2:])
+    best_spec = JobSpec.model_validate(json.loads(best.split(":\n", 1)[1]))
+    assert best_spec.optimizer.lr == 0.003
+
+    code, out, _ = trainyard("sweep", "cancel", "1")
+    assert code == 0 and out.strip() == "sweep 1: succeeded"  # it had ended: nothing to cancel
+
+
+def test_a_sweep_with_a_bad_base_spec_exits_1_naming_the_field(trainyard, tmp_path):
+    spec = sweep_spec()
+    spec["base"]["optimizer"]["lr"] = -1
+    (tmp_path / "sweep.json").write_text(json.dumps(spec))
+    code, _, err = trainyard("sweep", "submit", str(tmp_path / "sweep.json"))
+    assert code != 0 and "base.optimizer.lr" in err

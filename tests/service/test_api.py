@@ -261,7 +261,7 @@ def test_metrics_endpoint_reports_the_whole_service_from_the_database(api, token
 
     assert {status: value("trainyard_jobs", status=status) for status in JobStatus} == {
         JobStatus.queued: 2, JobStatus.scheduled: 0, JobStatus.running: 1,
-        JobStatus.succeeded: 1, JobStatus.failed: 0, JobStatus.cancelled: 1,
+        JobStatus.succeeded: 1, JobStatus.failed: 0, JobStatus.cancelled: 1, JobStatus.pruned: 0,
     }
     assert value("trainyard_attempts_running") == 1
     wait = "trainyard_job_queue_wait_seconds"
