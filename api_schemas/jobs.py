@@ -394,15 +394,6 @@ class ScriptConfig(_Config):
             "CUDA_VISIBLE_DEVICES, PYTHONUNBUFFERED) are refused; a PYTHONPATH comes after Trainyard's own."
         ),
     )
-    outputs: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
-        default_factory=list,
-        max_length=16,
-        description=(
-            "Directories the script writes, relative to its working directory (e.g. `[\"out\"]` for `--output_dir out`), "
-            "collected into the artifact store with a sha256 manifest when the job ends: `GET /v1/jobs/{id}/outputs`."
-        ),
-    )
-    outputs_at_checkpoints: bool = Field(False, description="Also collect `outputs` at each checkpoint (the latest collection wins).")
 
     requirements: list[Annotated[str, Field(pattern=REQUIREMENT_PATTERN, max_length=200)]] = Field(
         default_factory=list,
@@ -418,11 +409,6 @@ class ScriptConfig(_Config):
     @classmethod
     def _entrypoint_inside(cls, entrypoint: str) -> str:
         return relative_inside_root(entrypoint, "the code directory")
-
-    @field_validator("outputs")
-    @classmethod
-    def _outputs_inside(cls, outputs: list[str]) -> list[str]:
-        return [relative_inside_root(output, "the script's working directory") for output in outputs]
 
     @field_validator("env")
     @classmethod
