@@ -371,6 +371,11 @@ class CodeSource(_Config):
 REQUIREMENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *(===|==|!=|<=|>=|~=|<|>) *[A-Za-z0-9.*+!_-]+( *, *(===|==|!=|<=|>=|~=|<|>) *[A-Za-z0-9.*+!_-]+)*)?$"
 
 
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# What the worker sets in a script's environment itself (workers/launch.py), besides TRAINYARD_*.
+SCRIPT_RESERVED_ENV = frozenset({"ACCELERATE_USE_CPU", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED"})
+
+
 class ScriptConfig(_Config):
     """Your own Accelerate training script, run as `accelerate launch <entrypoint> <args>` with the
     job's processes, precision and accumulation. It reports through `accelerator.log` and
@@ -386,7 +391,18 @@ class ScriptConfig(_Config):
         max_length=16,
         description=(
             "Appended to `args` when the attempt resumes, with `{checkpoint}` replaced by the checkpoint directory, e.g. "
-            "`[\"--resume_from_checkpoint\", \"{checkpoint}\"]`. The directory is also in TRAINYARD_RESUME_FROM either way."
+            "`[\"--resume_from_checkpoint\", \"{checkpoint}\"]`. The directory keeps the name the script saved it under "
+            "(`…/step_1200`), so a script that parses its own folder names resumes unchanged. `{checkpoint_name}` is that "
+            "name, `{step}` the checkpoint's step. The directory is also in TRAINYARD_RESUME_FROM either way."
+        ),
+    )
+    env: dict[Annotated[str, Field(pattern=ENV_NAME_PATTERN, max_length=128)], Annotated[str, Field(max_length=4096)]] = Field(
+        default_factory=dict,
+        max_length=64,
+        description=(
+            "Environment variables for the script, e.g. `{\"HF_HUB_OFFLINE\": \"1\"}`. Names Trainyard sets itself "
+            "(`TRAINYARD_*`, the launcher's ACCELERATE_USE_CPU and ACCELERATE_GRADIENT_ACCUMULATION_STEPS, "
+            "CUDA_VISIBLE_DEVICES, PYTHONUNBUFFERED) are refused; a PYTHONPATH comes after Trainyard's own."
         ),
     )
 
@@ -404,6 +420,16 @@ class ScriptConfig(_Config):
     @classmethod
     def _entrypoint_inside(cls, entrypoint: str) -> str:
         return relative_inside_root(entrypoint, "the code directory")
+
+    @field_validator("env")
+    @classmethod
+    def _env_not_trainyards(cls, env: dict[str, str]) -> dict[str, str]:
+        # The service's own settings and credentials are TRAINYARD_*: a script can neither see nor set them.
+        if refused := sorted(name for name in env if name.upper().startswith("TRAINYARD_") or name in SCRIPT_RESERVED_ENV):
+            raise ValueError(f"{', '.join(refused)}: set by Trainyard itself, not by a job")
+        if any("\0" in value for value in env.values()):
+            raise ValueError("a value must not contain a NUL character")
+        return env
 
 
 # The training fields a `script` job uses: the launcher's settings, and the service's own watch.

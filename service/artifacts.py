@@ -12,7 +12,7 @@ import errno
 import os
 import shutil
 import uuid
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, checkpoint_name, read_manifest, sha256_file, verify_manifest
 
@@ -28,15 +28,16 @@ class ArtifactStore:
             raise ValueError(f"{relative!r} is outside the artifact store")
         return path
 
-    def ingest_checkpoint(self, source: Path, job_id: int, step: int) -> tuple[str, str, int]:
-        """Take a finished checkpoint directory in; returns (relative path, sha256, size) of its
+    def ingest_checkpoint(self, source: Path, job_id: int, step: int, folder: str | None = None) -> tuple[str, str, int]:
+        """Take a finished checkpoint directory in, as `folder` under the job's checkpoints (by
+        default the built-in loop's `step-…` name); returns (relative path, sha256, size) of its
         model.safetensors, or for a checkpoint without one (a script's), of its manifest.json and
         the total size of its files. The directory is moved in when it is on the store's
         filesystem (its writer hands it over: a copy would cost a second write of every byte on
         the training host, and its files need no second hash unless changed since their manifest),
         else copied; either way verified before it is renamed into place. A checkpoint already
         stored (a retry after the database missed it) is described as it is."""
-        relative = f"jobs/{job_id}/checkpoints/{checkpoint_name(step)}"
+        relative = f"jobs/{job_id}/checkpoints/{folder or checkpoint_name(step)}"
         final = self.path(relative)
         if final.exists():
             manifest = read_manifest(final)  # verified on the way in
@@ -61,7 +62,9 @@ class ArtifactStore:
         return relative, sha256_file(final / MANIFEST_FILE), total
 
     def delete(self, relative: str) -> None:
-        shutil.rmtree(self.path(relative), ignore_errors=True)
+        """Delete a stored checkpoint: its directory, or the folder of its own it is kept in (a script's)."""
+        top = PurePosixPath(*PurePosixPath(relative).parts[:4])  # jobs/<id>/checkpoints/<folder>
+        shutil.rmtree(self.path(str(top)), ignore_errors=True)
 
 
 def _move_or_copy(source: Path, destination: Path) -> bool:

@@ -6,6 +6,7 @@ the supervisor (workers/supervisor.py) starts and watches the processes.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,16 +43,17 @@ def working_dir(spec: JobSpec, run_dir: Path) -> Path:
 
 def launch_command(
     spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0,
-    plugin_dir: Path | None = None,
+    plugin_dir: Path | None = None, resume_step: int | None = None,
 ) -> list[str]:
     """`accelerate launch -m workers.training …` with the job's process counts and precision, for
     node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet.
-    A `script` job runs `accelerate launch <entrypoint> <args>` instead (in its code directory)."""
+    A `script` job runs `accelerate launch <entrypoint> <args>` instead (in its code directory),
+    resuming with its `resume_args`' placeholders filled in (the checkpoint at `resume_step`)."""
     command = _accelerate_launch(spec, run_dir, rendezvous, node_rank)
     if spec.script is not None:
         args = list(spec.script.args)
         if resume_from is not None:
-            args += [arg.replace("{checkpoint}", str(resume_from)) for arg in spec.script.resume_args]
+            args += [resume_arg(arg, resume_from, resume_step) for arg in spec.script.resume_args]
         return command + [spec.script.entrypoint, *args]
     command += [
         "-m", "workers.training", "--spec", str(run_dir / SPEC_FILE_NAME), "--data-root", str(data_root), "--run-dir", str(run_dir),
@@ -61,6 +63,13 @@ def launch_command(
     if plugin_dir is not None:
         command += ["--plugin-dir", str(plugin_dir)]
     return command
+
+
+def resume_arg(arg: str, checkpoint: Path, step: int | None) -> str:
+    """One of a script's `resume_args` with its placeholders filled in: the checkpoint's directory,
+    its folder name as the script saved it (`step_1200`), its step."""
+    filled = {"{checkpoint}": str(checkpoint), "{checkpoint_name}": checkpoint.name, "{step}": "" if step is None else str(step)}
+    return re.sub("|".join(map(re.escape, filled)), lambda match: filled[match.group()], arg)
 
 
 def training_environment(
@@ -80,10 +89,12 @@ def training_environment(
 
 
 def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -> dict[str, str]:
-    """The whole environment of a script job's processes (the launcher's own additions aside)."""
+    """The whole environment of a script job's processes (the launcher's own additions aside):
+    what it inherits, the job's own `script.env`, and Trainyard's (which the spec can't override)."""
     env = {name: os.environ[name] for name in SCRIPT_INHERITED_ENV if name in os.environ}
+    env.update(spec.script.env)
     env.update({
-        "PYTHONPATH": str(SCRIPT_SITE),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPT_SITE), spec.script.env.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",
         EVENTS_FILE_ENV: str(run_dir / EVENTS_FILE_NAME),
         CHECKPOINT_DIR_ENV: str(run_dir / "checkpoints"),

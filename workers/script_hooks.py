@@ -6,9 +6,11 @@ Installed by workers/script_site/sitecustomize.py when Accelerate is imported:
 - an Accelerator with no project directory of its own gets TRAINYARD_CHECKPOINT_DIR, so
   `ProjectConfiguration(automatic_checkpoint_naming=True)` saves under it;
 - `accelerator.save_state(...)`, once every process has written its part, gets a manifest (sha256
-  of each file) and is reported as a checkpoint, numbered by the last step passed to
-  `accelerator.log` (else the number at the end of the folder's name). The worker then moves it
-  into the artifact store (copies it and deletes it here, across filesystems).
+  of each file) and is reported as a checkpoint of its own (checkpoint_step says at which step).
+  The worker then moves it into the artifact store (copies it and deletes it here, across
+  filesystems), keeping its folder's name, and gives that folder back to resume from;
+- `accelerator.load_state(".../checkpoint_3")` under automatic checkpoint naming goes on naming
+  from `checkpoint_4`, as the run it resumes would have.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def patch(accelerator_class) -> None:
         return
     accelerator_class._trainyard_patched = True
     original_init, original_save_state = accelerator_class.__init__, accelerator_class.save_state
+    original_load_state = accelerator_class.load_state
 
     def __init__(self, *args, project_dir=None, project_config=None, **kwargs):
         checkpoint_dir = os.environ.get(CHECKPOINT_DIR_ENV)
@@ -74,26 +77,52 @@ def patch(accelerator_class) -> None:
             self.trackers.append(self._trainyard_tracker)
 
     def save_state(self, *args, **kwargs):
+        iteration = self.save_iteration  # save_state counts it up
         location = original_save_state(self, *args, **kwargs)
         self.wait_for_everyone()  # every process's part (its RNG state) is on disk
         tracker = self._trainyard_tracker
         if tracker is not None and location:
-            report_checkpoint(tracker, Path(location))
+            report_checkpoint(tracker, Path(location), iteration, self.project_configuration.automatic_checkpoint_naming)
         self.wait_for_everyone()  # nobody writes the next checkpoint into a folder being hashed
         return location
 
+    def load_state(self, input_dir=None, *args, **kwargs):
+        result = original_load_state(self, input_dir, *args, **kwargs)
+        # Accelerate starts counting its saves at 0 in every run: without this, a resumed run's next
+        # automatic save would be checkpoint_0 again, named as if before the one it resumed from.
+        number = re.fullmatch(r"checkpoint_(\d+)", Path(input_dir).name) if input_dir else None
+        if self.project_configuration.automatic_checkpoint_naming and number:
+            self.project_configuration.iteration = max(self.project_configuration.iteration, int(number.group(1)) + 1)
+        return result
+
     accelerator_class.__init__ = __init__
     accelerator_class.save_state = save_state
+    accelerator_class.load_state = load_state
 
 
-def report_checkpoint(tracker, directory: Path) -> None:
+def checkpoint_step(folder_name: str, last_logged_step: int | None, save_iteration: int, automatic_naming: bool) -> int:
+    """The step a checkpoint folder was saved at: the number its name ends with (`step_1200`,
+    `checkpoint-1200`, and an `epoch_3` by its epoch, as the script itself counts on resuming), else
+    Accelerate's count of saves when it names the folders, else the last step given to
+    `accelerator.log`, else that count. Not the last logged step first: a script that logs once an
+    epoch saves many checkpoints between two logs."""
+    if number := re.search(r"(\d+)$", folder_name):
+        return int(number.group(1))
+    if automatic_naming or last_logged_step is None:
+        return save_iteration
+    return last_logged_step
+
+
+def report_checkpoint(tracker, directory: Path, save_iteration: int, automatic_naming: bool) -> None:
     from api_schemas.manifest import write_manifest
 
     directory = directory.resolve()
-    if tracker.last_step is not None:
-        step = tracker.last_step
-    else:
-        number = re.search(r"(\d+)$", directory.name)
-        step = int(number.group(1)) if number else 0
+    step = checkpoint_step(directory.name, tracker.last_step, save_iteration, automatic_naming)
+    if (earlier := tracker.checkpoints_by_step.get(step)) is not None:
+        print(
+            f"trainyard: checkpoint {directory.name} gets step {step}, as {earlier} did before it; both are kept, "
+            "as two checkpoints", file=sys.stderr, flush=True,
+        )
+    tracker.checkpoints_by_step[step] = directory.name
     write_manifest(directory, step)
     tracker.checkpoint(step, directory)

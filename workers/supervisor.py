@@ -32,7 +32,7 @@ from pathlib import Path
 from sqlalchemy.orm import sessionmaker
 
 from api_schemas import AttemptStatus, JobSpec
-from api_schemas.manifest import CorruptCheckpoint
+from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
 from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, MetricsEvent, decode_events
 from service.artifacts import ArtifactStore
@@ -86,7 +86,7 @@ class Outbox:
 
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     logs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (seq, rank, line)
-    checkpoints: list[tuple[int, Path]] = field(default_factory=list)
+    checkpoints: list[tuple[int, Path, str]] = field(default_factory=list)  # (step, directory, its folder in the store)
     ingesting: Future | None = None  # the first of `checkpoints`, being taken into the store
 
     def empty(self) -> bool:
@@ -178,7 +178,8 @@ class AttemptRunner:
             if problems := unmet(spec.script.requirements):
                 raise CannotStart(f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}")
         command = launch_command(
-            spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir
+            spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
+            resume_step=claimed.resume_step,
         )
         env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
         process = subprocess.Popen(
@@ -223,9 +224,9 @@ class AttemptRunner:
         """Take the outbox's checkpoints into the store one at a time, oldest first, on the ingest
         threads, and record each that is in."""
         while outbox.checkpoints:
-            step, source = outbox.checkpoints[0]
+            step, source, folder = outbox.checkpoints[0]
             if outbox.ingesting is None:
-                outbox.ingesting = self.ingest.submit(self.store.ingest_checkpoint, source, claimed.job_id, step)
+                outbox.ingesting = self.ingest.submit(self.store.ingest_checkpoint, source, claimed.job_id, step, folder)
             if not wait_for([outbox.ingesting], timeout=None if wait else INGEST_WAIT_SECONDS).done:
                 return
             ingesting, outbox.ingesting = outbox.ingesting, None
@@ -273,6 +274,7 @@ class RunningAttempt:
         self.events = EventTail(run_dir / EVENTS_FILE_NAME)
         self.outbox = Outbox()
         self.line_numbers = itertools.count()
+        self.checkpoint_numbers = itertools.count(1)
         self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
         self.stall = StallWatch(spec.training.stall_timeout_s)
         self.stalled = False
@@ -312,6 +314,7 @@ class RunningAttempt:
                 self.output_done = True
                 return
             rank, line = split_rank(line, self.claimed.node_rank, self.spec)
+            line = final_state(line)  # after the rank's prefix, which only the line's start has
             self.outbox.logs.append((next(self.line_numbers), rank, line[:MAX_LOG_LINE]))
             self.recent_lines.append(line[:MAX_LOG_LINE])
 
@@ -323,9 +326,17 @@ class RunningAttempt:
                 self.stall.progressed()
             # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
             elif (path := event.path.resolve()).is_relative_to(self.run_dir):
-                self.outbox.checkpoints.append((event.step, path))
+                self.outbox.checkpoints.append((event.step, path, self._store_folder(event.step, path)))
             else:
                 log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", self.claimed.job_id, path, self.run_dir)
+
+    def _store_folder(self, step: int, path: Path) -> str:
+        """Where a checkpoint goes in the store, under the job's checkpoints. A script's keeps the
+        folder name it was saved under, inside a folder of its own: two saves with one name or one
+        step are two checkpoints, and a resume gets the name the script parses (`…/step_1200`)."""
+        if self.spec.script is None:
+            return checkpoint_name(step)
+        return f"attempt-{self.claimed.number}.{next(self.checkpoint_numbers)}/{path.name}"
 
     def _kill_if_stalled(self) -> None:
         # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through us, so
@@ -385,6 +396,12 @@ class RunningAttempt:
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         tail = "\n".join(self.recent_lines)
         return AttemptStatus.failed, f"training process exited with code {self.exit_code}; last output:\n{tail}"
+
+
+def final_state(line: str) -> str:
+    """What a terminal would show of a line that redraws itself with carriage returns (a tqdm
+    progress bar): the text after its last `\r` that has any."""
+    return next((part for part in reversed(line.split("\r")) if part.strip()), "")
 
 
 RANK_PREFIX = re.compile(r"^\[default(\d+)\]:")

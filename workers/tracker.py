@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 from accelerate.tracking import GeneralTracker
@@ -27,7 +28,9 @@ class TrainyardTracker(GeneralTracker):
     def __init__(self, events_file: Path):
         super().__init__()
         self.reporter = JsonlReporter(events_file)
-        self.last_step: int | None = None  # the newest step logged: a checkpoint saved now is numbered by it
+        self.last_step: int | None = None  # the newest step logged
+        self.checkpoints_by_step: dict[int, str] = {}  # step -> folder name, of the checkpoints saved so far
+        self.warned: set[str] = set()  # metric names already warned about
 
     @classmethod
     def from_env(cls) -> TrainyardTracker:
@@ -38,12 +41,19 @@ class TrainyardTracker(GeneralTracker):
         return self.reporter
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
-        """Numbers are metrics (a bool, a string or a NaN is left out); without `step`, the next one."""
+        """Numbers are metrics (ints, floats, bools, 0-dim tensors and numpy scalars, as floats; a NaN
+        is left out); anything else is skipped, with one warning per name in the job's logs.
+        Without `step`, the next one."""
         step = step if step is not None else (self.last_step or 0) + 1
-        numbers = {
-            name: float(value) for name, value in values.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        }
+        numbers = {}
+        for name, value in values.items():
+            number = as_number(value)
+            if number is None:
+                if name not in self.warned:
+                    self.warned.add(name)
+                    print(f"trainyard: metric {name!r} is a {type(value).__name__}, not a number; not recorded", file=sys.stderr, flush=True)
+            elif math.isfinite(number):
+                numbers[name] = number
         if numbers:
             self.reporter.metrics(int(step), numbers)
         self.last_step = int(step)
@@ -53,3 +63,15 @@ class TrainyardTracker(GeneralTracker):
 
     def finish(self) -> None:
         self.reporter.close()
+
+
+def as_number(value) -> float | None:
+    """A metric's value as a float: a number, a bool, or a single-value tensor or array with no
+    dimensions (`loss.detach()`, `np.float32(…)`: what `.item()` would give). None for anything else."""
+    if isinstance(value, (int, float)):  # bool included
+        return float(value)
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        item = value.item()
+        if isinstance(item, (int, float)):
+            return float(item)
+    return None

@@ -84,8 +84,8 @@ _newest = aliased(Checkpoint)
 _ATTEMPT_TO_CLAIM = (
     select(Attempt, Checkpoint)
     .options(joinedload(Attempt.job).options(lazyload(Job.attempts), lazyload(Job.owner)))
-    .outerjoin(Checkpoint, (Checkpoint.job_id == Attempt.job_id) & (Checkpoint.step == (
-        select(func.max(_newest.step)).where(_newest.job_id == Attempt.job_id).scalar_subquery()
+    .outerjoin(Checkpoint, (Checkpoint.job_id == Attempt.job_id) & (Checkpoint.id == (  # the newest saved (service/db/checkpoints.py)
+        select(func.max(_newest.id)).where(_newest.job_id == Attempt.job_id).scalar_subquery()
     )))
     .where(Attempt.id == bindparam("attempt_id"))
 )

@@ -1,4 +1,8 @@
-"""Checkpoints: registered once complete, the oldest beyond a job's `keep_last` dropped."""
+"""Checkpoints: registered once complete, the oldest beyond a job's `keep_last` dropped.
+
+A job's checkpoints are in the order they were saved (by id), which is their steps' order for the
+built-in loop but not always for a script: a resumed attempt saves its steps again, and a script
+may number its folders by epoch or by save. The newest saved is the one a job resumes from."""
 
 from __future__ import annotations
 
@@ -15,18 +19,18 @@ from service.db.models import Checkpoint, User, utcnow
 def record_checkpoint(
     session: Session, job_id: int, attempt_id: int, step: int, path: str, sha256: str, size_bytes: int, keep_last: int
 ) -> list[str]:
-    """Register a complete checkpoint, then drop the oldest beyond `keep_last`; returns their paths to delete."""
+    """Register a complete checkpoint, then drop the oldest saved beyond `keep_last`; returns their paths to delete."""
     insert = dialect_insert(session)
     checkpoint_id = session.scalar(
         insert(Checkpoint)
         .values(job_id=job_id, attempt_id=attempt_id, step=step, path=path, sha256=sha256, size_bytes=size_bytes, created_at=utcnow())
-        .on_conflict_do_nothing(index_elements=["job_id", "step"])
+        .on_conflict_do_nothing(index_elements=["job_id", "path"])
         .returning(Checkpoint.id)
     )
     if checkpoint_id is not None:  # None: a re-sent checkpoint, already recorded
         data = {"checkpoint_id": checkpoint_id, "step": step, "sha256": sha256, "size_bytes": size_bytes}
         state.append_events(session, job_id, [(JobEventType.checkpoint, data)])
-    newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step.desc())).all()
+    newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc())).all()
     stale = newest_first[keep_last:]
     if stale:
         session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in stale])))
@@ -35,7 +39,7 @@ def record_checkpoint(
 
 
 def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
-    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.step)))
+    return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id)))
 
 
 def checkpoint_visible_to(session: Session, user: User, checkpoint_id: int) -> Checkpoint | None:

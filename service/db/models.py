@@ -230,7 +230,9 @@ class Checkpoint(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger, doc="Size of model.safetensors.")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
-    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+    # One row per stored directory, not per step: a script may save two folders that get one step
+    # (kept apart in the store), and a resumed attempt saves the steps after its checkpoint again.
+    __table_args__ = (UniqueConstraint("job_id", "path", name="uq_checkpoints_job_path"),)
 
 
 class JobEvent(Base):

@@ -107,6 +107,8 @@ def move_job(
         values["finished_at"] = now
     if reason is not None:
         values["failure_reason"] = reason
+    elif to == JobStatus.succeeded:
+        values["failure_reason"] = None  # an earlier attempt's failure is the attempt's, not the job's
     if not _compare_and_set(session, job, to, JOB_TRANSITIONS, values):
         return False
     _insert_events(session, job.id, job.last_event_seq, [status_event(to, reason)], now)

@@ -6,6 +6,9 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
 from api_schemas import JobSpec
 from tests.helpers import job_spec
 from workers.launch import launch_command, script_environment, training_environment, working_dir
@@ -77,3 +80,29 @@ def test_an_attempt_sees_only_the_gpus_reserved_for_it(monkeypatch, tmp_path: Pa
     assert training_environment(job_spec(), tmp_path, None, device_ids=[2, 3])["CUDA_VISIBLE_DEVICES"] == "2,3"
     assert training_environment(script_job(), tmp_path, None, device_ids=[1])["CUDA_VISIBLE_DEVICES"] == "1"
     assert "CUDA_VISIBLE_DEVICES" not in training_environment(script_job(), tmp_path, None)  # a script inherits none
+
+
+def test_resume_args_name_the_checkpoint_as_the_script_saved_it_with_its_name_and_step(tmp_path: Path):
+    spec = script_job(script={
+        "entrypoint": "train.py", "code": {"path": "project"},
+        "resume_args": ["--resume_from_checkpoint", "{checkpoint}", "--name={checkpoint_name}", "--step", "{step}"],
+    })
+    checkpoint = tmp_path / "jobs" / "1" / "checkpoints" / "attempt-1.3" / "step_1200"
+    command = launch_command(spec, tmp_path, tmp_path / "data", checkpoint, "10.0.0.1:29500", resume_step=1200)
+    assert command[-6:] == ["train.py", "--resume_from_checkpoint", str(checkpoint), "--name=step_1200", "--step", "1200"]
+    assert launch_command(spec, tmp_path, tmp_path / "data", None, "10.0.0.1:29500")[-1] == "train.py"  # a first attempt resumes nothing
+
+
+def test_a_scripts_own_env_reaches_it_and_trainyards_names_cannot_be_set(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
+    spec = script_job(script={
+        "entrypoint": "train.py", "code": {"path": "project"}, "env": {"HF_HUB_OFFLINE": "1", "PYTHONPATH": "/opt/lib"},
+    })
+    env = training_environment(spec, tmp_path, None)
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(Path(env["PYTHONPATH"].split(os.pathsep)[0])), "/opt/lib"]
+    assert (Path(env["PYTHONPATH"].split(os.pathsep)[0]) / "sitecustomize.py").is_file()  # Trainyard's hooks first
+    assert not any("secret" in value for value in env.values())
+    for name in ["TRAINYARD_EVENTS_FILE", "trainyard_database_url", "CUDA_VISIBLE_DEVICES", "ACCELERATE_USE_CPU", "1BAD", "A-B"]:
+        with pytest.raises(ValidationError):
+            script_job(script={"entrypoint": "train.py", "code": {"path": "project"}, "env": {name: "x"}})
