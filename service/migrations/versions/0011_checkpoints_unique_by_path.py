@@ -2,13 +2,13 @@
 checkpoints, so the unique key is (job_id, path)
 
 Revision ID: 0011
-Revises: 0007
+Revises: 0010
 """
 from alembic import op
 
 
 revision = '0011'
-down_revision = '0007'
+down_revision = '0010'
 branch_labels = None
 depends_on = None
 
