@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Path, Request, status
+from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -95,6 +95,15 @@ def not_found(what: str) -> HTTPException:
 
 # A row id in the path: the database's BIGINT range, so an absurd id is a 422, not an overflow.
 RowId = Annotated[int, Path(ge=1, le=2**63 - 1)]
+
+# A list's pages, newest first: `cursor` is the last id of the previous page.
+PageLimit = Annotated[int, Query(ge=1, le=200)]
+PageCursor = Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of the previous page.")]
+
+
+def next_page(rows: list, limit: int) -> str | None:
+    """The cursor of the page after `rows`; None when this one was the last."""
+    return str(rows[-1].id) if len(rows) == limit else None
 
 
 def visible_job(session: Session, user: User, job_id: int) -> Job:

@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
 from service.admission import admit
 from service.api.deps import (
-    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, VisibleJob, WriteSessionDep, visible_job,
+    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SettingsDep, VisibleJob, WriteSessionDep, next_page, visible_job,
 )
 from service.api.events import EVENTS, LOG_LINES, EventStreamResponse, Source
 from service.api.limits import TooManyStreams
@@ -46,12 +46,11 @@ def list_jobs(
     session: SessionDep,
     user: CurrentUser,
     status_: Annotated[JobStatus | None, Query(alias="status")] = None,
-    limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of the previous page.")] = None,
+    limit: PageLimit = 50,
+    cursor: PageCursor = None,
 ) -> JobPage:
     jobs = jobs_visible_to(session, user, status=status_, limit=limit, before_id=int(cursor) if cursor else None)
-    next_cursor = str(jobs[-1].id) if len(jobs) == limit else None
-    return JobPage(items=job_outs(session, jobs), next_cursor=next_cursor)
+    return JobPage(items=job_outs(session, jobs), next_cursor=next_page(jobs, limit))
 
 
 @router.get("/{job_id}", response_model=JobOut)

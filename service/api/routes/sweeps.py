@@ -2,12 +2,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, status
+from fastapi import APIRouter, Depends, status
 from sqlalchemy.orm import Session
 
 from api_schemas import SweepOut, SweepPage, SweepSpec
 from service.admission import admit_sweep
-from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, WriteSessionDep, not_found
+from service.api.deps import (
+    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SettingsDep, WriteSessionDep, next_page, not_found,
+)
 from service.api.views import sweep_outs
 from service.db.models import Sweep, User
 from service.db.sweeps import cancel_sweep, sweep_visible_to, sweeps_visible_to
@@ -41,12 +43,11 @@ def submit_sweep(spec: SweepSpec, session: SessionDep, writes: WriteSessionDep, 
 def list_sweeps(
     session: SessionDep,
     user: CurrentUser,
-    limit: Annotated[int, Query(ge=1, le=200)] = 50,
-    cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of the previous page.")] = None,
+    limit: PageLimit = 50,
+    cursor: PageCursor = None,
 ) -> SweepPage:
     sweeps = sweeps_visible_to(session, user, limit=limit, before_id=int(cursor) if cursor else None)
-    next_cursor = str(sweeps[-1].id) if len(sweeps) == limit else None
-    return SweepPage(items=sweep_outs(session, sweeps), next_cursor=next_cursor)
+    return SweepPage(items=sweep_outs(session, sweeps), next_cursor=next_page(sweeps, limit))
 
 
 @router.get("/{sweep_id}", response_model=SweepOut)
