@@ -211,12 +211,14 @@ class Board {
   // All charts made afresh (new options, or a series with no chart yet).
   build() {
     this.built = this.signature();
+    this.syncing = true;  // a new chart's first scales are no zoom
     for (const { box, plot } of this.charts.values()) { this.resize.unobserve(box); plot.destroy(); }
     this.charts.clear();
     const layout = this.layout();
     this.sections.replaceChildren(...layout.map(([group, keys]) =>
       el("section", { "data-group": group }, el("h3", {}, group), el("div", { class: "charts" }, ...keys.map(key => this.makeChart(key))))));
     if (!layout.length) this.sections.append(el("p", { class: "muted" }, "No metrics reported yet."));
+    this.syncing = false;
   }
 
   makeChart(key) {
@@ -296,8 +298,8 @@ class Board {
     this.range = range;
     this.syncing = true;
     for (const { plot } of this.charts.values()) {
-      const [min, max] = range || extent(plot.data[0]);
-      if (min != null) plot.setScale("x", { min, max });
+      if (range) plot.setScale("x", { min: range[0], max: range[1] });
+      else plot.setData(plot.data);  // uPlot's own ranges again (a single point's too, which a min = max scale can't draw)
     }
     this.syncing = false;
   }
@@ -334,7 +336,8 @@ function ticks(u, splits, axisIdx, space, increment) {
   const size = Math.max(...splits.map(Math.abs));
   if (!(increment > 0) || !isFinite(size)) return splits.map(short);
   if (size !== 0 && (size < 1e-3 || size >= 1e6)) return splits.map(v => v.toExponential(Math.max(0, Math.floor(Math.log10(size)) - Math.floor(Math.log10(increment)))).replace(/\.?0+e/, "e"));
-  const decimals = Math.min(12, Math.max(0, -Math.floor(Math.log10(increment))));
+  let decimals = 0;
+  while (decimals < 12 && Math.abs(increment * 10 ** decimals - Math.round(increment * 10 ** decimals)) > 1e-6) decimals++;
   return splits.map(v => v.toFixed(decimals));
 }
 

@@ -96,7 +96,7 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
     with embedded_stack(tmp_path / "yard", free_port(), workers=1, devices="cpu:2") as info:
         client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
         spec = tiny_spec(**{
-            "name": "watched-run", "training.max_steps": 1500, "training.eval_every": 250, "checkpoint.every_steps": 500,
+            "name": "watched-run", "training.max_steps": 600, "training.eval_every": 100, "checkpoint.every_steps": 200,
         })
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         script = {"name": "own-metrics", "script": {"entrypoint": "train.py", "code": {"upload_id": upload_script(client, OWN_METRICS_SCRIPT)}}}
@@ -104,7 +104,7 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         other = tiny_spec(**{"name": "higher-lr", "training.max_steps": 60, "training.eval_every": 30, "optimizer.lr": 0.003})
         other_id = client.post("/v1/jobs", json=other).json()["id"]  # runs once the script job has freed its slot
         # The training is paused (SIGSTOP) from its first step until the job page shows the curve:
-        # a fast machine trains the 1,500 steps in seconds, and the curve must grow in view.
+        # a fast machine trains the 600 steps in seconds, and the curve must grow in view.
         run_dir = attempt_dir(info.data_dir / "work", job_id, 1)
         wait_for_event(EventTail(run_dir / EVENTS_FILE_NAME), "metrics")
         ranks = training_ranks(run_dir)
@@ -140,10 +140,10 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         assert sum(f"/v1/jobs/{job_id}/events" in url for url in requests) >= 1
 
         # Followed to the end: final status and no speed, every step on the curves, eval points, checkpoints listed.
-        page.wait_for_selector("h2 .status.succeeded", timeout=180_000)
-        page.wait_for_function(f"() => {drawn('train_loss', 'train_loss')} === 1500", timeout=30_000)
-        assert points_drawn(page, "train_loss", "eval_loss") == 6 and points_drawn(page, "lr", "lr") == 1500
-        assert points_drawn(page, "tokens_per_s", "tokens_per_s") == 1500 and points_drawn(page, "grad_norm", "grad_norm") == 1500
+        page.wait_for_selector("h2 .status.succeeded", timeout=300_000)
+        page.wait_for_function(f"() => {drawn('train_loss', 'train_loss')} === 600", timeout=30_000)
+        assert points_drawn(page, "train_loss", "eval_loss") == 6 and points_drawn(page, "lr", "lr") == 600
+        assert points_drawn(page, "tokens_per_s", "tokens_per_s") == 600 and points_drawn(page, "grad_norm", "grad_norm") == 600
         assert "step/s" not in page.inner_text(".summary") and "ended" in page.inner_text(".summary")
         assert page.locator("table tr", has=page.locator("button", has_text="download")).count() == 2  # keep_last 2
         assert sum("/metrics?" in url for url in requests) == 1
@@ -186,7 +186,7 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         shared.goto(f"{info.url}/dashboard")
         shared.evaluate(f"localStorage.setItem('trainyard-token', {json.dumps(info.token)})")
         shared.goto(page.url)
-        shared.wait_for_function(f"() => {drawn('train_loss', label[job_id] + ' · train_loss')} === 1500", timeout=30_000)
+        shared.wait_for_function(f"() => {drawn('train_loss', label[job_id] + ' · train_loss')} === 600", timeout=30_000)
 
         # The workers page shows the embedded worker host, online and idle again.
         page.click("a[href='#/workers']")
