@@ -94,6 +94,7 @@ class MetricSeries(BaseModel):
 
 class MetricsOut(BaseModel):
     series: dict[str, MetricSeries]
+    last_event_id: int = Field(0, description="The job's last event when these were read: follow /events after it for what comes next.")
 
 
 class LogLineOut(BaseModel):

@@ -43,6 +43,7 @@ from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
 from service.settings import Settings
 from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, launch_command, training_environment, working_dir
+from workers.system_metrics import SystemSampler
 
 log = logging.getLogger("trainyard.worker")
 
@@ -282,6 +283,8 @@ class RunningAttempt:
         self.output_done = False
         self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
         self.next_sync = 0.0
+        self.step = claimed.resume_step or 0  # the last step the training reported: where system samples are put
+        self.system = SystemSampler(process.pid, claimed.device_ids)
 
     @property
     def finished(self) -> bool:
@@ -323,6 +326,7 @@ class RunningAttempt:
         for event in self.events.read():
             if isinstance(event, MetricsEvent):
                 self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items()]
+                self.step = max(self.step, event.step)
                 self.stall.progressed()
             # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
             elif (path := event.path.resolve()).is_relative_to(self.run_dir):
@@ -352,6 +356,8 @@ class RunningAttempt:
         if not (self.finished or time.monotonic() >= self.next_sync):
             return None
         self.next_sync = time.monotonic() + self.runner.settings.heartbeat_seconds
+        if self.exit_code is None:
+            self.outbox.metrics += self.system.sample(self.step)
         lease = self.runner._sync(self.claimed, self.spec, self.outbox)
         if lease is None:  # the database is out of reach: all is kept for the next sync
             return None

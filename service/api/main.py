@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import field_location
@@ -111,6 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(uploads.code)
     app.include_router(dashboard.router)
     app.include_router(dashboard.page_router)
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.include_router(monitoring.router)
 
     @app.get("/healthz", tags=["health"])

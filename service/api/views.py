@@ -21,7 +21,8 @@ def job_outs(session: Session, jobs: list[Job]) -> list[JobOut]:
 def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
     spec = JobSpec.model_validate(job.spec)
     latest = latest or {}
-    step_time = latest.get("step_time_s")
+    # A rate and an ETA only while it runs: a finished, cancelled or failed job has no speed.
+    step_time = latest.get("step_time_s") if job.status == JobStatus.running else None
     return JobOut(
         id=job.id,
         name=job.name,
@@ -55,7 +56,7 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
         ],
         last_train_loss=latest.get("train_loss"),
         steps_per_second=1 / step_time if step_time else None,
-        eta_seconds=(job.max_steps - job.step) * step_time if step_time and job.max_steps and job.status == JobStatus.running else None,
+        eta_seconds=(job.max_steps - job.step) * step_time if step_time and job.max_steps else None,
         sweep_id=job.sweep_id,
         trial_number=job.trial_number,
     )

@@ -1,12 +1,16 @@
 """The dashboard web page in a real browser (Debian's headless Chromium driven by Playwright),
-against the whole running stack: log in with a token, watch a job's loss curve grow, follow it to
-its end, see the worker. Leaves screenshots under test-artifacts/ (TRAINYARD_TEST_ARTIFACTS)."""
+against the whole running stack: log in with a token, watch a job's curves grow from its event
+stream, follow it to its end, a script's own metrics, two runs compared, the worker, dark mode
+at a phone's width. Leaves screenshots under test-artifacts/ (TRAINYARD_TEST_ARTIFACTS): look at them."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import shutil
 import signal
+import tarfile
 from pathlib import Path
 
 import httpx
@@ -14,20 +18,20 @@ import pytest
 
 from service.embedded import embedded_stack
 from tests.conftest import IN_CI, REPO
-from tests.e2e.test_end_to_end import wait_for_event
+from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
 from workers.supervisor import EventTail, free_port
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)
 
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("TRAINYARD_TEST_ARTIFACTS", REPO / "test-artifacts"))
 
 
 @pytest.fixture
-def browser_page():
+def browser():
     missing = None
     try:
         from playwright.sync_api import sync_playwright
@@ -41,33 +45,66 @@ def browser_page():
         pytest.skip(missing)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
-        page = browser.new_page(viewport={"width": 1280, "height": 1000})
-        yield page
+        yield browser
         browser.close()
 
 
-def points_drawn(page, series: str) -> int:
-    """How many points the job page's chart has drawn for a series."""
-    polyline = page.locator(f'polyline[data-series="{series}"]')
-    if polyline.count() == 0:
+# A script job that reports metrics of its own names through accelerator.log.
+OWN_METRICS_SCRIPT = b"""
+import math, time
+from accelerate import Accelerator
+
+accelerator = Accelerator()
+for step in range(1, 31):
+    loss = 3.0 / step
+    accelerator.log({"loss": loss, "perplexity": math.exp(loss)}, step=step)
+    time.sleep(0.05)
+"""
+
+
+def points_drawn(page, chart: str, line: str) -> int:
+    """How many points a chart of the page has drawn for one of its lines (0 if it has no such chart or line)."""
+    box = page.locator(f'[data-chart="{chart}"]')
+    if box.count() == 0:
         return 0
-    return len(polyline.get_attribute("points").split())
+    return json.loads(box.get_attribute("data-points") or "{}").get(line, 0)
 
 
-def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(browser_page, tmp_path, monkeypatch):
-    page = browser_page
+def drawn(chart: str, line: str) -> str:
+    """The same, as an expression for page.wait_for_function."""
+    return f"(JSON.parse(document.querySelector('[data-chart=\"{chart}\"]')?.dataset.points || '{{}}')[{json.dumps(line)}] || 0)"
+
+
+def upload_script(client: httpx.Client, source: bytes) -> int:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+        entry = tarfile.TarInfo("train.py")
+        entry.size = len(source)
+        tar.addfile(entry, io.BytesIO(source))
+    response = client.post("/v1/code", params={"name": "train.tgz"}, content=out.getvalue(), headers={"Content-Type": "application/octet-stream"})
+    return response.json()["id"]
+
+
+def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(browser, tmp_path, monkeypatch):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    # The worker delivers metrics every heartbeat (5 s in production); this job takes seconds, so
-    # deliveries come every half second, for the curve to grow while the page is open.
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    requests: list[str] = []
+    page.on("request", lambda request: requests.append(request.url))
+    # The worker delivers metrics (and samples the machine) every heartbeat (5 s in production);
+    # this job takes seconds, so every half second, for the curve to grow while the page is open.
     monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
-    with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:
+    with embedded_stack(tmp_path / "yard", free_port(), workers=1, devices="cpu:2") as info:
         client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
         spec = tiny_spec(**{
-            "name": "watched-run", "training.max_steps": 1500, "training.eval_every": 250, "checkpoint.every_steps": 500,
+            "name": "watched-run", "training.max_steps": 600, "training.eval_every": 100, "checkpoint.every_steps": 200,
         })
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
+        script = {"name": "own-metrics", "script": {"entrypoint": "train.py", "code": {"upload_id": upload_script(client, OWN_METRICS_SCRIPT)}}}
+        script_id = client.post("/v1/jobs", json=script).json()["id"]
+        other = tiny_spec(**{"name": "higher-lr", "training.max_steps": 60, "training.eval_every": 30, "optimizer.lr": 0.003})
+        other_id = client.post("/v1/jobs", json=other).json()["id"]  # runs once the script job has freed its slot
         # The training is paused (SIGSTOP) from its first step until the job page shows the curve:
-        # a fast machine trains the 1,500 steps in seconds, and the curve must grow in view.
+        # a fast machine trains the 600 steps in seconds, and the curve must grow in view.
         run_dir = attempt_dir(info.data_dir / "work", job_id, 1)
         wait_for_event(EventTail(run_dir / EVENTS_FILE_NAME), "metrics")
         ranks = training_ranks(run_dir)
@@ -87,28 +124,29 @@ def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(
 
             row.locator("a", has_text="watched-run").click()
             page.wait_for_url(f"**/dashboard#/jobs/{job_id}")
-            page.wait_for_function("() => document.querySelector('polyline[data-series=\"train_loss\"]')", timeout=120_000)
-            first = points_drawn(page, "train_loss")
+            page.wait_for_function(f"() => {drawn('train_loss', 'train_loss')} >= 1", timeout=120_000)
+            first = points_drawn(page, "train_loss", "train_loss")
+            # The worker's samples of the attempt's processes, though its training is stopped.
+            page.wait_for_function(f"() => {drawn('sys/cpu_percent', 'sys/cpu_percent')} >= 2", timeout=60_000)
+            assert points_drawn(page, "sys/memory_mb", "sys/memory_mb") >= 2
+            assert page.locator('section[data-group="System"] [data-chart]').count() >= 2
         finally:
             signal_ranks(ranks, signal.SIGCONT)
 
-        # The job page: the loss curve gains points while we watch (the page polls the API).
-        page.wait_for_function(
-            f"() => document.querySelector('polyline[data-series=\"train_loss\"]').getAttribute('points').split(' ').length > {first}",
-            timeout=60_000,
-        )
-        assert points_drawn(page, "train_loss") > first >= 1
+        # The curves grow from the event stream: the series were read once, and never again.
+        page.wait_for_function(f"() => {drawn('train_loss', 'train_loss')} > {first}", timeout=60_000)
         page.screenshot(path=str(ARTIFACTS / "dashboard-job-running.png"), full_page=True)
+        assert sum("/metrics?" in url for url in requests) == 1
+        assert sum(f"/v1/jobs/{job_id}/events" in url for url in requests) >= 1
 
-        # Followed to the end: final status, every step on the curve, eval points, checkpoints listed.
-        page.wait_for_selector("h2 .status.succeeded", timeout=180_000)
-        page.wait_for_function(
-            "() => document.querySelector('polyline[data-series=\"train_loss\"]').getAttribute('points').split(' ').length === 1500",
-            timeout=30_000,
-        )
-        assert points_drawn(page, "eval_loss") == 6 and points_drawn(page, "lr") == 1500
+        # Followed to the end: final status and no speed, every step on the curves, eval points, checkpoints listed.
+        page.wait_for_selector("h2 .status.succeeded", timeout=300_000)
+        page.wait_for_function(f"() => {drawn('train_loss', 'train_loss')} === 600", timeout=30_000)
+        assert points_drawn(page, "train_loss", "eval_loss") == 6 and points_drawn(page, "lr", "lr") == 600
+        assert points_drawn(page, "tokens_per_s", "tokens_per_s") == 600 and points_drawn(page, "grad_norm", "grad_norm") == 600
+        assert "step/s" not in page.inner_text(".summary") and "ended" in page.inner_text(".summary")
         assert page.locator("table tr", has=page.locator("button", has_text="download")).count() == 2  # keep_last 2
-        assert "train_loss" in page.inner_text(".charts")
+        assert sum("/metrics?" in url for url in requests) == 1
         page.screenshot(path=str(ARTIFACTS / "dashboard-job-done.png"), full_page=True)
 
         # The checkpoint download button hands the browser the safetensors file the API serves.
@@ -118,6 +156,38 @@ def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(
         served = client.get(f"/v1/checkpoints/{latest['id']}/download").content
         assert Path(download.value.path()).read_bytes() == served
 
+        # A script job's own metrics get their charts; a finished job's page loads its points at once.
+        wait_for(client, script_id, {"succeeded"})
+        page.goto(f"{info.url}/dashboard#/jobs/{script_id}")
+        page.wait_for_function(f"() => {drawn('perplexity', 'perplexity')} === 30", timeout=30_000)
+        assert points_drawn(page, "loss", "loss") == 30
+        assert page.locator('section[data-group="Reported by the job"] [data-chart="perplexity"]').count() == 1
+        page.screenshot(path=str(ARTIFACTS / "dashboard-script-job.png"), full_page=True)
+
+        # Compare: tick two jobs in the table; each chart overlays both, and the spec diff shows what differs.
+        wait_for(client, other_id, {"succeeded"})
+        page.goto(f"{info.url}/dashboard#/jobs")
+        page.get_by_label(f"select job {job_id}").check()
+        page.get_by_label(f"select job {other_id}").check()
+        page.click("#compare")
+        page.wait_for_url(f"**/dashboard#/compare/{job_id},{other_id}")
+        label = {job_id: f"#{job_id} watched-run", other_id: f"#{other_id} higher-lr"}
+        page.wait_for_function(f"() => {drawn('lr', label[other_id] + ' · lr')} === 60", timeout=30_000)
+        for chart in ["train_loss", "lr", "eval_loss", "sys/cpu_percent"]:
+            points = json.loads(page.locator(f'[data-chart="{chart}"]').get_attribute("data-points"))
+            assert len(points) == 2 and all(count > 0 for count in points.values()), (chart, points)
+        diff = page.inner_text(".spec-diff")
+        assert "optimizer.lr" in diff and "0.003" in diff and "training.max_steps" in diff
+        assert "model.n_embd" not in diff  # the same in both: not shown
+        assert page.locator(".u-legend", has_text="higher-lr").count() >= 4
+        page.screenshot(path=str(ARTIFACTS / "dashboard-compare.png"), full_page=True)
+        # The selection is in the URL: a link to it opens the same comparison in a fresh page.
+        shared = browser.new_page(viewport={"width": 1400, "height": 900})
+        shared.goto(f"{info.url}/dashboard")
+        shared.evaluate(f"localStorage.setItem('trainyard-token', {json.dumps(info.token)})")
+        shared.goto(page.url)
+        shared.wait_for_function(f"() => {drawn('train_loss', label[job_id] + ' · train_loss')} === 600", timeout=30_000)
+
         # The workers page shows the embedded worker host, online and idle again.
         page.click("a[href='#/workers']")
         worker_row = page.locator("tr", has_text="local-0")
@@ -126,4 +196,17 @@ def test_the_dashboard_logs_in_and_shows_a_running_job_curve_growing_to_the_end(
         page.wait_for_function(f"() => document.body.innerText.includes('0 / {slots}')", timeout=30_000)
         assert "yes" in worker_row.inner_text()
         page.screenshot(path=str(ARTIFACTS / "dashboard-workers.png"), full_page=True)
+
+        # Dark, at a phone's width: nothing wider than the screen, the page dark.
+        phone = browser.new_page(viewport={"width": 390, "height": 844}, color_scheme="dark")
+        phone.goto(f"{info.url}/dashboard")
+        phone.evaluate(f"localStorage.setItem('trainyard-token', {json.dumps(info.token)})")
+        for where in [f"#/jobs/{job_id}", f"#/compare/{job_id},{other_id}", "#/jobs"]:
+            phone.goto(f"{info.url}/dashboard{where}")
+            phone.wait_for_function("() => document.querySelector('[data-chart], table')", timeout=30_000)
+            phone.wait_for_timeout(500)  # charts size themselves to their boxes
+            assert phone.evaluate("document.documentElement.scrollWidth") <= 390, where
+            name = "dashboard-phone-dark-" + where.strip("#/").replace("/", "-").replace(",", "-") + ".png"
+            phone.screenshot(path=str(ARTIFACTS / name), full_page=True)
+        assert phone.evaluate("getComputedStyle(document.body).backgroundColor") == "rgb(15, 18, 23)"
         client.close()

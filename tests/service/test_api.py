@@ -22,7 +22,7 @@ from service.db.hosts import register_host
 from service.db.jobs import create_job, request_cancel
 from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
-from service.db.models import WorkerHost, utcnow
+from service.db.models import Job, WorkerHost, utcnow
 from service.db.scheduling import place_jobs
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
@@ -214,6 +214,12 @@ def test_a_running_job_shows_its_last_loss_rate_and_eta(api, tokens, settings):
         assert job["eta_seconds"] == pytest.approx(60 * 0.5)  # 60 steps left at 0.5 s each
     queued = api.get(f"/v1/jobs/{other_id}", headers=auth(tokens["alice"])).json()
     assert queued["last_train_loss"] is None and queued["eta_seconds"] is None
+    with sessions() as session:  # cancelled: its last loss stays, its speed and ETA go
+        request_cancel(session, session.get(Job, job_id))
+        finish_attempt(session, claimed, AttemptStatus.cancelled, "cancelled by user")
+    cancelled = api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()
+    assert cancelled["status"] == "cancelled" and cancelled["last_train_loss"] == 2.5
+    assert cancelled["steps_per_second"] is None and cancelled["eta_seconds"] is None
 
 
 def prometheus_samples(text: str) -> dict[tuple[str, frozenset], float]:

@@ -14,7 +14,8 @@ from service.db.monitoring import active_attempts, job_counts, running_jobs
 
 router = APIRouter(prefix="/v1", tags=["dashboard"], responses=NEEDS_TOKEN)
 page_router = APIRouter()
-DASHBOARD_PAGE = Path(__file__).resolve().parents[2] / "static" / "dashboard.html"
+STATIC_DIR = Path(__file__).resolve().parents[2] / "static"  # the page's script and its vendored chart library, at /static
+DASHBOARD_PAGE = STATIC_DIR / "dashboard.html"
 
 
 @router.get("/workers", response_model=list[WorkerOut])

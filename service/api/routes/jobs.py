@@ -14,7 +14,7 @@ from service.api.events import EVENTS, LOG_LINES, EventStreamResponse, Source
 from service.api.limits import TooManyStreams
 from service.api.views import checkpoint_out, job_out, job_outs, log_line_out
 from service.db.checkpoints import list_checkpoints
-from service.db.jobs import jobs_visible_to, request_cancel
+from service.db.jobs import jobs_visible_to, last_event_seq, request_cancel
 from service.db.log_lines import log_lines_after, log_tail
 from service.db.metrics import metric_series
 
@@ -74,8 +74,10 @@ def get_metrics(
 ) -> MetricsOut:
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     limit = min(max_points or settings.metrics_max_points, settings.metrics_max_points)
+    # Read first: a point recorded meanwhile is then both in the series and after last_event_id (the same value twice), never in neither.
+    last_event_id = last_event_seq(session, job.id)
     series = metric_series(session, job.id, wanted, from_step, limit)
-    return MetricsOut(series={name: MetricSeries(steps=s, values=v) for name, (s, v) in series.items()})
+    return MetricsOut(series={name: MetricSeries(steps=s, values=v) for name, (s, v) in series.items()}, last_event_id=last_event_id)
 
 
 @router.get(
