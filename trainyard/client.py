@@ -285,16 +285,17 @@ class Client:
     ) -> JobOut:
         """Bundle `code_dir` (default: just the script), upload it and submit a `script` job running
         `script` (a path inside `code_dir`) with `args`. `spec` adds job spec sections, e.g.
-        `resources={"processes_per_node": 2}`, `script_resume_args=[…]`."""
+        `resources={"processes_per_node": 2}`, and `script_<field>` fields of the `script` section:
+        `script_resume_args=[…]`, `script_outputs=["out"]`."""
         script = Path(script).resolve()
         root = Path(code_dir).resolve() if code_dir is not None else script.parent
         bundle = self.upload_code(root if code_dir is not None else script)
         entrypoint = script.relative_to(root).as_posix()
-        resume_args = spec.pop("script_resume_args", [])
+        script_fields = {key.removeprefix("script_"): spec.pop(key) for key in list(spec) if key.startswith("script_")}
         name = re.sub(r"[^A-Za-z0-9._-]", "-", script.stem).lstrip("._-") or "script"
         body = {
             "name": spec.pop("name", name),
-            "script": {"entrypoint": entrypoint, "args": list(args), "code": {"upload_id": bundle.id}, "resume_args": resume_args},
+            "script": {"entrypoint": entrypoint, "args": list(args), "code": {"upload_id": bundle.id}, **script_fields},
             **spec,
         }
         return self.submit(body)

@@ -121,6 +121,7 @@ def submit_script(client: Client, args: argparse.Namespace) -> JobOut:
         "resources": {"nodes": args.nodes, "processes_per_node": args.processes, "device": args.device},
         "max_restarts": args.max_restarts,
         "script_resume_args": shlex.split(args.resume_args) if args.resume_args else [],
+        "script_outputs": args.outputs,
     }
     if args.name:
         spec["name"] = args.name
@@ -332,6 +333,11 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
     script.add_argument("--max-restarts", type=int, default=3)
     script.add_argument(
         "--resume-args", help="added to the arguments when an attempt resumes, e.g. '--resume_from_checkpoint {checkpoint}'"
+    )
+    script.add_argument(
+        "--outputs", action="append", default=[], metavar="DIR",
+        help="a directory the script writes (relative to its directory), collected when the job succeeds: `trainyard outputs ID` "
+        "fetches it (repeat for more)",
     )
 
     datasets = subparsers.add_parser("datasets", help="upload and list datasets")
