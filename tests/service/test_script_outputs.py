@@ -88,7 +88,7 @@ def script_attempt(tmp_path: Path, **script) -> RunningAttempt:
     })
     run_dir = tmp_path / "attempt-1"
     (run_dir / "code" / "out").mkdir(parents=True)
-    claimed = SimpleNamespace(job_id=1, number=1, node_rank=0)
+    claimed = SimpleNamespace(job_id=1, number=1, node_rank=0, resume_step=None, device_ids=None)
     return RunningAttempt(None, claimed, spec, run_dir.resolve(), subprocess.Popen(["true"], stdout=subprocess.PIPE))
 
 
