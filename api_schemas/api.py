@@ -118,6 +118,18 @@ class CheckpointOut(BaseModel):
     created_at: datetime
 
 
+class OutputOut(BaseModel):
+    """A directory a script job wrote (`script.outputs`), as last collected; download with GET /v1/jobs/{id}/outputs/{name}."""
+
+    job_id: int
+    name: str = Field(description="The directory as `script.outputs` names it, relative to the script's working directory.")
+    step: int | None = Field(description="The job's step when it was collected (null: before any step was reported).")
+    sha256: str = Field(description="sha256 of its manifest.json, which lists every file's size and sha256.")
+    size_bytes: int = Field(description="Total size of its files.")
+    files: int = Field(description="Number of files.")
+    created_at: datetime
+
+
 class UploadOut(BaseModel):
     """An uploaded dataset file or code bundle, usable by its owner's jobs by `id`."""
 

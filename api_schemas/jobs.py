@@ -298,7 +298,7 @@ class TrainingConfig(_Config):
         gt=0.0,
         description=(
             "Fail the attempt (retried under max_restarts, from the latest checkpoint) when no optimizer step "
-            "completes for this many seconds, counted from the attempt's start for the first step; it must cover "
+            "completes (for a `script`: nothing is logged and no checkpoint saved) for this many seconds, counted from the attempt's start for the first step; it must cover "
             "start-up, an evaluation and a checkpoint save. null disables."
         ),
     )
@@ -405,6 +405,18 @@ class ScriptConfig(_Config):
             "CUDA_VISIBLE_DEVICES, PYTHONUNBUFFERED) are refused; a PYTHONPATH comes after Trainyard's own."
         ),
     )
+    outputs: list[Annotated[str, Field(min_length=1, max_length=1024)]] = Field(
+        default_factory=list,
+        max_length=16,
+        description=(
+            "Directories the script writes, relative to its working directory (e.g. `[\"out\"]` for `--output_dir out`), "
+            "collected into the artifact store with a sha256 manifest when the job succeeds: `GET /v1/jobs/{id}/outputs`, "
+            "`trainyard outputs ID`. Symbolic links and special files in them are left out."
+        ),
+    )
+    outputs_at_checkpoints: bool = Field(
+        False, description="Also collect `outputs` after each checkpoint, so a job that fails later still has them (the latest collection wins)."
+    )
 
     requirements: list[Annotated[str, Field(pattern=REQUIREMENT_PATTERN, max_length=200)]] = Field(
         default_factory=list,
@@ -420,6 +432,16 @@ class ScriptConfig(_Config):
     @classmethod
     def _entrypoint_inside(cls, entrypoint: str) -> str:
         return relative_inside_root(entrypoint, "the code directory")
+
+    @field_validator("outputs")
+    @classmethod
+    def _outputs_inside(cls, outputs: list[str]) -> list[str]:
+        outputs = [str(PurePosixPath(relative_inside_root(output, "the script's working directory"))) for output in outputs]
+        if "." in outputs:
+            raise ValueError("name a directory inside the working directory, not the directory itself")
+        if len(set(outputs)) != len(outputs):
+            raise ValueError("each directory once")
+        return outputs
 
     @field_validator("env")
     @classmethod

@@ -32,11 +32,12 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(directory: Path, step: int) -> dict:
+def write_manifest(directory: Path, step: int | None) -> dict:
+    # Only the directory's own manifest is left out: a file of that name deeper down is content.
     files = {
         str(path.relative_to(directory)): {"sha256": sha256_file(path), "size": path.stat().st_size}
         for path in sorted(directory.rglob("*"))
-        if path.is_file() and path.name != MANIFEST_FILE
+        if path.is_file() and path != directory / MANIFEST_FILE
     }
     manifest = {"step": step, "files": files}
     (directory / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1))

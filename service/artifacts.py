@@ -1,4 +1,5 @@
-"""The checkpoint store: a directory tree shared by the API (reads) and workers (writes).
+"""The checkpoint store: a directory tree shared by the API (reads) and workers (writes). It also
+keeps a script job's output directories (`script.outputs`), each collection in a folder of its own.
 
 A checkpoint enters the store by a move (same filesystem) or a copy into a temporary directory,
 verification against its manifest (a moved file unchanged since its manifest was written is not
@@ -11,10 +12,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path, PurePosixPath
 
-from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, checkpoint_name, read_manifest, sha256_file, verify_manifest
+from api_schemas.manifest import (
+    MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, checkpoint_name, read_manifest, sha256_file, verify_manifest, write_manifest,
+)
 
 
 class ArtifactStore:
@@ -61,9 +65,28 @@ class ArtifactStore:
         total = sum(entry["size"] for entry in manifest["files"].values())
         return relative, sha256_file(final / MANIFEST_FILE), total
 
+    def ingest_output(self, source: Path, job_id: int, name: str, step: int | None) -> tuple[str, str, int, int]:
+        """Copy a script's output directory in as it is now: into a new folder under the job's
+        outputs, as `name` beside a manifest.json of its files. Returns (relative path of that
+        folder, sha256 of its manifest, total size, number of files). Only directories and regular
+        files are copied: a symbolic link may name any file of the worker host, a FIFO would block."""
+        relative = f"jobs/{job_id}/outputs/{uuid.uuid4().hex}"
+        final = self.path(relative)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = final.parent / f".tmp-{uuid.uuid4().hex}"
+        try:
+            shutil.copytree(source, staging / name, ignore=_links_and_special_files)
+            manifest = write_manifest(staging, step)
+            os.replace(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        sizes = [entry["size"] for entry in manifest["files"].values()]
+        return relative, sha256_file(final / MANIFEST_FILE), sum(sizes), len(sizes)
+
     def delete(self, relative: str) -> None:
-        """Delete a stored checkpoint: its directory, or the folder of its own it is kept in (a script's)."""
-        top = PurePosixPath(*PurePosixPath(relative).parts[:4])  # jobs/<id>/checkpoints/<folder>
+        """Delete a stored checkpoint (its directory, or the folder of its own a script's is kept in), or an output's folder."""
+        top = PurePosixPath(*PurePosixPath(relative).parts[:4])  # jobs/<id>/{checkpoints,outputs}/<folder>
         shutil.rmtree(self.path(str(top)), ignore_errors=True)
 
 
@@ -77,3 +100,12 @@ def _move_or_copy(source: Path, destination: Path) -> bool:
             raise
     shutil.copytree(source, destination)
     return False
+
+
+def _links_and_special_files(directory: str, names: list[str]) -> list[str]:
+    """copytree's `ignore`: the entries that are neither a directory nor a regular file, links not followed."""
+    return [name for name in names if not _plain(os.lstat(os.path.join(directory, name)).st_mode)]
+
+
+def _plain(mode: int) -> bool:
+    return stat.S_ISDIR(mode) or stat.S_ISREG(mode)

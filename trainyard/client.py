@@ -24,15 +24,17 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 import yaml
 from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
-    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, SweepOut,
+    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, OutputOut, SweepOut,
     SweepPage, SweepSpec, UploadOut, WorkerOut, field_location,
 )
+from api_schemas.jobs import relative_inside_root
 from api_schemas.manifest import CorruptCheckpoint, verify_manifest
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -255,6 +257,10 @@ class Client:
     def checkpoints(self, job_id: int) -> list[CheckpointOut]:
         return self._call(list[CheckpointOut], "GET", f"/v1/jobs/{job_id}/checkpoints")
 
+    def outputs(self, job_id: int) -> list[OutputOut]:
+        """The directories a script job wrote (`script.outputs`), as last collected."""
+        return self._call(list[OutputOut], "GET", f"/v1/jobs/{job_id}/outputs")
+
     # -- uploads -----------------------------------------------------------------------------------
 
     def upload_dataset(self, path: Path, name: str | None = None) -> UploadOut:
@@ -279,16 +285,17 @@ class Client:
     ) -> JobOut:
         """Bundle `code_dir` (default: just the script), upload it and submit a `script` job running
         `script` (a path inside `code_dir`) with `args`. `spec` adds job spec sections, e.g.
-        `resources={"processes_per_node": 2}`, `script_resume_args=[…]`."""
+        `resources={"processes_per_node": 2}`, and `script_<field>` fields of the `script` section:
+        `script_resume_args=[…]`, `script_outputs=["out"]`."""
         script = Path(script).resolve()
         root = Path(code_dir).resolve() if code_dir is not None else script.parent
         bundle = self.upload_code(root if code_dir is not None else script)
         entrypoint = script.relative_to(root).as_posix()
-        resume_args = spec.pop("script_resume_args", [])
+        script_fields = {key.removeprefix("script_"): spec.pop(key) for key in list(spec) if key.startswith("script_")}
         name = re.sub(r"[^A-Za-z0-9._-]", "-", script.stem).lstrip("._-") or "script"
         body = {
             "name": spec.pop("name", name),
-            "script": {"entrypoint": entrypoint, "args": list(args), "code": {"upload_id": bundle.id}, "resume_args": resume_args},
+            "script": {"entrypoint": entrypoint, "args": list(args), "code": {"upload_id": bundle.id}, **script_fields},
             **spec,
         }
         return self.submit(body)
@@ -354,10 +361,25 @@ class Client:
     def download_state(self, checkpoint_id: int, dest: Path) -> Path:
         """The checkpoint's whole directory (Accelerate state, weights, spec, manifest) unpacked
         under `dest`, verified against its manifest; returns that directory. What a run resumes from."""
-        dest = Path(dest)
+        return self._download_tree(f"/v1/checkpoints/{checkpoint_id}/download", {"format": "tar"}, Path(dest), f"checkpoint {checkpoint_id}")
+
+    def download_output(self, job_id: int, name: str, dest: Path) -> Path:
+        """A script job's output directory unpacked as `dest/<name>`, every file verified against
+        its manifest; returns that directory. An existing `dest/<name>` is left alone (an error)."""
+        target = Path(dest) / relative_inside_root(name, "the destination")  # the name comes from the server
+        if target.exists():
+            raise TrainyardError(f"{target} exists already; remove it or unpack somewhere else")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".trainyard-") as unpacking:
+            top = self._download_tree(f"/v1/jobs/{job_id}/outputs/{quote(name)}", {}, Path(unpacking), f"job {job_id}'s output {name}")
+            os.rename(top / name, target)
+        return target
+
+    def _download_tree(self, path: str, params: dict[str, str], dest: Path, what: str) -> Path:
+        """A tar download unpacked under `dest`: its one top directory, verified against the manifest in it."""
         dest.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile() as archive:
-            with self._stream("GET", f"/v1/checkpoints/{checkpoint_id}/download", params={"format": "tar"}) as response:
+            with self._stream("GET", path, params=params) as response:
                 for chunk in response.iter_bytes(1 << 20):
                     archive.write(chunk)
             archive.seek(0)
@@ -368,7 +390,7 @@ class Client:
             verify_manifest(dest / top)
         except CorruptCheckpoint as exc:
             shutil.rmtree(dest / top, ignore_errors=True)
-            raise TrainyardError(f"checkpoint {checkpoint_id}: the download is corrupt and was deleted ({exc})") from exc
+            raise TrainyardError(f"{what}: the download is corrupt and was deleted ({exc})") from exc
         return dest / top
 
     # -- plumbing ----------------------------------------------------------------------------------

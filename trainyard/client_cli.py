@@ -1,4 +1,4 @@
-"""Client commands of `trainyard`: submit, datasets, ls, status, logs, cancel, checkpoints, download, dashboard, workers.
+"""Client commands of `trainyard`: submit, datasets, ls, status, logs, cancel, checkpoints, download, outputs, dashboard, workers.
 
 Each one talks to the server through `Client`; failures print `error: <reason>` and return
 1 (2 for input the server or this command refused), never a traceback.
@@ -121,6 +121,7 @@ def submit_script(client: Client, args: argparse.Namespace) -> JobOut:
         "resources": {"nodes": args.nodes, "processes_per_node": args.processes, "device": args.device},
         "max_restarts": args.max_restarts,
         "script_resume_args": shlex.split(args.resume_args) if args.resume_args else [],
+        "script_outputs": args.outputs,
     }
     if args.name:
         spec["name"] = args.name
@@ -224,6 +225,19 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_outputs(args: argparse.Namespace) -> int:
+    dest = Path(args.output)
+    with connect(args) as client:
+        outputs = client.outputs(args.id)
+        names = args.names or [output.name for output in outputs]
+        if missing := sorted(set(names) - {output.name for output in outputs}):
+            raise TrainyardError(f"job {args.id} has no collected output {', '.join(missing)}" if outputs else f"job {args.id} has no collected outputs")
+        for name in names:
+            directory = client.download_output(args.id, name, dest)
+            print(f"saved {directory}/ (every file verified against its manifest)")
+    return 0
+
+
 def download_with_progress(client: Client, checkpoint_id: int, dest: Path) -> Path:
     """`client.download`, with the bytes so far shown on one redrawn line when stderr is a terminal."""
     if not sys.stderr.isatty():
@@ -320,6 +334,11 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
     script.add_argument(
         "--resume-args", help="added to the arguments when an attempt resumes, e.g. '--resume_from_checkpoint {checkpoint}'"
     )
+    script.add_argument(
+        "--outputs", action="append", default=[], metavar="DIR",
+        help="a directory the script writes (relative to its directory), collected when the job succeeds: `trainyard outputs ID` "
+        "fetches it (repeat for more)",
+    )
 
     datasets = subparsers.add_parser("datasets", help="upload and list datasets")
     datasets_commands = datasets.add_subparsers(dest="datasets_command", required=True)
@@ -350,6 +369,11 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
     download.add_argument(
         "--state", action="store_true", help="the whole checkpoint (Accelerate state, weights, manifest) to resume from, not only the weights"
     )
+
+    outputs = command("outputs", cmd_outputs, "download the directories a script job wrote (its script.outputs), verified")
+    outputs.add_argument("id", type=int)
+    outputs.add_argument("names", nargs="*", help="which (default: all collected)")
+    outputs.add_argument("-o", "--output", default=".", help="the directory to unpack them into, each under its name (default .)")
 
     command("dashboard", cmd_dashboard, "jobs by status, running jobs and workers")
     command("workers", cmd_workers, "list worker hosts")

@@ -5,7 +5,8 @@ lease (a duplicate delivery finds it claimed and does nothing), launches the tra
 with Accelerate's launcher (their command and environment: workers/launch.py), and while they run
 (RunningAttempt): renews the lease, stops them on cancel, kills them when they stop making steps
 (`training.stall_timeout_s`), and forwards what the training loop wrote (metrics and checkpoint
-events in a JSONL file, stdout and stderr) to the database and artifact store. The events file is
+events in a JSONL file, stdout and stderr, a script's `outputs` directories) to the database and
+artifact store. The events file is
 the worker-side buffer: if the database is briefly unreachable, nothing is lost, it is delivered
 on the next successful flush.
 """
@@ -41,6 +42,7 @@ from service.db.attempts import ClaimedAttempt, Lease, claim_attempt, finish_att
 from service.db.checkpoints import record_checkpoint
 from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
+from service.db.outputs import record_output
 from service.settings import Settings
 from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, launch_command, training_environment, working_dir
 from workers.system_metrics import SystemSampler
@@ -89,13 +91,15 @@ class Outbox:
     logs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (seq, rank, line)
     checkpoints: list[tuple[int, Path, str]] = field(default_factory=list)  # (step, directory, its folder in the store)
     ingesting: Future | None = None  # the first of `checkpoints`, being taken into the store
+    outputs: list[tuple[str, Path, int | None]] = field(default_factory=list)  # a script's (name, directory, step) to collect
+    collecting: Future | None = None  # the first of `outputs`, being copied into the store, until it is recorded
 
     def empty(self) -> bool:
-        return not (self.metrics or self.logs or self.checkpoints)
+        return not (self.metrics or self.logs or self.checkpoints or self.outputs)
 
 
 class StallWatch:
-    """Time since the training loop last reported an optimizer step (or, before the first, since the start)."""
+    """Time since the training last reported an optimizer step or a checkpoint (or, before either, since the start)."""
 
     def __init__(self, timeout_seconds: float | None):
         self.timeout_seconds = timeout_seconds
@@ -109,7 +113,7 @@ class StallWatch:
 
     @property
     def reason(self) -> str:
-        return f"stalled: no optimizer step for {self.timeout_seconds:g} s; its processes were killed"
+        return f"stalled: no optimizer step or checkpoint for {self.timeout_seconds:g} s; its processes were killed"
 
 
 class CannotStart(Exception):
@@ -216,6 +220,7 @@ class AttemptRunner:
                     record_logs(session, claimed.job_id, claimed, outbox.logs)
                     outbox.logs = []
                 self._store_checkpoints(session, claimed, spec, outbox, wait)
+                self._store_outputs(session, claimed, outbox, wait)
                 return renew_lease(session, claimed, self.settings.lease_seconds)
         except Exception:
             log.exception("could not reach the database for job %s; will retry", claimed.job_id)
@@ -245,6 +250,25 @@ class AttemptRunner:
                 self.store.delete(path)
             outbox.checkpoints.pop(0)
             shutil.rmtree(source, ignore_errors=True)  # the store has it now (moved, or copied: the loop leaves it to us)
+
+    def _store_outputs(self, session, claimed: ClaimedAttempt, outbox: Outbox, wait: bool) -> None:
+        """Copy the outbox's script outputs into the store one at a time, on the ingest threads,
+        and record each copied; a copy whose recording failed is recorded by the next sync."""
+        while outbox.outputs:
+            name, source, step = outbox.outputs[0]
+            if outbox.collecting is None:
+                outbox.collecting = self.ingest.submit(self.store.ingest_output, source, claimed.job_id, name, step)
+            if not wait_for([outbox.collecting], timeout=None if wait else INGEST_WAIT_SECONDS).done:
+                return
+            try:
+                relative, sha256, size, files = outbox.collecting.result()
+            except OSError:
+                log.exception("job %s: output %s at %s cannot be collected; skipped", claimed.job_id, name, source)
+            else:
+                if replaced := record_output(session, claimed.job_id, claimed.attempt_id, name, step, relative, sha256, size, files):
+                    self.store.delete(replaced)
+            outbox.collecting = None
+            outbox.outputs.pop(0)
 
     def _finish(self, claimed: ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
         if outcome is None:
@@ -278,6 +302,7 @@ class RunningAttempt:
         self.checkpoint_numbers = itertools.count(1)
         self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
         self.stall = StallWatch(spec.training.stall_timeout_s)
+        self.outputs_collected_at_end = False
         self.stalled = False
         self.exit_code: int | None = None  # as of this round's start
         self.output_done = False
@@ -300,6 +325,7 @@ class RunningAttempt:
             self._take_output()
             self._take_events()
             self._kill_if_stalled()
+            self._collect_outputs_at_end()
             if (ended := self._sync_if_due()) is not None:
                 return ended
             if self.finished and self.outbox.empty():
@@ -324,13 +350,15 @@ class RunningAttempt:
     def _take_events(self) -> None:
         """Move the metrics and checkpoints the training reported since the last round into the outbox."""
         for event in self.events.read():
+            self.stall.progressed()  # a script that never calls accelerator.log shows its progress by its checkpoints
+            self.step = max(self.step, event.step)
             if isinstance(event, MetricsEvent):
                 self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items()]
-                self.step = max(self.step, event.step)
-                self.stall.progressed()
             # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
             elif (path := event.path.resolve()).is_relative_to(self.run_dir):
                 self.outbox.checkpoints.append((event.step, path, self._store_folder(event.step, path)))
+                if self.spec.script is not None and self.spec.script.outputs_at_checkpoints:
+                    self._collect_outputs()
             else:
                 log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", self.claimed.job_id, path, self.run_dir)
 
@@ -341,6 +369,27 @@ class RunningAttempt:
         if self.spec.script is None:
             return checkpoint_name(step)
         return f"attempt-{self.claimed.number}.{next(self.checkpoint_numbers)}/{path.name}"
+
+    def _collect_outputs_at_end(self) -> None:
+        if self.finished and self.exit_code == 0 and not self.outputs_collected_at_end:
+            self.outputs_collected_at_end = True
+            self._collect_outputs()
+
+    def _collect_outputs(self) -> None:
+        """Queue the script's `outputs` to be copied into the store as they are now (node 0's only:
+        the nodes of a job share its outputs' names). One that is missing, or reaches outside the
+        working directory through a symbolic link, is skipped, and the job's logs say so."""
+        if self.spec.script is None or self.claimed.node_rank != 0:
+            return
+        cwd = working_dir(self.spec, self.run_dir).resolve()
+        for name in self.spec.script.outputs:
+            source = cwd / name
+            if source.is_dir() and source.resolve() == source:
+                self.outbox.outputs.append((name, source, self.step))
+            else:
+                why = "a symbolic link" if source.resolve() != source else "no such directory"
+                line = f"trainyard: output {name!r} not collected: {why} in the working directory"
+                self.outbox.logs.append((next(self.line_numbers), None, line))
 
     def _kill_if_stalled(self) -> None:
         # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through us, so

@@ -16,7 +16,7 @@ from api_schemas import field_location
 from service.admission import Refused
 from service.api.events import Feeds
 from service.api.limits import FailedAuthLimiter, StreamSlots
-from service.api.routes import checkpoints, dashboard, jobs, monitoring, sweeps, uploads
+from service.api.routes import checkpoints, dashboard, jobs, monitoring, outputs, sweeps, uploads
 from service.db.session import read_session_factory
 from service.settings import Settings, get_settings
 
@@ -107,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees what BodySizeLimit lets through
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
+    app.include_router(outputs.router)
     app.include_router(sweeps.router)
     app.include_router(uploads.datasets)
     app.include_router(uploads.code)

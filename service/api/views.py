@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from sqlalchemy.orm import Session
 
-from api_schemas import AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus, LogLineOut, SweepOut, SweepSpec, TrialOut
+from api_schemas import (
+    AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus, LogLineOut, OutputOut, SweepOut, SweepSpec, TrialOut,
+)
 from service.db.metrics import latest_metrics
-from service.db.models import Checkpoint, Job, JobEvent, LogLine, Sweep
+from service.db.models import Checkpoint, Job, JobEvent, JobOutput, LogLine, Sweep
 from service.db.sweeps import trial_jobs
 
 # The latest values the jobs table shows: last loss, and the step time its rate and ETA come from.
@@ -70,6 +72,13 @@ def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
         sha256=checkpoint.sha256,
         size_bytes=checkpoint.size_bytes,
         created_at=checkpoint.created_at,
+    )
+
+
+def output_out(output: JobOutput) -> OutputOut:
+    return OutputOut(
+        job_id=output.job_id, name=output.name, step=output.step, sha256=output.sha256, size_bytes=output.size_bytes,
+        files=output.files, created_at=output.created_at,
     )
 
 

@@ -235,6 +235,25 @@ class Checkpoint(Base):
     __table_args__ = (UniqueConstraint("job_id", "path", name="uq_checkpoints_job_path"),)
 
 
+class JobOutput(Base):
+    """A directory a script job wrote (`script.outputs`), as last collected into the artifact store."""
+
+    __tablename__ = "job_outputs"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    attempt_id: Mapped[int] = mapped_column(BigId)
+    name: Mapped[str] = mapped_column(String(1024), doc="As script.outputs names it.")
+    step: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    path: Mapped[str] = mapped_column(String(1200), doc="Directory relative to the artifact root: manifest.json and the output under its name.")
+    sha256: Mapped[str] = mapped_column(String(64), doc="sha256 of manifest.json.")
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    files: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    # The latest collection of a name replaces the one before.
+    __table_args__ = (UniqueConstraint("job_id", "name", name="uq_job_outputs_job_name"),)
+
+
 class JobEvent(Base):
     """A job's log of what happened to it: status changes, metric points by step, checkpoints.
 

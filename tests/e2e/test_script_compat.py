@@ -1,18 +1,24 @@
 """Scripts in the shapes third-party projects use (tests/e2e/scripts/), unchanged, as `script` jobs
 on the embedded stack: killed with `kill -9` after a checkpoint, resumed from the folder they
-saved under its own name, every checkpoint kept, tensor metrics recorded, each step's metrics once."""
+saved under its own name, every checkpoint kept, tensor metrics recorded, each step's metrics once;
+a script that never logs kept alive by its checkpoints; a `save_pretrained` output directory
+collected and fetched with `trainyard outputs`; and Accelerate's own test scripts, from the
+installed package, on 2 processes."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
+import accelerate.test_utils.scripts
 import pytest
 
 from tests.e2e.test_end_to_end import wait_for, wait_for_event
-from tests.e2e.test_scripts import stack, training_processes, upload_code  # noqa: F401 (stack: the module's fixture)
+from tests.e2e.test_scripts import run, stack, training_processes, upload_code  # noqa: F401 (stack: the module's fixture)
+from trainyard.cli import main
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
 from workers.supervisor import EventTail
 
@@ -23,15 +29,16 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 CLM = ["--num_train_epochs", "3", "--train_samples", "160"]
 
 
-def submit_and_kill_after_first_checkpoint(client, info, script: str, args: list[str]) -> tuple[int, dict]:
-    """Runs `script` as a job with one restart, kills its training process with SIGKILL once it has
-    written its first checkpoint, and waits for the job's end."""
+def submit_and_kill_after_first_checkpoint(client, info, script: str, args: list[str], **spec_sections) -> tuple[int, dict]:
+    """Runs `script` as a job with one restart (and `spec_sections`), kills its training process
+    with SIGKILL once it has written its first checkpoint, and waits for the job's end."""
     spec = {
         "name": script.replace(".py", "").replace("_", "-"),
         "script": {"entrypoint": script, "args": args, "code": {"upload_id": upload_code(client, SCRIPTS / script)},
                    "resume_args": ["--resume_from_checkpoint", "{checkpoint}"], "env": {"HF_HUB_OFFLINE": "1"}},
         "checkpoint": {"keep_last": 20},
         "max_restarts": 1,
+        **spec_sections,
     }
     response = client.post("/v1/jobs", json=spec)
     assert response.status_code == 201, response.text
@@ -85,3 +92,62 @@ def test_an_epoch_named_script_resumes_from_its_epoch_folder(stack):
     assert job["attempts"][1]["resumed_from_step"] == 0  # epoch_0, numbered by its epoch
     assert [c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json()][-2:] == [1, 2]
     assert client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "eval_loss"}).json()["series"]["eval_loss"]["steps"] == [40, 80, 120]
+
+
+def test_a_script_that_never_logs_keeps_every_checkpoint_by_its_folder_name_and_is_not_taken_for_stalled(stack):
+    client, info = stack
+    # 600 steps of 0.05 s, a checkpoint every 50: the resumed attempt trains longer than the stall
+    # timeout with no metric at all, its checkpoints its only sign of progress.
+    args = ["--max_steps", "600", "--save_every", "50", "--step_seconds", "0.05"]
+    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "saves_only.py", args, training={"stall_timeout_s": 20})
+    assert job["status"] == "succeeded", job["failure_reason"]
+    first, second = job["attempts"]
+    assert first["status"] == "failed"
+    resumed = second["resumed_from_step"]
+    assert resumed >= 50 and resumed % 50 == 0
+    assert {c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json()} == set(range(50, 601, 50))
+    assert client.get(f"/v1/jobs/{job_id}/metrics").json()["series"] == {}
+    logs = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 200}).json()["lines"]
+    assert any(line["line"] == f"resumed at step {resumed}" for line in logs if line["attempt"] == 2)
+
+
+def test_a_save_pretrained_output_directory_is_collected_and_trainyard_outputs_fetches_it_loadable(stack, tmp_path, capsys):
+    from transformers import GPT2LMHeadModel
+
+    client, info = stack
+    spec = {
+        "name": "clm-outputs",
+        "script": {"entrypoint": "clm_no_trainer.py", "args": ["--num_train_epochs", "1", "--train_samples", "40", "--output_dir", "out"],
+                   "code": {"upload_id": upload_code(client, SCRIPTS / "clm_no_trainer.py")}, "env": {"HF_HUB_OFFLINE": "1"},
+                   "outputs": ["out", "never-written"]},
+    }
+    job = run(client, spec)
+    [output] = client.get(f"/v1/jobs/{job['id']}/outputs").json()
+    assert output["name"] == "out" and output["step"] == 10 and output["files"] >= 2
+    logs = client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 200}).json()["lines"]
+    assert any("output 'never-written' not collected: no such directory" in line["line"] for line in logs)
+
+    assert main(["outputs", str(job["id"]), "-o", str(tmp_path), "--server", info.url, "--token", info.token]) == 0
+    assert f"saved {tmp_path / 'out'}/" in capsys.readouterr().out
+    model = GPT2LMHeadModel.from_pretrained(tmp_path / "out")
+    assert (model.config.n_layer, model.config.n_embd) == (1, 32)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["out"]  # nothing else left behind
+    # A second fetch into the same place does not overwrite what is there.
+    assert main(["outputs", str(job["id"]), "-o", str(tmp_path), "--server", info.url, "--token", info.token]) == 1
+    assert "exists already" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", ["test_script.py", "test_sync.py", "test_ops.py"])
+def test_accelerates_own_test_scripts_pass_on_two_processes(stack, script):
+    client, info = stack
+    # Copied from the installed package at test time, under the code root; never kept in the repository.
+    code = info.data_dir / "code" / "accelerate_scripts"
+    if not code.exists():
+        shutil.copytree(accelerate.test_utils.scripts.__path__[0], code, ignore=shutil.ignore_patterns("__pycache__"))
+    spec = {
+        "name": f"accelerate-{script.removesuffix('.py').replace('_', '-')}",
+        "script": {"entrypoint": script, "code": {"path": "accelerate_scripts"}},
+        "resources": {"processes_per_node": 2, "device": "cpu"},
+        "max_restarts": 0,
+    }
+    run(client, spec)

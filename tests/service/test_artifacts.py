@@ -99,12 +99,12 @@ def test_paths_outside_the_store_are_refused(tmp_path):
 
 
 def test_a_tar_download_under_way_survives_retention_deleting_its_checkpoint(tmp_path):
-    from service.api.routes.checkpoints import _open_files, _stream_tar
+    from service.api.tar_stream import open_files, stream_tar
 
     store = ArtifactStore(tmp_path / "store")
     relative, _, _ = store.ingest_checkpoint(make_checkpoint(tmp_path / "run" / "step-10"), job_id=7, step=10)
-    files = _open_files(store.path(relative))  # what the download route does before it answers
-    stream = _stream_tar(files, "job7-step10")
+    files = open_files(store.path(relative))  # what the download route does before it answers
+    stream = stream_tar(files, "job7-step10")
     first = next(stream)
     store.delete(relative)  # keep_last pruned it meanwhile
     assert not store.path(relative).exists()

@@ -1,17 +1,15 @@
 from __future__ import annotations
 
-import io
 import os
-import tarfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, BinaryIO, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, Response, StreamingResponse
 
 from api_schemas.manifest import MODEL_FILE
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, StoreDep, not_found
+from service.api.tar_stream import open_files, stream_tar
 from service.db.checkpoints import checkpoint_visible_to
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
@@ -38,11 +36,11 @@ def download_checkpoint(
     name = f"job{checkpoint.job_id}-step{checkpoint.step}"
     if format == "tar" or not (directory / MODEL_FILE).is_file():  # a script's checkpoint may hold no weights file
         try:
-            files = _open_files(directory)
+            files = open_files(directory)
         except FileNotFoundError:
             raise not_found("checkpoint files") from None  # retention won the race to the files
         return StreamingResponse(
-            _stream_tar(files, name),
+            stream_tar(files, name),
             media_type="application/x-tar",
             headers={"Content-Disposition": f'attachment; filename="{name}.tar"'},
         )
@@ -89,46 +87,3 @@ class OpenedFileResponse(FileResponse):
             await super().__call__(scope, receive, send)
         finally:
             os.close(self._fd)
-
-
-class _Chunks(io.RawIOBase):
-    """A write-only file that collects what tarfile writes, so it can be streamed out piecewise."""
-
-    def __init__(self) -> None:
-        self.pending: list[bytes] = []
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data) -> int:
-        self.pending.append(bytes(data))
-        return len(data)
-
-    def drain(self) -> Iterator[bytes]:
-        yield from self.pending
-        self.pending.clear()
-
-
-def _open_files(directory: Path) -> list[tuple[str, BinaryIO]]:
-    """Every file of the checkpoint, opened now: retention may delete the directory while the tar
-    streams, and open files stay readable after that."""
-    return [
-        (path.relative_to(directory).as_posix(), open(path, "rb"))
-        for path in sorted(directory.rglob("*"))
-        if path.is_file() and not path.is_symlink()
-    ]
-
-
-def _stream_tar(files: list[tuple[str, BinaryIO]], top: str) -> Iterator[bytes]:
-    out = _Chunks()
-    try:
-        with tarfile.open(fileobj=out, mode="w|") as tar:
-            for name, file in files:
-                info = tarfile.TarInfo(f"{top}/{name}")
-                info.size, info.mode = os.fstat(file.fileno()).st_size, 0o644
-                tar.addfile(info, file)
-                yield from out.drain()
-        yield from out.drain()
-    finally:
-        for _, file in files:
-            file.close()
