@@ -2,16 +2,16 @@
 
     running   [#########...............]  750/2000  38%  loss 1.9321  6.1k tok/s  ETA 3m25s
 
-On a terminal the line is redrawn in place; in a log file (not a TTY) a line is printed about
-every 10% and on every status change, so the log stays short.
+On a terminal the line is redrawn in place; in a log file (not a TTY) a line is printed at a
+steady cadence: every 10% and at least every `every_s` seconds, and on every status change.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
 
@@ -75,39 +75,42 @@ def format_progress(
 
 
 class StepRate:
-    """Steps per second over the last `window` seconds, so the ETA follows the current speed."""
+    """Steps per second, smoothed: an exponential moving average of the speed between step changes,
+    each weighed by how long it lasted (`1 - e^(-dt/tau)`), so the ETA follows the current speed
+    without jumping with each poll's luck."""
 
-    def __init__(self, window: float = 30.0):
-        self.window = window
-        self.samples: deque[tuple[float, int]] = deque()
+    def __init__(self, tau: float = 30.0):
+        self.tau = tau
+        self.last: tuple[float, int] | None = None
+        self.rate: float | None = None
 
     def add(self, now: float, step: int) -> None:
-        if self.samples and step == self.samples[-1][1]:
+        if self.last is not None and step == self.last[1]:
             return  # only the moments the step changed tell the speed
-        if self.samples and step < self.samples[-1][1]:
-            self.samples.clear()  # a restart resumed from an earlier checkpoint
-        self.samples.append((now, step))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window:
-            self.samples.popleft()
+        if self.last is not None and step < self.last[1]:
+            self.last, self.rate = None, None  # a restart resumed from an earlier checkpoint
+        if self.last is not None and now > self.last[0]:
+            dt = now - self.last[0]
+            speed = (step - self.last[1]) / dt
+            weight = 1 - math.exp(-dt / self.tau)
+            self.rate = speed if self.rate is None else self.rate + weight * (speed - self.rate)
+        self.last = (now, step)
 
     def steps_per_second(self) -> float | None:
-        if len(self.samples) < 2:
-            return None
-        (first_time, first_step), (last_time, last_step) = self.samples[0], self.samples[-1]
-        if last_time <= first_time:
-            return None
-        return (last_step - first_step) / (last_time - first_time)
+        return self.rate
 
 
 class ProgressBar:
-    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic, every_s: float = 10.0):
         self.stream = stream or sys.stderr
+        self.every_s = every_s
         self.interactive = self.stream.isatty()
         self.clock = clock
         self.rate = StepRate()
         self._drawn = 0  # length of the line on screen, to blank out what a shorter line leaves
         self._printed_decile = -1
         self._printed_status: str | None = None
+        self._printed_at = -math.inf
 
     def update(
         self,
@@ -118,8 +121,9 @@ class ProgressBar:
         tokens_per_step: int | None = None,
         restarts: int = 0,
     ) -> None:
+        now = self.clock()
         if status == "running" and step > 0:  # the time spent queued and starting up is no training speed
-            self.rate.add(self.clock(), step)
+            self.rate.add(now, step)
         speed = self.rate.steps_per_second()
         line = format_progress(
             step,
@@ -136,9 +140,9 @@ class ProgressBar:
             self._drawn = len(line)
         else:
             decile = int(10 * step / max_steps) if max_steps else 0
-            if decile > self._printed_decile or status != self._printed_status:
+            if decile > self._printed_decile or status != self._printed_status or now - self._printed_at >= self.every_s:
                 self.stream.write(line + "\n")
-                self._printed_decile, self._printed_status = decile, status
+                self._printed_decile, self._printed_status, self._printed_at = decile, status, now
         self.stream.flush()
 
     def close(self) -> None:
