@@ -1,19 +1,20 @@
-"""A terminal progress bar for a training job, using nothing beyond the standard library.
+"""A training job's progress: on a terminal a `rich` progress bar redrawn in place; in a log file
+(not a TTY) a plain line at a steady cadence: every 10% and at least every `every_s` seconds, and
+on every status change.
 
     running   [#########...............]  750/2000  38%  loss 1.9321  6.1k tok/s  ETA 3m25s
-
-On a terminal the line is redrawn in place; in a log file (not a TTY) a line is printed at a
-steady cadence: every 10% and at least every `every_s` seconds, and on every status change.
 """
 
 from __future__ import annotations
 
 import math
-import shutil
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
 if TYPE_CHECKING:
     from api_schemas import JobOut
@@ -43,6 +44,22 @@ def steps_text(step: int, max_steps: int | None) -> str:
     return f"{step}/{max_steps}" if max_steps else str(step)
 
 
+def format_details(
+    train_loss: float | None = None, tokens_per_sec: float | None = None, eta_seconds: float | None = None, restarts: int = 0
+) -> str:
+    """What follows the bar: loss, speed, ETA and restarts, those known."""
+    parts = []
+    if train_loss is not None:
+        parts.append(f"loss {train_loss:.4f}")
+    if tokens_per_sec is not None:
+        parts.append(format_rate(tokens_per_sec))
+    if eta_seconds is not None:
+        parts.append(f"ETA {format_duration(eta_seconds)}")
+    if restarts:
+        parts.append(f"restarts {restarts}")
+    return "  ".join(parts)
+
+
 def format_progress(
     step: int,
     max_steps: int | None,
@@ -54,7 +71,7 @@ def format_progress(
     restarts: int = 0,
     width: int = 24,
 ) -> str:
-    """One line describing a job's progress; the parts not known yet are left out."""
+    """One plain line describing a job's progress; the parts not known yet are left out."""
     if max_steps:
         fraction = min(max(step / max_steps, 0.0), 1.0)
         filled = int(fraction * width)
@@ -63,15 +80,8 @@ def format_progress(
         parts = [f"step {step}"]
     if status is not None:
         parts.insert(0, f"{status:<9}")  # 9 = len("scheduled"), so the bars line up
-    if train_loss is not None:
-        parts.append(f"loss {train_loss:.4f}")
-    if tokens_per_sec is not None:
-        parts.append(format_rate(tokens_per_sec))
-    if eta_seconds is not None:
-        parts.append(f"ETA {format_duration(eta_seconds)}")
-    if restarts:
-        parts.append(f"restarts {restarts}")
-    return "  ".join(parts)
+    details = format_details(train_loss, tokens_per_sec, eta_seconds, restarts)
+    return "  ".join(parts + ([details] if details else []))
 
 
 class StepRate:
@@ -107,7 +117,7 @@ class ProgressBar:
         self.interactive = self.stream.isatty()
         self.clock = clock
         self.rate = StepRate()
-        self._drawn = 0  # length of the line on screen, to blank out what a shorter line leaves
+        self._bar: Progress | None = None  # the terminal's, started at the first update
         self._printed_decile = -1
         self._printed_status: str | None = None
         self._printed_at = -math.inf
@@ -125,31 +135,38 @@ class ProgressBar:
         if status == "running" and step > 0:  # the time spent queued and starting up is no training speed
             self.rate.add(now, step)
         speed = self.rate.steps_per_second()
-        line = format_progress(
-            step,
-            max_steps,
-            status=status,
-            train_loss=train_loss,
-            tokens_per_sec=speed * tokens_per_step if speed and tokens_per_step else None,
-            eta_seconds=(max_steps - step) / speed if speed and max_steps and status == "running" else None,
-            restarts=restarts,
-        )
+        tokens_per_sec = speed * tokens_per_step if speed and tokens_per_step else None
+        eta_seconds = (max_steps - step) / speed if speed and max_steps and status == "running" else None
         if self.interactive:
-            line = line[: shutil.get_terminal_size().columns - 1]  # a wrapped line can't be redrawn with \r
-            self.stream.write("\r" + line.ljust(self._drawn))
-            self._drawn = len(line)
-        else:
-            decile = int(10 * step / max_steps) if max_steps else 0
-            if decile > self._printed_decile or status != self._printed_status or now - self._printed_at >= self.every_s:
-                self.stream.write(line + "\n")
-                self._printed_decile, self._printed_status, self._printed_at = decile, status, now
-        self.stream.flush()
+            details = format_details(train_loss, tokens_per_sec, eta_seconds, restarts)
+            self._draw(status, step, max_steps, details)
+            return
+        decile = int(10 * step / max_steps) if max_steps else 0
+        if decile > self._printed_decile or status != self._printed_status or now - self._printed_at >= self.every_s:
+            line = format_progress(
+                step, max_steps, status=status, train_loss=train_loss, tokens_per_sec=tokens_per_sec,
+                eta_seconds=eta_seconds, restarts=restarts,
+            )
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self._printed_decile, self._printed_status, self._printed_at = decile, status, now
+
+    def _draw(self, status: str, step: int, max_steps: int | None, details: str) -> None:
+        if self._bar is None:
+            self._bar = Progress(
+                TextColumn("{task.fields[status]:<9}"), BarColumn(), TextColumn("{task.fields[steps]}"),
+                TaskProgressColumn(), TextColumn("{task.fields[details]}"), console=Console(file=self.stream),
+            )
+            self._bar.add_task("", total=max_steps, status="", steps="", details="")
+        self._bar.update(
+            self._bar.task_ids[0], completed=step, total=max_steps, status=status, steps=steps_text(step, max_steps), details=details
+        )
+        self._bar.start()  # the first time; after, the bar redraws itself
 
     def close(self) -> None:
-        if self.interactive and self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = 0
+        if self._bar is not None:
+            self._bar.stop()  # drawn a last time, the cursor on the next line
+            self._bar = None
 
 
 class LatestMetric:

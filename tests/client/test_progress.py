@@ -70,13 +70,13 @@ def test_a_log_gets_a_line_every_so_many_seconds_of_a_slow_job():
     assert lines[-1].endswith("ETA 59m32s")  # 893 steps at a quarter step a second
 
 
-def test_a_terminal_line_is_redrawn_in_place(monkeypatch):
+def test_a_terminal_gets_a_rich_bar_redrawn_in_place(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # wide enough for the whole line
     out = FakeTerminal()
     bar = ProgressBar(out)
     bar.update("running", 10, 100, train_loss=3.0)
-    bar.update("running", 20, 100)
+    bar.update("running", 20, 100, train_loss=2.5)
     bar.close()
-    first, second = out.getvalue().split("\r")[1:]
-    assert "loss 3.0000" in first and len(second.rstrip("\n")) == len(first)  # padded over the longer line
-    assert out.getvalue().endswith("\n")
+    drawn = out.getvalue()
+    assert "\x1b[" in drawn and "━" in drawn  # rich's cursor moves and bar
+    assert "loss 2.5000" in drawn and "20/100" in drawn and drawn.endswith("\n\x1b[?25h")  # on a line of its own, cursor shown
