@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from trainyard.client_cli import EXIT_FAILED, add_client_commands
+from trainyard.compare_cli import add_compare_command
 from trainyard.sweep_cli import add_sweep_commands
 
 # Their options and handlers are in SERVER_CLI; the one-line help is here, for `trainyard --help`.
@@ -30,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, help in SERVER_COMMANDS.items():
         subparsers.add_parser(name, help=help, add_help=False)  # listed; main() hands their arguments to SERVER_CLI
-    add_sweep_commands(subparsers, connection=add_client_commands(subparsers))
+    connection = add_client_commands(subparsers)
+    add_sweep_commands(subparsers, connection)
+    add_compare_command(subparsers, connection)
     return parser
 
 

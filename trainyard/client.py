@@ -52,8 +52,16 @@ class TrainyardError(Exception):
 
 
 def token_file() -> Path:
-    """Where `trainyard up` (embedded mode) writes the admin token."""
-    return Path(os.environ.get("TRAINYARD_DATA_DIR", ".trainyard")) / "token"
+    """Where `trainyard up` (embedded mode) wrote the admin token: in $TRAINYARD_DATA_DIR, else in
+    the nearest `.trainyard/` going up from the working directory (as git finds `.git`), so the CLI
+    finds it from any folder below the one `up` ran in."""
+    if data_dir := os.environ.get("TRAINYARD_DATA_DIR"):
+        return Path(data_dir) / "token"
+    here = Path.cwd()
+    for folder in (here, *here.parents):
+        if (folder / ".trainyard" / "token").is_file():
+            return folder / ".trainyard" / "token"
+    return Path(".trainyard") / "token"
 
 
 def config_file() -> Path:

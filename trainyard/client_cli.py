@@ -16,6 +16,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
 
 from api_schemas import JobOut, JobStatus
 from trainyard.client import Client, TrainyardError
@@ -50,10 +54,22 @@ def load_spec_file(path: Path) -> dict:
 # -- output helpers ------------------------------------------------------------------------------
 
 def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
-    rows = [[str(cell) for cell in row] for row in rows]
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
-    for row in [list(headers), *rows]:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    """A table drawn by rich: ruled under a bold header on a terminal; in a pipe or a file, plain
+    columns two spaces apart with no colour, no wrapping and no trailing blanks, for scripts to read."""
+    interactive = sys.stdout.isatty()
+    table = Table(box=box.SIMPLE_HEAD if interactive else None, show_edge=False, pad_edge=False, header_style="bold" if interactive else "")
+    for header in headers:
+        table.add_column(header)
+    for row in rows:
+        table.add_row(*(Text(str(cell)) for cell in row))  # Text: a `[` in a job's name is no markup
+    if interactive:
+        Console().print(table)
+        return
+    console = Console(width=100_000, no_color=True, highlight=False)
+    with console.capture() as captured:
+        console.print(table)
+    for line in captured.get().splitlines():
+        print(line.rstrip())
 
 
 def local_time(moment: datetime | None) -> str:

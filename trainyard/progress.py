@@ -1,19 +1,20 @@
-"""A terminal progress bar for a training job, using nothing beyond the standard library.
+"""A training job's progress: on a terminal a `rich` progress bar redrawn in place; in a log file
+(not a TTY) a plain line at a steady cadence: every 10% and at least every `every_s` seconds, and
+on every status change.
 
     running   [#########...............]  750/2000  38%  loss 1.9321  6.1k tok/s  ETA 3m25s
-
-On a terminal the line is redrawn in place; in a log file (not a TTY) a line is printed about
-every 10% and on every status change, so the log stays short.
 """
 
 from __future__ import annotations
 
-import shutil
+import math
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn
 
 if TYPE_CHECKING:
     from api_schemas import JobOut
@@ -43,26 +44,11 @@ def steps_text(step: int, max_steps: int | None) -> str:
     return f"{step}/{max_steps}" if max_steps else str(step)
 
 
-def format_progress(
-    step: int,
-    max_steps: int | None,
-    *,
-    status: str | None = None,
-    train_loss: float | None = None,
-    tokens_per_sec: float | None = None,
-    eta_seconds: float | None = None,
-    restarts: int = 0,
-    width: int = 24,
+def format_details(
+    train_loss: float | None = None, tokens_per_sec: float | None = None, eta_seconds: float | None = None, restarts: int = 0
 ) -> str:
-    """One line describing a job's progress; the parts not known yet are left out."""
-    if max_steps:
-        fraction = min(max(step / max_steps, 0.0), 1.0)
-        filled = int(fraction * width)
-        parts = [f"[{'#' * filled}{'.' * (width - filled)}]", steps_text(step, max_steps), f"{fraction:4.0%}"]
-    else:  # a script that gave no max_steps: no bar to fill
-        parts = [f"step {step}"]
-    if status is not None:
-        parts.insert(0, f"{status:<9}")  # 9 = len("scheduled"), so the bars line up
+    """What follows the bar: loss, speed, ETA and restarts, those known."""
+    parts = []
     if train_loss is not None:
         parts.append(f"loss {train_loss:.4f}")
     if tokens_per_sec is not None:
@@ -74,40 +60,67 @@ def format_progress(
     return "  ".join(parts)
 
 
-class StepRate:
-    """Steps per second over the last `window` seconds, so the ETA follows the current speed."""
+def format_progress(
+    step: int,
+    max_steps: int | None,
+    *,
+    status: str | None = None,
+    train_loss: float | None = None,
+    tokens_per_sec: float | None = None,
+    eta_seconds: float | None = None,
+    restarts: int = 0,
+    width: int = 24,
+) -> str:
+    """One plain line describing a job's progress; the parts not known yet are left out."""
+    if max_steps:
+        fraction = min(max(step / max_steps, 0.0), 1.0)
+        filled = int(fraction * width)
+        parts = [f"[{'#' * filled}{'.' * (width - filled)}]", steps_text(step, max_steps), f"{fraction:4.0%}"]
+    else:  # a script that gave no max_steps: no bar to fill
+        parts = [f"step {step}"]
+    if status is not None:
+        parts.insert(0, f"{status:<9}")  # 9 = len("scheduled"), so the bars line up
+    details = format_details(train_loss, tokens_per_sec, eta_seconds, restarts)
+    return "  ".join(parts + ([details] if details else []))
 
-    def __init__(self, window: float = 30.0):
-        self.window = window
-        self.samples: deque[tuple[float, int]] = deque()
+
+class StepRate:
+    """Steps per second, smoothed: an exponential moving average of the speed between step changes,
+    each weighed by how long it lasted (`1 - e^(-dt/tau)`), so the ETA follows the current speed
+    without jumping with each poll's luck."""
+
+    def __init__(self, tau: float = 30.0):
+        self.tau = tau
+        self.last: tuple[float, int] | None = None
+        self.rate: float | None = None
 
     def add(self, now: float, step: int) -> None:
-        if self.samples and step == self.samples[-1][1]:
+        if self.last is not None and step == self.last[1]:
             return  # only the moments the step changed tell the speed
-        if self.samples and step < self.samples[-1][1]:
-            self.samples.clear()  # a restart resumed from an earlier checkpoint
-        self.samples.append((now, step))
-        while len(self.samples) > 2 and now - self.samples[1][0] >= self.window:
-            self.samples.popleft()
+        if self.last is not None and step < self.last[1]:
+            self.last, self.rate = None, None  # a restart resumed from an earlier checkpoint
+        if self.last is not None and now > self.last[0]:
+            dt = now - self.last[0]
+            speed = (step - self.last[1]) / dt
+            weight = 1 - math.exp(-dt / self.tau)
+            self.rate = speed if self.rate is None else self.rate + weight * (speed - self.rate)
+        self.last = (now, step)
 
     def steps_per_second(self) -> float | None:
-        if len(self.samples) < 2:
-            return None
-        (first_time, first_step), (last_time, last_step) = self.samples[0], self.samples[-1]
-        if last_time <= first_time:
-            return None
-        return (last_step - first_step) / (last_time - first_time)
+        return self.rate
 
 
 class ProgressBar:
-    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic, every_s: float = 10.0):
         self.stream = stream or sys.stderr
+        self.every_s = every_s
         self.interactive = self.stream.isatty()
         self.clock = clock
         self.rate = StepRate()
-        self._drawn = 0  # length of the line on screen, to blank out what a shorter line leaves
+        self._bar: Progress | None = None  # the terminal's, started at the first update
         self._printed_decile = -1
         self._printed_status: str | None = None
+        self._printed_at = -math.inf
 
     def update(
         self,
@@ -118,34 +131,42 @@ class ProgressBar:
         tokens_per_step: int | None = None,
         restarts: int = 0,
     ) -> None:
+        now = self.clock()
         if status == "running" and step > 0:  # the time spent queued and starting up is no training speed
-            self.rate.add(self.clock(), step)
+            self.rate.add(now, step)
         speed = self.rate.steps_per_second()
-        line = format_progress(
-            step,
-            max_steps,
-            status=status,
-            train_loss=train_loss,
-            tokens_per_sec=speed * tokens_per_step if speed and tokens_per_step else None,
-            eta_seconds=(max_steps - step) / speed if speed and max_steps and status == "running" else None,
-            restarts=restarts,
-        )
+        tokens_per_sec = speed * tokens_per_step if speed and tokens_per_step else None
+        eta_seconds = (max_steps - step) / speed if speed and max_steps and status == "running" else None
         if self.interactive:
-            line = line[: shutil.get_terminal_size().columns - 1]  # a wrapped line can't be redrawn with \r
-            self.stream.write("\r" + line.ljust(self._drawn))
-            self._drawn = len(line)
-        else:
-            decile = int(10 * step / max_steps) if max_steps else 0
-            if decile > self._printed_decile or status != self._printed_status:
-                self.stream.write(line + "\n")
-                self._printed_decile, self._printed_status = decile, status
-        self.stream.flush()
+            details = format_details(train_loss, tokens_per_sec, eta_seconds, restarts)
+            self._draw(status, step, max_steps, details)
+            return
+        decile = int(10 * step / max_steps) if max_steps else 0
+        if decile > self._printed_decile or status != self._printed_status or now - self._printed_at >= self.every_s:
+            line = format_progress(
+                step, max_steps, status=status, train_loss=train_loss, tokens_per_sec=tokens_per_sec,
+                eta_seconds=eta_seconds, restarts=restarts,
+            )
+            self.stream.write(line + "\n")
+            self.stream.flush()
+            self._printed_decile, self._printed_status, self._printed_at = decile, status, now
+
+    def _draw(self, status: str, step: int, max_steps: int | None, details: str) -> None:
+        if self._bar is None:
+            self._bar = Progress(
+                TextColumn("{task.fields[status]:<9}"), BarColumn(), TextColumn("{task.fields[steps]}"),
+                TaskProgressColumn(), TextColumn("{task.fields[details]}"), console=Console(file=self.stream),
+            )
+            self._bar.add_task("", total=max_steps, status="", steps="", details="")
+        self._bar.update(
+            self._bar.task_ids[0], completed=step, total=max_steps, status=status, steps=steps_text(step, max_steps), details=details
+        )
+        self._bar.start()  # the first time; after, the bar redraws itself
 
     def close(self) -> None:
-        if self.interactive and self._drawn:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._drawn = 0
+        if self._bar is not None:
+            self._bar.stop()  # drawn a last time, the cursor on the next line
+            self._bar = None
 
 
 class LatestMetric:

@@ -1,4 +1,5 @@
-"""Checkpoints: registered once complete, the oldest beyond a job's `keep_last` dropped.
+"""Checkpoints: registered once complete, the oldest beyond a job's `keep_last` dropped (and
+remembered as deleted, so a download of one says why it is gone).
 
 A job's checkpoints are in the order they were saved (by id), which is their steps' order for the
 built-in loop but not always for a script: a resumed attempt saves its steps again, and a script
@@ -13,7 +14,7 @@ from api_schemas import JobEventType
 from service.db import state
 from service.db.dialect import dialect_insert
 from service.db.jobs import job_visible_to
-from service.db.models import Checkpoint, User, utcnow
+from service.db.models import Checkpoint, DeletedCheckpoint, User, utcnow
 
 
 def record_checkpoint(
@@ -33,6 +34,7 @@ def record_checkpoint(
     newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc())).all()
     stale = newest_first[keep_last:]
     if stale:
+        session.add_all(DeletedCheckpoint(id=c.id, job_id=job_id, step=c.step, deleted_at=utcnow()) for c in stale)
         session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in stale])))
     session.commit()
     return [c.path for c in stale if c.path != path]
@@ -47,3 +49,10 @@ def checkpoint_visible_to(session: Session, user: User, checkpoint_id: int) -> C
     if checkpoint is None or job_visible_to(session, user, checkpoint.job_id) is None:
         return None
     return checkpoint
+
+
+def deleted_checkpoint_visible_to(session: Session, user: User, checkpoint_id: int) -> DeletedCheckpoint | None:
+    deleted = session.get(DeletedCheckpoint, checkpoint_id)
+    if deleted is None or job_visible_to(session, user, deleted.job_id) is None:
+        return None
+    return deleted

@@ -254,6 +254,16 @@ class JobOutput(Base):
     __table_args__ = (UniqueConstraint("job_id", "name", name="uq_job_outputs_job_name"),)
 
 
+class DeletedCheckpoint(Base):
+    """A checkpoint `keep_last` deleted, remembered so that its download can say so and name the kept ones."""
+
+    __tablename__ = "deleted_checkpoints"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, doc="The id it had as a checkpoint.")
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    deleted_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
 class JobEvent(Base):
     """A job's log of what happened to it: status changes, metric points by step, checkpoints.
 

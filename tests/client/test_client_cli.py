@@ -146,3 +146,26 @@ def test_a_sweep_with_a_bad_base_spec_exits_1_naming_the_field(trainyard, tmp_pa
     (tmp_path / "sweep.json").write_text(json.dumps(spec))
     code, _, err = trainyard("sweep", "submit", str(tmp_path / "sweep.json"))
     assert code != 0 and "base.optimizer.lr" in err
+
+
+def test_compare_prints_the_spec_fields_that_differ_and_the_final_metrics_side_by_side(trainyard, settings, tmp_path):
+    from service.db.metrics import record_metrics
+    from service.db.session import session_factory
+    from service.db.attempts import finish_attempt
+    from tests.helpers import start_job
+
+    ids = []
+    for lr, loss in ((0.001, 2.5), (0.003, 1.75)):
+        (tmp_path / "spec.json").write_text(json.dumps(tiny_spec(**{"optimizer.lr": lr})))
+        ids.append(int(trainyard("submit", str(tmp_path / "spec.json"))[1].split()[2]))
+        claimed = start_job(settings, ids[-1])
+        with session_factory(settings.resolved_database_url)() as session:
+            record_metrics(session, ids[-1], claimed.attempt_id, [(6, "train_loss", 9.0), (12, "train_loss", loss), (12, "eval_loss", loss + 0.25)])
+            finish_attempt(session, claimed, AttemptStatus.succeeded, None)  # its slot free for the next
+    code, out, _ = trainyard("compare", str(ids[0]), str(ids[1]))
+    assert code == 0
+    lines = out.splitlines()
+    first, second = f"JOB {ids[0]} (shakespeare-char)", f"JOB {ids[1]} (shakespeare-char)"
+    assert lines[1].split("  ")[0] == "SPEC FIELD" and first in lines[1] and second in lines[1]
+    assert lines[2].split() == ["optimizer.lr", "0.001", "0.003"] and not lines[3]  # the one field that differs
+    assert [line.split() for line in lines[5:]] == [["eval_loss", "2.75", "2"], ["train_loss", "2.5", "1.75"]]

@@ -13,7 +13,7 @@ import pytest
 from api_schemas import JobStatus
 from tests.client.conftest import run_next_job
 from tests.helpers import tiny_spec
-from trainyard.client import Client, TrainyardError, error_message
+from trainyard.client import Client, TrainyardError, error_message, token_file
 
 
 @pytest.fixture
@@ -84,6 +84,17 @@ def test_server_and_token_come_from_args_then_env_then_config_file_then_token_fi
     monkeypatch.setenv("TRAINYARD_SERVER", "http://trainyard.example:9000/")
     assert (Client().server, Client().token) == ("http://trainyard.example:9000", "from-env")
     assert (Client("http://a:1", "from-arg").server, Client("http://a:1", "from-arg").token) == ("http://a:1", "from-arg")
+
+
+def test_the_token_of_trainyard_up_is_found_from_a_folder_below_the_one_it_ran_in(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRAINYARD_DATA_DIR")
+    (tmp_path / ".trainyard").mkdir()
+    (tmp_path / ".trainyard" / "token").write_text("ty_up\n")
+    (tmp_path / "experiments" / "lr").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "experiments" / "lr")
+    assert Client().token == "ty_up" and token_file() == tmp_path / ".trainyard" / "token"
+    (tmp_path / "experiments" / ".trainyard").mkdir()  # a data dir without a token (never `up`) is passed by
+    assert Client().token == "ty_up"
 
 
 @pytest.mark.parametrize(

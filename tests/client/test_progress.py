@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from trainyard.progress import ProgressBar, StepRate, format_duration, format_progress, format_rate
 
 
@@ -23,16 +25,19 @@ def test_durations_and_rates():
     assert [format_rate(r) for r in (512, 6143, 2_500_000)] == ["512 tok/s", "6.1k tok/s", "2.5M tok/s"]
 
 
-def test_step_rate_follows_recent_speed_and_restarts():
-    rate = StepRate(window=10)
+def test_step_rate_is_smoothed_follows_a_lasting_change_and_restarts():
+    rate = StepRate(tau=10)
     assert rate.steps_per_second() is None
     rate.add(0, 10)
     rate.add(5, 10)  # unchanged step: no new information
     rate.add(10, 110)
     assert rate.steps_per_second() == 10
-    rate.add(30, 130)  # slowed down: the first sample has left the window
-    assert rate.steps_per_second() == 1
-    rate.add(31, 50)  # resumed from an earlier checkpoint
+    rate.add(11, 111)  # one slow second moves the estimate a little...
+    assert 9 < rate.steps_per_second() < 10
+    for second in range(12, 80):  # ...a slowdown that lasts, all the way
+        rate.add(second, 111 + second - 11)
+    assert rate.steps_per_second() == pytest.approx(1, abs=0.05)
+    rate.add(81, 50)  # resumed from an earlier checkpoint
     assert rate.steps_per_second() is None
 
 
@@ -55,13 +60,23 @@ def test_a_log_gets_a_line_per_tenth_and_per_status_change():
     assert lines[-3].endswith("90/100   90%  loss 2.0000  320 tok/s  ETA 2s")  # 5 steps per clock tick, 64 tokens each
 
 
-def test_a_terminal_line_is_redrawn_in_place(monkeypatch):
+def test_a_log_gets_a_line_every_so_many_seconds_of_a_slow_job():
+    out = io.StringIO()
+    bar = ProgressBar(out, clock=iter(range(0, 1000, 4)).__next__, every_s=10)  # 4 s between polls
+    for step in range(1, 9):  # 1% a poll: no tenth crossed
+        bar.update("running", 100 + step, 1000)
+    lines = out.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["101/1000", "104/1000", "107/1000"]  # at 0, 12 and 24 s
+    assert lines[-1].endswith("ETA 59m32s")  # 893 steps at a quarter step a second
+
+
+def test_a_terminal_gets_a_rich_bar_redrawn_in_place(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # wide enough for the whole line
     out = FakeTerminal()
     bar = ProgressBar(out)
     bar.update("running", 10, 100, train_loss=3.0)
-    bar.update("running", 20, 100)
+    bar.update("running", 20, 100, train_loss=2.5)
     bar.close()
-    first, second = out.getvalue().split("\r")[1:]
-    assert "loss 3.0000" in first and len(second.rstrip("\n")) == len(first)  # padded over the longer line
-    assert out.getvalue().endswith("\n")
+    drawn = out.getvalue()
+    assert "\x1b[" in drawn and "━" in drawn  # rich's cursor moves and bar
+    assert "loss 2.5000" in drawn and "20/100" in drawn and drawn.endswith("\n\x1b[?25h")  # on a line of its own, cursor shown

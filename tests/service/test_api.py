@@ -195,6 +195,25 @@ def test_a_checkpoint_larger_than_one_read_downloads_whole_and_by_range(api, tok
     assert span.status_code == 206 and span.content == model[2**20 - 10 : 2**21 + 10]
 
 
+def test_a_checkpoint_deleted_by_keep_last_answers_a_404_that_says_so_and_names_the_kept_ones(api, tokens, settings):
+    job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    claimed = start_job(settings, job_id)
+    with session_factory(settings.resolved_database_url)() as session:
+        for step in (6, 12, 18):
+            record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, keep_last=2)
+        kept = list_checkpoints(session, job_id)
+    deleted_id = kept[0].id - 1
+    answer = api.get(f"/v1/checkpoints/{deleted_id}/download", headers=auth(tokens["alice"]))
+    assert answer.status_code == 404
+    assert answer.json()["detail"] == (
+        f"checkpoint {deleted_id} (step 6 of job {job_id}) was deleted by the job's checkpoint.keep_last retention; "
+        f"kept: {kept[0].id} (step 12), {kept[1].id} (step 18)"
+    )
+    # Someone else learns nothing about it; an id never used is a plain 404.
+    assert api.get(f"/v1/checkpoints/{deleted_id}/download", headers=auth(tokens["bob"])).json()["detail"] == "checkpoint not found"
+    assert api.get("/v1/checkpoints/999999/download", headers=auth(tokens["alice"])).json()["detail"] == "checkpoint not found"
+
+
 def test_a_running_job_shows_its_last_loss_rate_and_eta(api, tokens, settings):
     job_id = api.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 100}), headers=auth(tokens["alice"])).json()["id"]
     other_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]

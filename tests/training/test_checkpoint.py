@@ -55,6 +55,10 @@ def test_the_final_checkpoint_holds_weights_state_spec_tokenizer_and_a_manifest_
     assert json.loads((final / "trainer_state.json").read_text()) == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS, "processes": 1}
     model, tokenizer, saved_spec = load_model_from_checkpoint(final)
     assert saved_spec == spec
+    # The tied head is saved once (no "Removed shared tensor" warning from Accelerate) and loaded back tied.
+    for weights in (final / MODEL_FILE, final / "state" / MODEL_FILE):
+        assert "wte.weight" in load_file(weights) and "lm_head.weight" not in load_file(weights)
+    assert model.lm_head.weight is model.wte.weight
     assert tokenizer.to_json() == load_text_corpus(spec.dataset, data_root).tokenizer.to_json()
 
 

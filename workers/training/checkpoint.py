@@ -254,7 +254,7 @@ class CheckpointWriter:
             if shards is not None:
                 shards.result()  # every process's shards are written (ShardedState)
             write_accelerate_state(staging / "state", state)
-            # Distinct tensors for tied weights, which safetensors refuses to save as two names of one storage.
+            # Distinct tensors for tied weights (an `hf` model's), which safetensors refuses to save as two names of one storage.
             seen: set[int] = set()
             weights = {}
             for name, tensor in state["weights"].items():

@@ -62,6 +62,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.lm_head = nn.Linear(config.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        # The tied weight is saved once, as wte.weight, and loaded back into both names: a state
+        # dict with two names of one storage makes safetensors (and Accelerate) drop one with a warning.
+        self._register_state_dict_hook(_without_tied_head)
+        self._register_load_state_dict_pre_hook(_with_tied_head)
         self.apply(self._init_weights)
         # Scaled init of residual projections (GPT-2 paper).
         for name, param in self.named_parameters():
@@ -95,6 +99,15 @@ class GPT(nn.Module):
                 logits[logits < kth] = -float("inf")
             idx = torch.cat((idx, torch.multinomial(F.softmax(logits, dim=-1), num_samples=1)), dim=1)
         return idx
+
+
+def _without_tied_head(model: GPT, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    del state_dict[f"{prefix}lm_head.weight"]
+
+
+def _with_tied_head(state_dict: dict, prefix: str, *_) -> None:
+    if f"{prefix}wte.weight" in state_dict:
+        state_dict.setdefault(f"{prefix}lm_head.weight", state_dict[f"{prefix}wte.weight"])
 
 
 class MLPClassifier(nn.Module):

@@ -7,6 +7,7 @@ Under a Trainyard worker, events go to a JSONL file the worker tails and forward
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -26,12 +27,18 @@ class Reporter(Protocol):
 
 
 class JsonlReporter:
-    """The worker's events file: one event per line, flushed per line so the worker sees each step as it ends."""
+    """The worker's events file: one event per line, flushed per line so the worker sees each step as it ends.
+
+    With `progress_every_s` (the built-in loops; a script prints its own), a line of progress goes
+    to stdout too, which is the job's log: at each evaluation and at least every that many seconds,
+    so someone reading the logs sees the job move."""
 
     takes_checkpoints = True
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, progress_every_s: float | None = None):
         self._file = open(path, "a", encoding="utf-8")
+        self.progress_every_s = progress_every_s
+        self._last_progress = time.monotonic()
 
     def _write(self, event: MetricsEvent | CheckpointEvent) -> None:
         self._file.write(encode_event(event))
@@ -39,12 +46,29 @@ class JsonlReporter:
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
         self._write(MetricsEvent(step=step, values=values))
+        if self.progress_every_s is None:
+            return
+        now = time.monotonic()
+        if "eval_loss" in values or now - self._last_progress >= self.progress_every_s:
+            print(progress_line(step, values), flush=True)
+            self._last_progress = now
 
     def checkpoint(self, step: int, path: Path) -> None:
         self._write(CheckpointEvent(step=step, path=path.resolve()))
 
     def close(self) -> None:
         self._file.close()
+
+
+# What a progress line shows of the built-in loop's metrics; a custom job's own names are all shown.
+PROGRESS_METRICS = ("train_loss", "eval_loss", "eval_accuracy", "tokens_per_s")
+
+
+def progress_line(step: int, values: dict[str, float]) -> str:
+    """`step 250: train_loss=2.451 eval_loss=2.502 tokens/s=12,345`"""
+    shown = {name: values[name] for name in PROGRESS_METRICS if name in values} or values
+    parts = [f"tokens/s={value:,.0f}" if name == "tokens_per_s" else f"{name}={value:.4g}" for name, value in shown.items()]
+    return f"step {step}: " + " ".join(parts)
 
 
 class ConsoleReporter:
@@ -66,4 +90,4 @@ class ConsoleReporter:
 
 def reporter_from_env() -> Reporter:
     path = os.environ.get(EVENTS_FILE_ENV)
-    return JsonlReporter(Path(path)) if path else ConsoleReporter()
+    return JsonlReporter(Path(path), progress_every_s=10.0) if path else ConsoleReporter()

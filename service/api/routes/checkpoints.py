@@ -4,13 +4,15 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, HTTPException, Query, status
 from fastapi.responses import FileResponse, Response, StreamingResponse
+from sqlalchemy.orm import Session
 
 from api_schemas.manifest import MODEL_FILE
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, StoreDep, not_found
 from service.api.tar_stream import open_files, stream_tar
-from service.db.checkpoints import checkpoint_visible_to
+from service.db.checkpoints import checkpoint_visible_to, deleted_checkpoint_visible_to, list_checkpoints
+from service.db.models import DeletedCheckpoint
 
 router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
 
@@ -29,7 +31,8 @@ def download_checkpoint(
 ) -> Response:
     checkpoint = checkpoint_visible_to(session, user, checkpoint_id)
     if checkpoint is None:
-        raise not_found("checkpoint")
+        deleted = deleted_checkpoint_visible_to(session, user, checkpoint_id)
+        raise not_found("checkpoint") if deleted is None else _deleted_by_retention(session, deleted)
     directory = store.path(checkpoint.path)
     if not directory.is_dir():
         raise not_found("checkpoint files")  # pruned by retention after the listing was read
@@ -65,6 +68,16 @@ def download_checkpoint(
         )
     except FileNotFoundError:
         raise not_found("checkpoint files") from None  # retention won the race to the file
+
+
+def _deleted_by_retention(session: Session, deleted: DeletedCheckpoint) -> HTTPException:
+    """A 404 that says the checkpoint was there, why it is gone, and which of its job's are kept."""
+    kept = ", ".join(f"{c.id} (step {c.step})" for c in list_checkpoints(session, deleted.job_id)) or "none"
+    return HTTPException(
+        status.HTTP_404_NOT_FOUND,
+        f"checkpoint {deleted.id} (step {deleted.step} of job {deleted.job_id}) was deleted by the job's "
+        f"checkpoint.keep_last retention; kept: {kept}",
+    )
 
 
 class OpenedFileResponse(FileResponse):
