@@ -30,6 +30,7 @@ import concurrent.futures
 import json
 import multiprocessing
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,7 +45,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.scratch import REDIS_URL, postgres_database  # noqa: E402
-from service.embedded import embedded_stack  # noqa: E402
+from service.embedded import StackInfo, embedded_stack  # noqa: E402
 from tests.helpers import spec_dict, tiny_spec  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 
@@ -52,12 +53,14 @@ SLOW_UPLOADS = SLOW_DOWNLOADS = 10
 UPLOAD_BYTES_PER_S = 4
 DOWNLOAD_BYTES_PER_S = 8 * 1024
 PROBE_EVERY_S = 0.05
+PROBE_TIMEOUT_S = 30
+TIMED_OUT = 0  # the status noted for a request that got no answer in time
 TARGETS = {"healthz_p99_ms": 100, "jobs_p99_ms": 250, "server_errors": 0, "lost_jobs": 0, "api_rss_mb_at_1000_followers": 1000}
 
 
 def training_spec() -> dict:
     """The README example, training well past a phase, a checkpoint early on (for the slow downloads)."""
-    return spec_dict(**{"training.max_steps": 100_000, "training.eval_every": 100_000, "checkpoint.every_steps": 5,
+    return spec_dict(**{"training.max_steps": 100_000, "training.eval_every": 100_000, "checkpoint.every_steps": 10,
                         "checkpoint.keep_last": 1, "max_restarts": 0})
 
 
@@ -72,15 +75,20 @@ def ms(seconds: float) -> float:
 
 def probe(url: str, token: str, seconds: float) -> dict[str, list]:
     """In a process of its own: /healthz and GET /v1/jobs, one after the other, every PROBE_EVERY_S."""
-    times: dict[str, list] = {"healthz": [], "jobs": [], "statuses": []}
-    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as client:
+    times: dict[str, list] = {"healthz": [], "jobs": [], "statuses": [], "slow": []}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=PROBE_TIMEOUT_S) as client:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             for name, path in (("healthz", "/healthz"), ("jobs", "/v1/jobs")):
                 started = time.perf_counter()
-                status = client.get(path).status_code
+                try:
+                    status = client.get(path).status_code
+                except httpx.TimeoutException:
+                    status = TIMED_OUT
                 times[name].append(time.perf_counter() - started)
                 times["statuses"].append(status)
+                if times[name][-1] > 1:
+                    times["slow"].append((name, round(time.monotonic() - (deadline - seconds), 1), round(times[name][-1], 1)))
             time.sleep(PROBE_EVERY_S)
     return times
 
@@ -113,12 +121,15 @@ class Run:
 
     async def follow(self, kind: str) -> None:
         path = f"/v1/jobs/{self.job_id}/{kind}?follow=true"
-        async with self.client.stream("GET", path, timeout=httpx.Timeout(30, read=None)) as response:
-            self.statuses.append(response.status_code)
+        try:
+            async with self.client.stream("GET", path, timeout=httpx.Timeout(PROBE_TIMEOUT_S, read=None)) as response:
+                self.statuses.append(response.status_code)
+                self.connected += 1
+                async for line in response.aiter_lines():
+                    if line == "event: end":
+                        self.ended_at.append(time.time())
+        except httpx.TransportError:  # counted as a stream without its end
             self.connected += 1
-            async for line in response.aiter_lines():
-                if line == "event: end":
-                    self.ended_at.append(time.time())
 
     async def slow_upload(self, name: str, seconds: float) -> None:
         size = int(seconds * UPLOAD_BYTES_PER_S)
@@ -163,7 +174,7 @@ async def wait_for(check, what: str, timeout: float = 120) -> None:
 
 
 async def start_training(client: httpx.AsyncClient) -> int:
-    """Submit the training job and wait until it runs and has a checkpoint."""
+    """Submit the training job and wait until it runs and has a checkpoint (its training under way)."""
     job_id = (await client.post("/v1/jobs", json=training_spec())).json()["id"]
 
     async def checkpointed() -> bool:
@@ -189,11 +200,12 @@ def say(what: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
-async def phase(client: httpx.AsyncClient, api: ApiProcess, url: str, token: str, args, followers: int, loaded: bool) -> dict:
+async def phase(client: httpx.AsyncClient, api: ApiProcess, url: str, token: str, args, followers: int, download: int | None) -> dict:
+    """One phase's figures; loaded (slow clients, the burst) if given a checkpoint to `download`."""
+    loaded = download is not None
     say(f"{'load' if loaded else 'peer'} phase: starting a training job")
     job_id = await start_training(client)
     say(f"job {job_id} trains; {followers} followers connecting")
-    checkpoint_id = (await client.get(f"/v1/jobs/{job_id}/checkpoints")).json()[-1]["id"]
     run = Run(client, job_id)
     cpu_before = api.cpu_seconds()
     api.peak_rss = 0
@@ -211,7 +223,7 @@ async def phase(client: httpx.AsyncClient, api: ApiProcess, url: str, token: str
         probing = asyncio.wrap_future(pool.submit(probe, url, token, args.seconds))
         if loaded:
             slow = [asyncio.create_task(run.slow_upload(f"slow-{i}.txt", args.seconds)) for i in range(SLOW_UPLOADS)]
-            slow += [asyncio.create_task(run.slow_download(checkpoint_id, args.seconds)) for _ in range(SLOW_DOWNLOADS)]
+            slow += [asyncio.create_task(run.slow_download(download, args.seconds)) for _ in range(SLOW_DOWNLOADS)]
             await asyncio.sleep(args.seconds / 2)
             acknowledged = await run.submit_burst(args.burst)
         probed = await probing
@@ -236,6 +248,7 @@ async def phase(client: httpx.AsyncClient, api: ApiProcess, url: str, token: str
     statuses = run.statuses + probed["statuses"]
     late = [seen - ended for seen in run.ended_at]
     return {
+        "job": job_id,
         "followers": followers,
         "slow_clients": len(slow),
         "burst_acknowledged": f"{len(acknowledged)}/{args.burst if loaded else 0}",
@@ -243,6 +256,8 @@ async def phase(client: httpx.AsyncClient, api: ApiProcess, url: str, token: str
         "jobs_ms": {"p50": ms(statistics.median(probed["jobs"])), "p99": ms(percentile(probed["jobs"], 0.99))},
         "probes": len(probed["healthz"]),
         "server_errors": sum(status >= 500 for status in statuses),
+        "timed_out": statuses.count(TIMED_OUT),
+        "probes_over_1s": probed["slow"],
         "other_statuses": sorted({status for status in statuses if status not in (200, 201)}),
         "lost_jobs": lost,
         "api_peak_rss_mb": round(api.peak_rss / 1e6),
@@ -257,9 +272,19 @@ async def measure(url: str, token: str, args) -> dict:
     limits = httpx.Limits(max_connections=args.followers + SLOW_UPLOADS + SLOW_DOWNLOADS + args.burst + 10, max_keepalive_connections=50)
     headers = {"Authorization": f"Bearer {token}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=60) as client:
-        peer = await phase(client, api, url, token, args, followers=2, loaded=False)
-        loaded = await phase(client, api, url, token, args, followers=args.followers, loaded=True)
+        peer = await phase(client, api, url, token, args, followers=2, download=None)
+        # A training job prunes its older checkpoints; the peer's job has ended, its last one stays.
+        checkpoint = (await client.get(f"/v1/jobs/{peer['job']}/checkpoints")).json()[-1]["id"]
+        loaded = await phase(client, api, url, token, args, followers=args.followers, download=checkpoint)
     return {"peer": peer, "load": loaded}
+
+
+def measure_keeping_logs(stack: StackInfo, args) -> dict:
+    try:
+        return asyncio.run(measure(stack.url, stack.token, args))
+    finally:
+        if args.logs:
+            shutil.copytree(stack.data_dir / "logs", args.logs, dirs_exist_ok=True)
 
 
 def verdict(load: dict, followers: int) -> dict[str, str]:
@@ -267,7 +292,7 @@ def verdict(load: dict, followers: int) -> dict[str, str]:
     verdicts = {
         "healthz_p99_ms": met(load["healthz_ms"]["p99"] <= TARGETS["healthz_p99_ms"]),
         "jobs_p99_ms": met(load["jobs_ms"]["p99"] <= TARGETS["jobs_p99_ms"]),
-        "server_errors": met(load["server_errors"] == 0),
+        "server_errors": met(load["server_errors"] == 0 and load["timed_out"] == 0),
         "lost_jobs": met(load["lost_jobs"] == 0),
     }
     rss_ok = load["api_peak_rss_mb"] <= TARGETS["api_rss_mb_at_1000_followers"]
@@ -281,6 +306,7 @@ def main() -> None:
     parser.add_argument("--followers", type=int, help="followers in the load phase (default 1,000 on PostgreSQL, 200 on SQLite)")
     parser.add_argument("--seconds", type=float, default=20.0, help="how long each phase is probed")
     parser.add_argument("--burst", type=int, default=50, help="jobs submitted at once (the default quota is 100 active jobs a user)")
+    parser.add_argument("--logs", type=Path, help="keep the stack's process logs in this directory")
     args = parser.parse_args()
     args.followers = args.followers or (1000 if args.backend == "postgres" else 200)
     # One user follows them all: raise the per-user stream cap past the followers for this run.
@@ -294,11 +320,11 @@ def main() -> None:
             redis.Redis.from_url(REDIS_URL).flushdb()
             with postgres_database() as database_url, embedded_stack(Path(tmp), free_port(), workers=1, database_url=database_url,
                                                                      broker_url=REDIS_URL, devices="cpu:1") as stack:
-                result = asyncio.run(measure(stack.url, stack.token, args))
+                result = measure_keeping_logs(stack, args)
             redis.Redis.from_url(REDIS_URL).flushdb()
         else:
             with embedded_stack(Path(tmp), free_port(), workers=1, devices="cpu:1") as stack:
-                result = asyncio.run(measure(stack.url, stack.token, args))
+                result = measure_keeping_logs(stack, args)
 
     result = {
         "benchmark": "api_load",
