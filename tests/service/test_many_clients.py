@@ -214,3 +214,21 @@ def test_a_multipart_body_without_its_closing_boundary_is_422_and_nothing_is_sto
     with read_session_factory(settings.resolved_database_url)() as session:
         assert [u.name for u in session.scalars(select(Upload))] == ["cut.txt"]  # the whole one only
     assert sorted(p.name for p in (settings.resolved_data_root / "uploads").iterdir()) == ["1"]
+
+
+def test_a_burst_of_submits_past_the_connection_pool_is_all_admitted(server, tokens):
+    """Each submit reads (its checks) then writes (the insert); were the read's connection held
+    across the insert, 15 submits at once would take the pool and wait for each other until its
+    timeout, then answer 500."""
+    alice = auth(tokens["alice"])
+    burst = 40  # past the pool's 15 connections and the thread pool's 40 threads
+
+    async def submit_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server, headers=alice, limits=httpx.Limits(max_connections=burst), timeout=60) as client:
+            return await asyncio.gather(*(client.post("/v1/jobs", json=tiny_spec()) for _ in range(burst)))
+
+    started = time.monotonic()
+    answers = asyncio.run(submit_all())
+    assert [answer.status_code for answer in answers] == [201] * burst and time.monotonic() - started < 20
+    listed = httpx.get(f"{server}/v1/jobs", params={"limit": 200}, headers=alice).json()["items"]
+    assert {job["id"] for job in listed} == {answer.json()["id"] for answer in answers}
