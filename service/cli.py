@@ -159,4 +159,5 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """`argv` as `trainyard` got it, the command first."""
     args = build_parser().parse_args(argv)
+    os.umask(0o077)  # what the service writes (databases, uploads, artifacts, tokens) is readable by its account only
     return args.func(args)
