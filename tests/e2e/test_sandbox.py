@@ -31,7 +31,7 @@ PROBE = Path(__file__).with_name("sandbox_probe.py")
 REDIS_PORT, POSTGRES_PORT = 6379, 5432
 
 
-@pytest.fixture(scope="module", params=["sqlite+sqla-transport", "postgres+redis"])
+@pytest.fixture(params=["sqlite+sqla-transport", "postgres+redis"])
 def yard(request, tmp_path_factory):
     """(admin client, a code-running non-admin's client, the stack, the admin's upload id, job id and checkpoint)."""
     urls = {}
@@ -143,6 +143,6 @@ def test_a_job_over_its_memory_limit_fails_saying_so_and_the_worker_lives_on(yar
     assert job["status"] == "failed"
     assert "out of memory" in job["failure_reason"] and "resources.memory_gb" in job["failure_reason"], job["failure_reason"]
     assert not [line for line in logs_of(mallory, job["id"]) if line.startswith("LEAK")]
-    after = admin.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 2, "checkpoint.every_steps": None})).json()
+    after = admin.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 6, "checkpoint.every_steps": 6})).json()
     assert wait_for(admin, after["id"], {"succeeded", "failed"})["status"] == "succeeded"
     assert_the_service_is_unharmed(admin, settings, checkpoint)
