@@ -146,8 +146,12 @@ def prepare_attempt(run_dir: Path, inputs: Iterable[Path]) -> tuple[tuple[Path, 
 
 
 def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: str = "bwrap") -> list[str]:
-    """`command` as it runs in the attempt's sandbox, starting in `cwd`."""
-    args = [tool, "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    """`command` as it runs in the attempt's sandbox, starting in `cwd`.
+
+    No --die-with-parent: the supervisor stops an attempt by SIGTERM to its process group (bwrap and
+    all inside), and bwrap dies of it at once; with that flag its death would SIGKILL the training
+    before it could save its checkpoint. The group's SIGKILL ends the PID namespace, and with it all."""
+    args = [tool, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if not view.host_network:
         args.append("--unshare-net")  # loopback only
     privileged = os.geteuid() == 0
