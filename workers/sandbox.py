@@ -153,7 +153,8 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
     before it could save its checkpoint. The group's SIGKILL ends the PID namespace, and with it all."""
     args = [tool, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if not view.host_network:
-        args.append("--unshare-net")  # loopback only
+        # Loopback only: the processes meet there, whatever interface the host told them to use.
+        args += ["--unshare-net", "--setenv", "GLOO_SOCKET_IFNAME", "lo", "--setenv", "NCCL_SOCKET_IFNAME", "lo"]
     privileged = os.geteuid() == 0
     if privileged:
         args += ["--cap-add", "CAP_SETUID,CAP_SETGID"]  # only for setpriv below, which drops them

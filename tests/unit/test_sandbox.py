@@ -18,6 +18,7 @@ def test_a_single_node_attempt_gets_loopback_only_its_run_dir_writable_and_its_i
     view = AttemptView(run_dir, ((run_dir / "inputs" / "0-3", upload),), (tmp_path,), host_network=False)
     command = sandbox_command(["python", "train.py"], run_dir, view)
     assert {"--unshare-pid", "--unshare-net"} <= set(command)
+    assert ("GLOO_SOCKET_IFNAME", "lo") in binds(command, "--setenv")
     assert binds(command, "--bind") == [(str(run_dir), str(run_dir))]  # the only writable place
     assert (str(run_dir / "inputs" / "0-3"), str(upload)) in binds(command, "--ro-bind")
     assert command.index(str(tmp_path)) < command.index(str(upload))  # the state is masked first, the input bound over it
