@@ -21,11 +21,13 @@ demo: $(VENV)/.demo-stamp
 	$(PYTHON) -m service.demo
 
 # Real programs some tests drive, from Debian's packages: Chromium for the dashboard page (never
-# `playwright install`'s download), nginx for downloads behind the shipped proxy config.
+# `playwright install`'s download), nginx for downloads behind the shipped proxy config, bubblewrap
+# for the sandbox every attempt runs in (workers/sandbox.py).
 CHROMIUM := /usr/bin/chromium
 NGINX    := /usr/sbin/nginx
+BWRAP    := /usr/bin/bwrap
 
-test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX)
+test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP)
 	$(PYTHON) -m pytest
 
 # Each prints one JSON line with its peer's figure and the ratio; none asserts a time. About 5
@@ -33,7 +35,7 @@ test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX)
 BENCHMARKS := throughput job_start dispatch_latency scheduler_placement metric_ingest metrics_query dashboard_page \
               download_throughput checkpoint_stall checkpoint_ingest
 
-bench: $(VENV)/.test-stamp $(NGINX)
+bench: $(VENV)/.test-stamp $(NGINX) $(BWRAP)
 	@for name in $(BENCHMARKS); do \
 	  echo "bench/$$name.py" >&2; PYTHONPATH=$(CURDIR) $(PYTHON) bench/$$name.py || exit 1; \
 	done
@@ -43,6 +45,9 @@ $(CHROMIUM):
 
 $(NGINX):
 	$(call apt_install,nginx-light)
+
+$(BWRAP):
+	$(call apt_install,bubblewrap)
 
 define apt_install
 	apt-get install -y -q $(1) >/dev/null 2>&1 || sudo -n apt-get install -y -q $(1) >/dev/null 2>&1 \

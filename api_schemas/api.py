@@ -173,6 +173,7 @@ class WorkerOut(BaseModel):
     slots: int
     busy_slots: int
     gpus: list[dict[str, Any]] = Field(description="For cuda hosts: index, name and memory_gb of each GPU.")
+    sandbox: str = Field(description="What its attempts run in: bubblewrap, unavailable (code-running jobs refused) or none (opted out).")
     attempts: list[HostAttemptOut] = Field(description="Attempts placed or running here now.")
     online: bool
     last_heartbeat: datetime

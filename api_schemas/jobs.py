@@ -334,6 +334,11 @@ class ResourcesConfig(_Config):
     processes_per_node: int = Field(1, ge=1, le=64, description="Training processes (devices) per host.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Device kind each process uses.")
     min_gpu_memory_gb: float | None = Field(None, gt=0, description="Only GPUs with at least this much memory (cuda only).")
+    memory_gb: float | None = Field(
+        None, gt=0, le=65536,
+        description="Most host memory (RAM) the job's processes on one host may use together; past it the kernel kills "
+        "them and the attempt fails saying so. None: no limit of its own.",
+    )
 
     @model_validator(mode="after")
     def _gpu_memory_needs_cuda(self) -> ResourcesConfig:

@@ -9,6 +9,9 @@ and database, one worker): POST /v1/jobs → the same line in the attempt's even
 difference is everything the service adds: the API, the scheduler's pass, the broker, the worker's
 claim and its launch. One poller (every 5 ms) watches both files. The job is the README example,
 five steps. Rounds alternate. Target: overhead ≤ 2 s. Prints one JSON line.
+
+`--sandbox-cost`: instead, the bare launch against the same launch in the attempt's sandbox, as the
+worker makes it (workers/sandbox.py: inputs granted, bwrap, the cgroup entered). Target: ≤ 0.2 s added.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from api_schemas.worker_protocol import EVENTS_FILE_ENV  # noqa: E402
 from service.embedded import embedded_stack  # noqa: E402
-from workers.launch import EVENTS_FILE_NAME, attempt_dir  # noqa: E402
+from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir  # noqa: E402
+from workers.limits import AttemptLimits, available, limited  # noqa: E402
+from workers.sandbox import MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, prepare_attempt, sandbox_command  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 
 
@@ -56,7 +61,8 @@ def first_step_seen(events: Path, since: float, timeout: float = 120) -> float:
     raise SystemExit(f"no step reported in {events} within {timeout:.0f} s")
 
 
-def run_peer(spec_file: Path, run_dir: Path) -> float:
+def run_peer(spec_file: Path, run_dir: Path, sandboxed: bool = False) -> float:
+    start = time.perf_counter()  # the sandbox's preparation counts
     run_dir.mkdir(parents=True)
     threads = str(os.cpu_count() or 1)
     command = [
@@ -65,11 +71,41 @@ def run_peer(spec_file: Path, run_dir: Path) -> float:
         "-m", "workers.training", "--spec", str(spec_file), "--data-root", str(REPO / "data"), "--run-dir", str(run_dir),
     ]
     env = {**os.environ, EVENTS_FILE_ENV: str(run_dir / "events.jsonl"), "PYTHONPATH": str(REPO)}
-    start = time.perf_counter()
+    limits = None
+    if sandboxed:
+        spec_copy = run_dir / SPEC_FILE_NAME
+        spec_copy.write_text(spec_file.read_text())
+        command[command.index(str(spec_file))] = str(spec_copy)
+        view = AttemptView(run_dir, prepare_attempt(run_dir, [REPO / "data" / "tinyshakespeare.txt"]), (), host_network=False)
+        limits = AttemptLimits.create(f"bench-{run_dir.name}", None, MAX_PROCESSES) if available() else None
+        command = limited(sandbox_command(command, run_dir, view), MAX_OPEN_FILES, limits, None)
     process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     seconds = first_step_seen(run_dir / "events.jsonl", start)
     process.wait(120)
+    if limits is not None:
+        limits.remove()
     return seconds
+
+
+def sandbox_cost(rounds: int) -> None:
+    spec = start_spec()
+    bare, sandboxed = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec))
+        run_peer(spec_file, Path(tmp) / "warmup", sandboxed=True)
+        for round_ in range(rounds):
+            bare.append(run_peer(spec_file, Path(tmp) / f"bare-{round_}"))
+            sandboxed.append(run_peer(spec_file, Path(tmp) / f"sandboxed-{round_}", sandboxed=True))
+    print(json.dumps({
+        "benchmark": "job_start_sandbox_cost",
+        "machine": f"{os.cpu_count()} CPU cores",
+        "bare_launch_to_first_step_s": round(statistics.median(bare), 3),
+        "sandboxed_launch_to_first_step_s": round(statistics.median(sandboxed), 3),
+        "added_s": round(statistics.median(sandboxed) - statistics.median(bare), 3),
+        "target_added_s": 0.2,
+        "rounds": {"bare": [round(x, 2) for x in bare], "sandboxed": [round(x, 2) for x in sandboxed]},
+    }))
 
 
 def run_trainyard(client: httpx.Client, spec: dict, work_root: Path) -> tuple[float, dict[str, float]]:
@@ -87,7 +123,10 @@ def run_trainyard(client: httpx.Client, spec: dict, work_root: Path) -> tuple[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sandbox-cost", action="store_true", help="the sandbox's cost alone (see above)")
     args = parser.parse_args()
+    if args.sandbox_cost:
+        return sandbox_cost(args.rounds)
 
     spec = start_spec()
     peer, trainyard, splits = [], [], []

@@ -53,6 +53,7 @@ class ArtifactStore:
             moved = _move_or_copy(source, staging)
             try:
                 manifest = verify_manifest(staging, moved)
+                _take_ownership(staging)
                 os.replace(staging, final)
             except BaseException:
                 if moved:
@@ -88,6 +89,19 @@ class ArtifactStore:
         """Delete a stored checkpoint (its directory, or the folder of its own a script's is kept in), or an output's folder."""
         top = PurePosixPath(*PurePosixPath(relative).parts[:4])  # jobs/<id>/{checkpoints,outputs}/<folder>
         shutil.rmtree(self.path(str(top)), ignore_errors=True)
+
+
+def _take_ownership(directory: Path) -> None:
+    """The service's own from now on: written in a sandbox by the job's user id, readable by the
+    service account only (a later attempt that resumes from it gets a copy). Links are dropped: a
+    job could point one at any file this process may read, for a download to send."""
+    for path in [directory, *directory.rglob("*")]:
+        if path.is_symlink():
+            path.unlink()
+            continue
+        if os.geteuid() == 0:
+            os.chown(path, 0, 0)
+        path.chmod(0o700 if path.is_dir() else 0o600)
 
 
 def _move_or_copy(source: Path, destination: Path) -> bool:

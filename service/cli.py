@@ -86,7 +86,7 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
     _configure_logging(f"worker[{args.host_name}]")
     try:
-        run_worker(_settings(), args.host_name, args.devices, args.address or _own_address())
+        run_worker(_settings(), args.host_name, args.devices, args.address or _own_address(), args.unsafe_no_sandbox)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -94,7 +94,9 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    with embedded_stack(Path(args.data_dir), args.port, args.workers, devices=args.devices) as stack:
+    with embedded_stack(
+        Path(args.data_dir), args.port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox
+    ) as stack:
         print(f"Trainyard is up at {stack.url}; dashboard: {stack.url}/dashboard (log in with the admin token)")
         print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
         stop = []
@@ -105,6 +107,12 @@ def run_up(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+UNSAFE_NO_SANDBOX_HELP = (
+    "run jobs without the bubblewrap sandbox, as this process's own user, seeing all it sees (a single-user machine "
+    "without bwrap); without this flag such a host refuses script and custom jobs"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--workers", type=int, default=1, help="local worker hosts to start")
     up.add_argument("--devices", help="devices of each local worker: cpu:N (default: all cores), cuda:all or cuda:0,1")
+    up.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)
     up.set_defaults(func=run_up)
 
     api = command("api")
@@ -132,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--host-name", required=True, help="unique name of this host")
     worker.add_argument("--devices", default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
     worker.add_argument("--address", help="where the other hosts of a multi-node job reach this one (default: this host's IP)")
+    worker.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)
     worker.set_defaults(func=run_worker_command)
 
     db_commands = command("db").add_subparsers(dest="db_command", required=True)
@@ -149,4 +159,5 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """`argv` as `trainyard` got it, the command first."""
     args = build_parser().parse_args(argv)
+    os.umask(0o077)  # what the service writes (databases, uploads, artifacts, tokens) is readable by its account only
     return args.func(args)

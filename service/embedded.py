@@ -74,6 +74,7 @@ def embedded_stack(
     database_url: str | None = None,
     broker_url: str | None = None,
     devices: str | None = None,
+    unsafe_no_sandbox: bool = False,
 ) -> Iterator[StackInfo]:
     """API, scheduler and `workers` local worker hosts as child processes; stopped on exit.
 
@@ -94,7 +95,11 @@ def embedded_stack(
     commands = {
         "api": ["api", "--port", str(port)],
         "scheduler": ["scheduler"],
-        **{f"worker-{i}": ["worker", "--host-name", host, "--devices", devices, "--address", "127.0.0.1"] for i, host in enumerate(host_names)},
+        **{
+            f"worker-{i}": ["worker", "--host-name", host, "--devices", devices, "--address", "127.0.0.1"]
+            + (["--unsafe-no-sandbox"] if unsafe_no_sandbox else [])
+            for i, host in enumerate(host_names)
+        },
     }
     url = f"http://127.0.0.1:{port}"
     children: dict[str, subprocess.Popen] = {}

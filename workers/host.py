@@ -11,6 +11,7 @@ from service.db.hosts import deregister_host, record_heartbeat, register_host
 from service.db.session import session_factory
 from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
 from service.settings import Settings
+from workers.sandbox import HostSandbox
 from workers.supervisor import AttemptRunner
 
 log = logging.getLogger("trainyard.worker")
@@ -41,9 +42,13 @@ def parse_devices(devices: str) -> tuple[str, int, dict]:
     raise ValueError(f"--devices {devices!r}: expected cpu:N, cuda:all or cuda:0,1,…")
 
 
-def run_worker(settings: Settings, host_name: str, devices: str, address: str) -> None:
-    """`address`: where the other hosts of a multi-node job reach this one."""
+def run_worker(settings: Settings, host_name: str, devices: str, address: str, unsafe_no_sandbox: bool = False) -> None:
+    """`address`: where the other hosts of a multi-node job reach this one. `unsafe_no_sandbox`:
+    the operator's choice to run attempts unsandboxed (workers/sandbox.py)."""
     device, slots, info = parse_devices(devices)
+    sandbox = HostSandbox.detect(unsafe_no_sandbox)
+    info["sandbox"] = sandbox.describe()
+    (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, sandbox.describe())
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
     sessions = session_factory(settings.resolved_database_url)
@@ -63,7 +68,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str) -
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
 
-    runner = AttemptRunner(settings, sessions, host_name, address)
+    runner = AttemptRunner(settings, sessions, host_name, address, sandbox)
 
     @app.task(name=RUN_ATTEMPT_TASK)
     def run_attempt(attempt_id: int) -> None:

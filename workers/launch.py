@@ -24,8 +24,9 @@ EVENTS_FILE_NAME = "events.jsonl"
 SCRIPT_INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")
 SCRIPT_SITE = Path(__file__).resolve().parent / "script_site"  # its sitecustomize.py installs workers/script_hooks.py
 
-# The service's own credentials: no training process needs them (it reports through files).
-SERVICE_CREDENTIALS = ("TRAINYARD_DATABASE_URL", "TRAINYARD_BROKER_URL")
+# The service's own settings, credentials among them (TRAINYARD_DATABASE_URL, _BROKER_URL) and where
+# its state lives: no training process needs them (it reports through files).
+SERVICE_SETTINGS_PREFIX = "TRAINYARD_"
 
 
 def attempt_dir(work_root: Path, job_id: int, number: int, node_rank: int | None = None) -> Path:
@@ -76,12 +77,12 @@ def training_environment(
     spec: JobSpec, run_dir: Path, resume_from: Path | None, device_ids: Sequence[int] | None = None
 ) -> dict[str, str]:
     """The environment of an attempt's processes: a script's clean one, else the worker's own
-    without the service's credentials; with `device_ids`, only those GPUs are visible (another job
+    without the service's settings and credentials; with `device_ids`, only those GPUs are visible (another job
     on this host has the others)."""
     if spec.script is not None:
         env = script_environment(spec, run_dir, resume_from)
     else:
-        env = {name: value for name, value in os.environ.items() if name not in SERVICE_CREDENTIALS}
+        env = {name: value for name, value in os.environ.items() if not name.startswith(SERVICE_SETTINGS_PREFIX)}
         env.update({EVENTS_FILE_ENV: str(run_dir / EVENTS_FILE_NAME), "PYTHONUNBUFFERED": "1"})
     if device_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))

@@ -45,6 +45,10 @@ from service.db.metrics import record_metrics
 from service.db.outputs import record_output
 from service.settings import Settings
 from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, launch_command, training_environment, working_dir
+from workers.limits import AttemptLimits, limited
+from workers.sandbox import (
+    MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, job_inputs, prepare_attempt, sandbox_command, service_state,
+)
 from workers.system_metrics import SystemSampler
 
 log = logging.getLogger("trainyard.worker")
@@ -72,11 +76,11 @@ class EventTail:
         self.path, self.offset = path, 0
 
     def read(self) -> list[MetricsEvent | CheckpointEvent]:
-        try:
-            with open(self.path, "rb") as f:
+        try:  # not through a link: the file is the job's, and this process may read more than it
+            with open(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 f.seek(self.offset)
                 data = f.read()
-        except FileNotFoundError:
+        except OSError:
             return []
         events, used = decode_events(data)  # a half-written last line waits for the next read
         self.offset += used
@@ -121,8 +125,11 @@ class CannotStart(Exception):
 
 
 class AttemptRunner:
-    def __init__(self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1"):
+    def __init__(
+        self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None
+    ):
         self.settings, self.sessions, self.host_name, self.address = settings, sessions, host_name, address
+        self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.store = ArtifactStore(settings.resolved_artifact_root)
         # Checkpoints are taken into the store off the supervising thread: one copied to another
         # filesystem and hashed can take longer than a lease lasts, and must not keep it from renewal.
@@ -157,14 +164,21 @@ class AttemptRunner:
     def _supervise(self, claimed: ClaimedAttempt) -> Outcome:
         spec = JobSpec.model_validate(claimed.spec)
         try:
-            run_dir, process = self._start(claimed, spec)
+            run_dir, process, limits = self._start(claimed, spec)
         except CannotStart as exc:
             return AttemptStatus.failed, str(exc)
-        return RunningAttempt(self, claimed, spec, run_dir, process).supervise()
+        try:
+            return RunningAttempt(self, claimed, spec, run_dir, process, limits).supervise()
+        finally:
+            if limits is not None:
+                limits.remove()
 
-    def _start(self, claimed: ClaimedAttempt, spec: JobSpec) -> tuple[Path, subprocess.Popen]:
+    def _start(self, claimed: ClaimedAttempt, spec: JobSpec) -> tuple[Path, subprocess.Popen, AttemptLimits | None]:
         """The attempt's directory, and its processes launched in it once node 0 of the job has
-        started. Raises CannotStart if they can't be launched here."""
+        started, with their cgroups if this host has them. Raises CannotStart if they can't be
+        launched here."""
+        if refusal := self.sandbox.refusal(spec):
+            raise CannotStart(refusal)
         node_rank = claimed.node_rank if spec.resources.nodes > 1 else None
         run_dir = attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,6 +187,8 @@ class AttemptRunner:
         rendezvous = self._wait_for_node_0(claimed)
         if rendezvous is None:
             raise CannotStart(f"node 0 of this job did not start within {self.node_0_wait_seconds:.0f} s")
+        if self.sandbox.enabled and spec.resources.nodes == 1:  # its network namespace has loopback only
+            rendezvous = f"127.0.0.1:{rendezvous.rpartition(':')[2]}"
         cwd = working_dir(spec, run_dir)
         if spec.script is not None:
             shutil.rmtree(cwd, ignore_errors=True)
@@ -187,10 +203,21 @@ class AttemptRunner:
             resume_step=claimed.resume_step,
         )
         env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
+        if self.sandbox.enabled:
+            view = AttemptView(
+                run_dir, prepare_attempt(run_dir, job_inputs(spec, self.settings, resume_from)), service_state(self.settings),
+                host_network=spec.resources.nodes > 1, gpus=tuple(claimed.device_ids or ()),
+            )
+            command = sandbox_command(command, cwd, view, self.sandbox.tool)
+        memory_bytes = int(spec.resources.memory_gb * 2**30) if spec.resources.memory_gb else None
+        limits = None
+        if self.sandbox.limits:
+            limits = AttemptLimits.create(f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}", memory_bytes, MAX_PROCESSES)
         process = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+            limited(command, MAX_OPEN_FILES, limits, memory_bytes), cwd=cwd, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True,
         )
-        return run_dir, process
+        return run_dir, process, limits
 
     def _wait_for_node_0(self, claimed: ClaimedAttempt) -> str | None:
         """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a
@@ -291,8 +318,12 @@ class RunningAttempt:
     Each round of `supervise` takes what they wrote, kills them if they stalled, syncs with the
     database every heartbeat, and waits for more output."""
 
-    def __init__(self, runner: AttemptRunner, claimed: ClaimedAttempt, spec: JobSpec, run_dir: Path, process: subprocess.Popen):
+    def __init__(
+        self, runner: AttemptRunner, claimed: ClaimedAttempt, spec: JobSpec, run_dir: Path, process: subprocess.Popen,
+        limits: AttemptLimits | None = None,
+    ):
         self.runner, self.claimed, self.spec, self.run_dir, self.process = runner, claimed, spec, run_dir, process
+        self.limits = limits
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.output = threading.Event()  # set by the pump on each line and when the output ends
         threading.Thread(target=_pump_lines, args=(process.stdout, self.lines, self.output), daemon=True).start()
@@ -445,6 +476,10 @@ class RunningAttempt:
             return AttemptStatus.succeeded, None
         if self.stalled:
             return AttemptStatus.failed, self.stall.reason
+        if self.limits is not None and self.limits.oom_kills():
+            limit = self.spec.resources.memory_gb
+            over = f"went over its limit of {limit:g} GB (resources.memory_gb)" if limit else "ran out of memory"
+            return AttemptStatus.failed, f"out of memory: the job {over}, and the kernel killed a process of it"
         # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
         # itself), so what counts is that we asked for the stop, not the code we got back.
         if self.preempted_because or self.exit_code == EXIT_PREEMPTED:

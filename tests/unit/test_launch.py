@@ -68,6 +68,7 @@ def test_the_worker_launches_the_script_with_the_jobs_settings_in_a_clean_enviro
 def test_a_built_in_jobs_processes_get_the_workers_environment_without_the_service_credentials(monkeypatch, tmp_path: Path):
     monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql://secret@db/trainyard")
     monkeypatch.setenv("TRAINYARD_BROKER_URL", "redis://secret@redis")
+    monkeypatch.setenv("TRAINYARD_DATA_DIR", "/srv/trainyard-secrets")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     env = training_environment(job_spec(), tmp_path, None)
     assert not any("secret" in value for value in env.values()) and env["OMP_NUM_THREADS"] == "3"

@@ -38,6 +38,7 @@ def list_workers(session: SessionDep, user: CurrentUser, settings: SettingsDep) 
             slots=host.slots,
             busy_slots=sum(a.slots for a in by_host.get(host.name, [])),
             gpus=(host.info or {}).get("gpus", []),
+            sandbox=(host.info or {}).get("sandbox", "unknown (registered by an older worker)"),
             attempts=by_host.get(host.name, []),
             online=host.name in online,
             last_heartbeat=host.last_heartbeat,

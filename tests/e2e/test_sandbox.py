@@ -1,0 +1,148 @@
+"""A hostile user's jobs against the sandbox (workers/sandbox.py), on both backend pairs: a `script`
+job and a `custom` plugin (tests/e2e/sandbox_probe.py) try to read the token, the database, another
+user's upload and checkpoint, other processes' environments; to connect to the database, broker and
+API; to write into the service's directories; to start threads without bound. Every try fails and
+the job's logs say so; a job over its memory limit fails saying so; the worker lives on, and the
+other user's checkpoint is untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api_schemas.manifest import MODEL_FILE, checkpoint_name
+from service.db.accounts import create_user
+from service.db.session import session_factory
+from service.embedded import embedded_stack
+from service.settings import Settings
+from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_scripts import upload_code
+from tests.helpers import tiny_spec
+from workers.supervisor import free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+PROBE = Path(__file__).with_name("sandbox_probe.py")
+REDIS_PORT, POSTGRES_PORT = 6379, 5432
+
+
+@pytest.fixture(params=["sqlite+sqla-transport", "postgres+redis"])
+def yard(request, tmp_path_factory):
+    """(admin client, a code-running non-admin's client, the stack, the admin's upload id, job id and checkpoint)."""
+    urls = {}
+    if request.param == "postgres+redis":
+        urls = {"database_url": request.getfixturevalue("postgres_url"), "broker_url": request.getfixturevalue("redis_url")}
+    data_dir = tmp_path_factory.mktemp("sandbox") / "yard"
+    (data_dir / "plugins").mkdir(parents=True)
+    shutil.copy(PROBE, data_dir / "plugins" / PROBE.name)  # installed by the operator, run by anyone
+    with embedded_stack(data_dir, free_port(), workers=1, devices="cpu:2", **urls) as info:
+        settings = Settings(data_dir=data_dir, database_url=urls.get("database_url"))
+        with session_factory(settings.resolved_database_url)() as session:
+            _, mallory_token = create_user(session, "mallory", can_run_code=True)
+        admin = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
+        mallory = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {mallory_token}"}, timeout=30)
+        upload = admin.post("/v1/datasets", params={"name": "secret.txt"}, content=b"the admin's data " * 100)
+        assert upload.status_code == 201, upload.text
+        job = admin.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 6, "checkpoint.every_steps": 6})).json()
+        assert wait_for(admin, job["id"], {"succeeded", "failed"})["status"] == "succeeded"
+        checkpoint = admin.get(f"/v1/jobs/{job['id']}/checkpoints").json()[-1]
+        yield admin, mallory, info, settings, upload.json()["id"], job["id"], checkpoint
+        admin.close()
+        mallory.close()
+
+
+def targets(info, settings: Settings, upload_id: int, job_id: int, checkpoint: dict) -> dict:
+    data_dir, artifacts = settings.data_dir, settings.resolved_artifact_root
+    return {
+        "read": {
+            "the token file": str(data_dir / "token"),
+            "the database": str(data_dir / "trainyard.db"),
+            "the broker file": str(data_dir / "broker.db"),
+            "another user's upload": str(settings.resolved_data_root / "uploads" / str(upload_id)),
+            "another job's checkpoint": str(artifacts / "jobs" / str(job_id) / "checkpoints" / checkpoint_name(checkpoint["step"]) / MODEL_FILE),
+        },
+        "list": {
+            "the artifact store": str(artifacts / "jobs"),
+            "other jobs' runs": str(settings.resolved_work_root / f"job-{job_id}"),
+        },
+        "write": {
+            "the data directory": str(data_dir),
+            "the plugin directory": str(settings.resolved_plugin_dir),
+            "the artifact store": str(artifacts),
+        },
+        "connect": {"the API": int(info.url.rpartition(":")[2]), "PostgreSQL": POSTGRES_PORT, "Redis": REDIS_PORT},
+    }
+
+
+def logs_of(client: httpx.Client, job_id: int) -> list[str]:
+    return [line["line"] for line in client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"]]
+
+
+def run_probe(mallory: httpx.Client, spec: dict) -> list[str]:
+    response = mallory.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    job = wait_for(mallory, response.json()["id"], {"succeeded", "failed", "cancelled"})
+    lines = logs_of(mallory, job["id"])
+    assert job["status"] == "succeeded", (job["failure_reason"], lines)
+    return lines
+
+
+def assert_all_blocked(lines: list[str], probe_targets: dict) -> None:
+    leaks = [line for line in lines if line.startswith("LEAK")]
+    assert not leaks, leaks
+    blocked = {line.partition(":")[0].removeprefix("BLOCKED ") for line in lines if line.startswith("BLOCKED")}
+    expected = {f"{verb} {name}" for verb in ("read", "list", "write", "connect") for name in probe_targets[verb]}
+    expected |= {"read /proc/1/environ", "see other processes' credentials", "inherit credentials", "start threads without bound"}
+    assert expected <= blocked, (expected - blocked, lines)
+
+
+def assert_the_service_is_unharmed(admin: httpx.Client, settings: Settings, checkpoint: dict) -> None:
+    assert not list(settings.data_dir.rglob("written-by-a-job"))
+    download = admin.get(f"/v1/checkpoints/{checkpoint['id']}/download")
+    assert download.status_code == 200 and hashlib.sha256(download.content).hexdigest() == checkpoint["sha256"]
+    assert all(host["online"] and host["sandbox"].startswith("bubblewrap") for host in admin.get("/v1/workers").json())
+
+
+def test_a_hostile_script_job_reaches_nothing_that_is_not_its_own(yard):
+    admin, mallory, info, settings, upload_id, job_id, checkpoint = yard
+    probe_targets = targets(info, settings, upload_id, job_id, checkpoint)
+    code = upload_code(mallory, PROBE)
+    spec = {"name": "probe", "script": {"entrypoint": PROBE.name, "args": [json.dumps(probe_targets)], "code": {"upload_id": code}}}
+    assert_all_blocked(run_probe(mallory, spec), probe_targets)
+    assert_the_service_is_unharmed(admin, settings, checkpoint)
+
+
+def test_a_hostile_custom_plugin_reaches_nothing_that_is_not_its_own(yard):
+    admin, mallory, info, settings, upload_id, job_id, checkpoint = yard
+    probe_targets = targets(info, settings, upload_id, job_id, checkpoint)
+    spec = {
+        "name": "probe-plugin",
+        "model": {"kind": "custom", "entrypoint": "sandbox_probe:train", "config": probe_targets},
+        "training": {"max_steps": 1, "micro_batch_size": 1},
+        "optimizer": {"lr": 0.001},
+        "schedule": {"name": "constant"},
+    }
+    assert_all_blocked(run_probe(mallory, spec), probe_targets)
+    assert_the_service_is_unharmed(admin, settings, checkpoint)
+
+
+def test_a_job_over_its_memory_limit_fails_saying_so_and_the_worker_lives_on(yard, tmp_path):
+    admin, mallory, _, settings, _, _, checkpoint = yard
+    hog = tmp_path / "hog.py"
+    hog.write_text('ballast = b"x" * (3 << 30)\nprint("LEAK allocated 3 GB")\n')
+    spec = {"name": "hog", "script": {"entrypoint": "hog.py", "code": {"upload_id": upload_code(mallory, hog)}},
+            "resources": {"memory_gb": 1}, "max_restarts": 0}
+    response = mallory.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    job = wait_for(mallory, response.json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "failed"
+    assert "out of memory" in job["failure_reason"] and "resources.memory_gb" in job["failure_reason"], job["failure_reason"]
+    assert not [line for line in logs_of(mallory, job["id"]) if line.startswith("LEAK")]
+    after = admin.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 6, "checkpoint.every_steps": 6})).json()
+    assert wait_for(admin, after["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    assert_the_service_is_unharmed(admin, settings, checkpoint)

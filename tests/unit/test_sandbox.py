@@ -1,0 +1,42 @@
+"""The sandbox's command line (workers/sandbox.py): what an attempt sees, as bwrap is told it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from api_schemas import JobSpec
+from tests.helpers import job_spec
+from workers.sandbox import SANDBOX_UID, AttemptView, HostSandbox, sandbox_command
+
+
+def binds(command: list[str], kind: str) -> list[tuple[str, str]]:
+    return [(command[i + 1], command[i + 2]) for i, arg in enumerate(command) if arg == kind]
+
+
+def test_a_single_node_attempt_gets_loopback_only_its_run_dir_writable_and_its_inputs_read_only(tmp_path: Path):
+    run_dir, upload = tmp_path / "work" / "job-1" / "attempt-1", tmp_path / "data" / "uploads" / "3"
+    view = AttemptView(run_dir, ((run_dir / "inputs" / "0-3", upload),), (tmp_path,), host_network=False)
+    command = sandbox_command(["python", "train.py"], run_dir, view)
+    assert {"--unshare-pid", "--unshare-net"} <= set(command)
+    assert ("GLOO_SOCKET_IFNAME", "lo") in binds(command, "--setenv")
+    assert binds(command, "--bind") == [(str(run_dir), str(run_dir))]  # the only writable place
+    assert (str(run_dir / "inputs" / "0-3"), str(upload)) in binds(command, "--ro-bind")
+    assert command.index(str(tmp_path)) < command.index(str(upload))  # the state is masked first, the input bound over it
+    assert command[-2:] == ["python", "train.py"] and str(SANDBOX_UID) in command
+
+
+def test_a_multi_node_attempt_keeps_the_host_network_and_a_gpu_attempt_sees_only_its_gpus(tmp_path: Path):
+    view = AttemptView(tmp_path, (), (), host_network=True, gpus=(2, 3))
+    command = sandbox_command(["python"], tmp_path, view)
+    assert "--unshare-net" not in command
+    nodes = {source for source, _ in binds(command, "--dev-bind-try")}
+    assert {"/dev/nvidia2", "/dev/nvidia3", "/dev/nvidiactl"} <= nodes and "/dev/nvidia0" not in nodes
+    assert ("CUDA_VISIBLE_DEVICES", "0,1") in binds(command, "--setenv")
+
+
+def test_a_host_without_bwrap_refuses_user_code_unless_the_operator_opted_out():
+    script = JobSpec.model_validate({"name": "mine", "script": {"entrypoint": "train.py", "code": {"path": "project"}}})
+    missing = HostSandbox(tool=None, unsafe=False, limits=None)
+    assert "no sandbox" in missing.refusal(script) and missing.refusal(job_spec()) is None
+    assert HostSandbox(tool=None, unsafe=True, limits=None).refusal(script) is None
+    assert "unsafe-no-sandbox" in HostSandbox(tool="/usr/bin/bwrap", unsafe=True, limits=None).describe()
