@@ -15,7 +15,7 @@ What one attempt gets (`sandbox_command`, a pure function of its `AttemptView`):
     its user namespace and the worker's own outside, so only the mount view keeps it from the
     service's files;
   - a new root holding read-only binds of the system (/usr, /etc, the lib links), the Python
-    installation and the project, with the service's state under them (the embedded data directory,
+    installation and the project's packages, with the service's state under them (the embedded data directory,
     the artifact, data, work, plugin and code roots) masked by empty tmpfs; a private /tmp and /dev/shm;
   - writable: its attempt directory only (checkpoints are written inside it; the worker takes them
     into the artifact store after verifying them); readable besides: its own inputs, each bound at
@@ -48,6 +48,7 @@ SYSTEM_DIRS = ("/usr", "/etc", "/opt")
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr on merged-/usr systems
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_PACKAGES = ("api_schemas", "service", "workers", "trainyard")  # what an attempt imports of the project
 INPUT_COPIES = "inputs"  # in the attempt directory: inputs the job's user id could not read where they are
 
 
@@ -200,9 +201,13 @@ def _parents(path: Path) -> list[str]:
 
 
 def _system_roots() -> list[Path]:
-    """The directories of the system view, outermost only."""
-    python = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), *sys.path, str(PROJECT_ROOT)]
-    paths = sorted({Path(p).resolve() for p in [*SYSTEM_DIRS, *python] if p and os.path.isdir(p)}, key=lambda p: len(p.parts))
+    """The directories of the system view, outermost only. Of the project, its packages only, never
+    its directory or one above it: that holds the embedded data directory beside them, and may be
+    one only its owner can enter (a `mktemp -d` clone), which the job's user id could not pass."""
+    python = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), *sys.path]
+    python = [p for p in python if p and not PROJECT_ROOT.is_relative_to(Path(p).resolve())]
+    project = [str(PROJECT_ROOT / package) for package in PROJECT_PACKAGES]
+    paths = sorted({Path(p).resolve() for p in [*SYSTEM_DIRS, *python, *project] if p and os.path.isdir(p)}, key=lambda p: len(p.parts))
     outermost: list[Path] = []
     for path in paths:
         if not any(path.is_relative_to(parent) for parent in outermost):
