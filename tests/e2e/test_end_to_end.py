@@ -191,7 +191,8 @@ def test_the_gan_example_runs_as_a_custom_job_and_its_checkpoint_downloads_with_
             assert job["status"] == "succeeded", job["failure_reason"]
             assert job["step"] == 100
             series = client.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]
-            assert series.keys() == {"d_loss", "g_loss"} and series["g_loss"]["steps"] == list(range(1, 101))
+            own = {name for name in series if not name.startswith("sys/")}  # the worker's samples of the machine beside them
+            assert own == {"d_loss", "g_loss"} and series["g_loss"]["steps"] == list(range(1, 101))
             checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
             assert [c["step"] for c in checkpoints] == [50, 100]
             response = client.get(f"/v1/checkpoints/{checkpoints[-1]['id']}/download")
