@@ -40,7 +40,7 @@ def test_accelerator_log_reaches_the_events_file_with_no_tracker_configured(tmp_
     """)
     assert events == [
         {"type": "metrics", "step": 1, "values": {"loss": 2.5, "lr": 1e-3}},
-        {"type": "metrics", "step": 2, "values": {"loss": 2.0}},
+        {"type": "metrics", "step": 2, "values": {"loss": 2.0, "done": 1.0}},  # a bool is a number; text and NaN are not
         {"type": "metrics", "step": 10, "values": {"loss": 1.5}},
     ]
 
@@ -75,4 +75,5 @@ def test_automatic_checkpoint_naming_saves_under_the_jobs_checkpoint_dir(tmp_pat
     """)
     checkpoints = [(e["step"], e["path"]) for e in events if e["type"] == "checkpoint"]
     root = tmp_path / "checkpoints" / "checkpoints"  # TRAINYARD_CHECKPOINT_DIR is the project_dir
-    assert checkpoints == [(1, str(root / "checkpoint_0")), (2, str(root / "checkpoint_1"))]
+    # Numbered by the folder's name (Accelerate's save iteration), as every named checkpoint is.
+    assert checkpoints == [(0, str(root / "checkpoint_0")), (1, str(root / "checkpoint_1"))]
