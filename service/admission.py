@@ -64,7 +64,7 @@ def admit(
     that inserts the job, so two submits at once can't both take the last place; a retry with the
     same idempotency key returns the job it created. A sweep's trial is admitted here too (`trial_of`)."""
     check_spec(reads, user, spec, settings)
-    hand_back_connection(reads)
+    hand_back_connection(reads, writes)
     try:
         return create_job(writes, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user, trial_of=trial_of)
     except QuotaExceeded as exc:
@@ -81,7 +81,7 @@ def admit_sweep(reads: Session, writes: Session, user: User, spec: SweepSpec, se
         check_spec(reads, user, spec.base, settings)
     except Refused as exc:
         raise Refused(exc.status, ("base", *exc.field) if exc.field else None, exc.message) from exc
-    hand_back_connection(reads)
+    hand_back_connection(reads, writes)
     base = spec.base.model_dump(mode="json")
     for path, dimension in spec.search_space.items():
         for value in dimension.extremes:
@@ -95,11 +95,13 @@ def admit_sweep(reads: Session, writes: Session, user: User, spec: SweepSpec, se
     return create_sweep(writes, user, spec)
 
 
-def hand_back_connection(reads: Session) -> None:
+def hand_back_connection(reads: Session, writes: Session) -> None:
     """End the checks' read transaction before the insert takes a connection of its own: reads and
     writes share one pool, and a burst of submits each holding one connection while waiting for a
-    second is a deadlock (until the pool's timeout, then 500s) once the pool is taken."""
-    reads.commit()
+    second is a deadlock (until the pool's timeout, then 500s) once the pool is taken. One session
+    for both (the sweep controller's) keeps its transaction, and the locks it holds."""
+    if reads is not writes:
+        reads.commit()
 
 
 def check_spec(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:
