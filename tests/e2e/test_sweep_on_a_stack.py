@@ -15,7 +15,9 @@ from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
 
-MAX_STEPS = 120
+# Long enough that a stop (eval -> worker sync -> controller pass -> worker sync, each up to half
+# a second, more on two loaded cores) lands well before the end: 120 steps ran out first in CI.
+MAX_STEPS = 600
 
 
 def test_an_asha_sweep_prunes_the_bad_learning_rate_early_and_survives_a_scheduler_restart(tmp_path, monkeypatch):
@@ -30,7 +32,7 @@ def test_an_asha_sweep_prunes_the_bad_learning_rate_early_and_survives_a_schedul
     spec = {
         "name": "lr-search",
         "base": base,
-        # 1e-6 learns nothing in 120 steps. Seed 3 orders this grid 0.002, 0.003, 1e-6: the bad one
+        # 1e-6 learns nothing in 600 steps. Seed 3 orders this grid 0.002, 0.003, 1e-6: the bad one
         # comes when the others have set the bar at the first rung (ASHA lets the first through).
         "search_space": {"optimizer.lr": {"choice": [0.003, 0.002, 1e-6]}},
         "sampler": {"kind": "grid", "seed": 3},

@@ -190,7 +190,9 @@ def test_hundreds_of_followers_all_see_the_end_and_the_api_keeps_answering(serve
     assert all(names[-1] == "end" for names in results)
     late = sorted(round(t - finished, 2) for t in ended_at)
     assert len(ended_at) == followers and late[-1] < 5, late[-20:]
-    assert slowest_health < 2.0, slowest_health
+    # A stalled API (the issue's: followers holding the pool) times out at 30 s; on two shared
+    # cores with hundreds of streams reconnecting, a few seconds is slow, not stalled.
+    assert slowest_health < 5.0, slowest_health
 
 
 def test_a_multipart_body_without_its_closing_boundary_is_422_and_nothing_is_stored(server, settings, tokens):
