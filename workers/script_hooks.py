@@ -7,8 +7,9 @@ Installed by workers/script_site/sitecustomize.py when Accelerate is imported:
   `ProjectConfiguration(automatic_checkpoint_naming=True)` saves under it;
 - `accelerator.save_state(...)`, once every process has written its part, gets a manifest (sha256
   of each file) and is reported as a checkpoint of its own (checkpoint_step says at which step).
-  The worker then moves it into the artifact store (copies it and deletes it here, across
-  filesystems), keeping its folder's name, and gives that folder back to resume from;
+  Before save_state returns, the folder is handed over: renamed out of the script's way, under
+  TRAINYARD_CHECKPOINT_DIR (hand_over). The worker then moves it into the artifact store (copies
+  it, across filesystems), keeping its folder's name, and gives that folder back to resume from;
 - `accelerator.load_state(".../checkpoint_3")` under automatic checkpoint naming goes on naming
   from `checkpoint_4`, as the run it resumes would have.
 """
@@ -125,4 +126,33 @@ def report_checkpoint(tracker, directory: Path, save_iteration: int, automatic_n
         )
     tracker.checkpoints_by_step[step] = directory.name
     write_manifest(directory, step)
-    tracker.checkpoint(step, directory)
+    tracker.checkpoint(step, hand_over(directory))
+
+
+def hand_over(directory: Path) -> Path:
+    """Where the worker takes the saved folder from: renamed, at once, to a folder of its own under
+    TRAINYARD_CHECKPOINT_DIR (`.handed-over/<n>/<its name>`, n counting the saves). From then on
+    the script can't change or delete it: Accelerate's `total_limit` (and scripts' own rotation) deletes old
+    checkpoint folders, and a script that saves to one name each time (`latest`) writes into it
+    again, both possibly before the worker has taken it in. Left where it is (and taken from
+    there) when it can't be renamed: on another filesystem, or with no TRAINYARD_CHECKPOINT_DIR."""
+    root = os.environ.get(CHECKPOINT_DIR_ENV)
+    if not root:
+        return directory
+    handed_over = Path(root) / ".handed-over"
+    try:
+        handed_over.mkdir(parents=True, exist_ok=True)
+        number = len(os.listdir(handed_over))
+        while True:  # a folder no other save took (each Accelerator of the process hands over here)
+            try:
+                (handed_over / str(number)).mkdir()
+                break
+            except FileExistsError:
+                number += 1
+        target = handed_over / str(number) / directory.name
+        os.rename(directory, target)
+    except OSError as exc:
+        print(f"trainyard: checkpoint {directory} stays where it was saved ({exc}); do not change it until stored",
+              file=sys.stderr, flush=True)
+        return directory
+    return target

@@ -1,7 +1,9 @@
 """Scripts in the shapes third-party projects use (tests/e2e/scripts/), unchanged, as `script` jobs
 on the embedded stack: killed with `kill -9` after a checkpoint, resumed from the folder they
 saved under its own name, every checkpoint kept, tensor metrics recorded, each step's metrics once;
-a script that never logs kept alive by its checkpoints; a `save_pretrained` output directory
+a script that never logs kept alive by its checkpoints; one whose folders Accelerate names and
+rotates (`automatic_checkpoint_naming`, `total_limit`), on 1 and 2 processes, ending where an
+uninterrupted run does; a `save_pretrained` output directory
 collected and fetched with `trainyard outputs`; and Accelerate's own test scripts, from the
 installed package, on 2 processes."""
 
@@ -110,6 +112,31 @@ def test_a_script_that_never_logs_keeps_every_checkpoint_by_its_folder_name_and_
     assert not [name for name in series if not name.startswith("sys/")]  # none of its own, only the machine's samples
     logs = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 200}).json()["lines"]
     assert any(line["line"] == f"resumed at step {resumed}" for line in logs if line["attempt"] == 2)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_script_with_automatic_checkpoint_naming_keeps_each_save_past_its_total_limit_and_resumes_to_the_same_end(stack, processes):
+    client, info = stack
+    # 400 steps of 0.02 s, a bare save_state() every 20 (checkpoint_0 … checkpoint_19), total_limit=2:
+    # Accelerate deletes a save two saves later, so each must be taken into the store before that.
+    args = ["--max_steps", "400", "--save_every", "20", "--step_seconds", "0.02"]
+    resources = {"resources": {"processes_per_node": processes, "device": "cpu"}}
+    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "auto_named.py", args, **resources)
+    assert job["status"] == "succeeded", job["failure_reason"]
+    first, second = job["attempts"]
+    assert first["status"] == "failed"
+    iteration = second["resumed_from_step"]  # an automatic name's number: Accelerate's count of saves
+    assert {c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json()} == set(range(20))
+    logs = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 500}).json()["lines"]
+    assert any(line["line"] == f"resumed from checkpoint_{iteration} at step {(iteration + 1) * 20}" for line in logs if line["attempt"] == 2)
+
+    # N == N/2 + kill + resume + N/2: the same weights as a run never interrupted.
+    whole = run(client, {"name": "auto-named-whole", "script": {"entrypoint": "auto_named.py", "args": args,
+                         "code": {"upload_id": upload_code(client, SCRIPTS / "auto_named.py")}}, **resources})
+    def ending(job_id: int, attempt: int) -> str:
+        lines = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 50}).json()["lines"]
+        return next(line["line"] for line in lines if line["attempt"] == attempt and line["line"].startswith("done at step"))
+    assert ending(job_id, 2) == ending(whole["id"], 1)
 
 
 def test_a_save_pretrained_output_directory_is_collected_and_trainyard_outputs_fetches_it_loadable(stack, tmp_path, capsys):

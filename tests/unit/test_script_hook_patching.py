@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import ProjectConfiguration
 
+from api_schemas.manifest import read_manifest
 from api_schemas.worker_protocol import CheckpointEvent, MetricsEvent, decode_events
 from workers.script_hooks import checkpoint_step, install_on_import
 from workers.tracker import TrainyardTracker
@@ -87,3 +88,28 @@ def test_automatic_naming_goes_on_from_the_checkpoint_it_resumed(hooked, tmp_pat
     resumed.prepare(torch.nn.Linear(2, 2))
     resumed.load_state(saved[1])
     assert Path(resumed.save_state()).name == "checkpoint_2"
+
+
+def test_each_save_is_handed_over_before_the_script_can_rotate_or_overwrite_it(hooked, tmp_path, monkeypatch):
+    # As in a script job: a checkpoint directory from the worker; the script's folders are its own.
+    monkeypatch.setenv("TRAINYARD_CHECKPOINT_DIR", str(tmp_path / "checkpoints"))
+    config = ProjectConfiguration(project_dir=str(tmp_path / "project"), automatic_checkpoint_naming=True, total_limit=1)
+    rotating = Accelerator(cpu=True, project_config=config)
+    rotating.prepare(torch.nn.Linear(2, 2))
+    for _ in range(3):
+        rotating.save_state()  # total_limit=1: Accelerate deletes every earlier folder it finds
+    overwriting = Accelerator(cpu=True, project_dir=str(tmp_path / "plain"))
+    overwriting.prepare(torch.nn.Linear(2, 2))
+    for _ in range(2):
+        overwriting.save_state(str(tmp_path / "latest"))  # one name each time, by a second Accelerator
+    overwriting.end_training()
+
+    handed_over = tmp_path / "checkpoints" / ".handed-over"
+    checkpoints = [e for e in events(tmp_path / "events.jsonl") if isinstance(e, CheckpointEvent)]
+    assert [(c.step, c.path) for c in checkpoints] == [
+        (0, handed_over / "0" / "checkpoint_0"), (1, handed_over / "1" / "checkpoint_1"), (2, handed_over / "2" / "checkpoint_2"),
+        (0, handed_over / "3" / "latest"), (1, handed_over / "4" / "latest"),
+    ]
+    for checkpoint in checkpoints:  # each whole, as saved
+        assert read_manifest(checkpoint.path)["step"] == checkpoint.step
+    assert not (tmp_path / "latest").exists() and list((tmp_path / "project" / "checkpoints").iterdir()) == []
