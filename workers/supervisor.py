@@ -26,6 +26,7 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,18 +89,49 @@ class EventTail:
 
 
 @dataclass
+class Transfers:
+    """Directories to take into the artifact store one at a time, oldest first, on the ingest
+    threads (`take_in`, with no transaction open: a copy can take minutes), then to record in the
+    database (`record`, in the sync's short transaction). A take still running after
+    INGEST_WAIT_SECONDS is left for a later sync (unless it must `wait`); one that failed with
+    `unfit` is skipped (retrying can't mend a missing or corrupt directory); a recording that
+    failed (the database out of reach) keeps what was taken for the next sync."""
+
+    items: list = field(default_factory=list)
+    taking: Future | None = None  # the first item's take into the store
+    taken: list[tuple] = field(default_factory=list)  # (item, what its take returned), not recorded yet
+
+    def take_in(self, pool: ThreadPoolExecutor, take: Callable, unfit: type[Exception], wait: bool) -> None:
+        while self.items:
+            if self.taking is None:
+                self.taking = pool.submit(take, *self.items[0])
+            if not wait_for([self.taking], timeout=None if wait else INGEST_WAIT_SECONDS).done:
+                return
+            try:
+                self.taken.append((self.items[0], self.taking.result()))
+            except unfit:
+                log.exception("%s cannot be stored; skipped", self.items[0][0])
+            self.taking = None
+            self.items.pop(0)
+
+    def record(self, record: Callable) -> None:
+        while self.taken:
+            item, taken = self.taken[0]
+            record(*item, taken)
+            self.taken.pop(0)
+
+
+@dataclass
 class Outbox:
     """What the attempt produced that the database has not stored yet."""
 
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     logs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (seq, rank, line)
-    checkpoints: list[tuple[int, Path, str]] = field(default_factory=list)  # (step, directory, its folder in the store)
-    ingesting: Future | None = None  # the first of `checkpoints`, being taken into the store
-    outputs: list[tuple[str, Path, int | None]] = field(default_factory=list)  # a script's (name, directory, step) to collect
-    collecting: Future | None = None  # the first of `outputs`, being copied into the store, until it is recorded
+    checkpoints: Transfers = field(default_factory=Transfers)  # (directory, step, its folder in the store)
+    outputs: Transfers = field(default_factory=Transfers)  # a script's (directory, name, step) to collect
 
     def empty(self) -> bool:
-        return not (self.metrics or self.logs or self.checkpoints or self.outputs)
+        return not (self.metrics or self.logs or self.checkpoints.items or self.checkpoints.taken or self.outputs.items or self.outputs.taken)
 
 
 class StallWatch:
@@ -236,8 +268,13 @@ class AttemptRunner:
 
     def _sync(self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool = False) -> Lease | None:
         """Deliver the outbox and renew the lease. On a database error keep everything for next time.
-        A checkpoint still being taken into the store after INGEST_WAIT_SECONDS is recorded by a
-        later sync, unless this one `wait`s for it."""
+        Checkpoints and outputs are taken into the store first, with no transaction open (on SQLite
+        a write transaction holds the one write lock); one still being taken in after
+        INGEST_WAIT_SECONDS is recorded by a later sync, unless this one `wait`s for it."""
+        job_id = claimed.job_id
+        outbox.checkpoints.take_in(self.ingest, lambda source, step, folder: self.store.ingest_checkpoint(source, job_id, step, folder),
+                                   CorruptCheckpoint, wait)
+        outbox.outputs.take_in(self.ingest, lambda source, name, step: self.store.ingest_output(source, job_id, name, step), OSError, wait)
         try:
             with self.sessions() as session:
                 if outbox.metrics:
@@ -246,56 +283,30 @@ class AttemptRunner:
                 if outbox.logs:
                     record_logs(session, claimed.job_id, claimed, outbox.logs)
                     outbox.logs = []
-                self._store_checkpoints(session, claimed, spec, outbox, wait)
-                self._store_outputs(session, claimed, outbox, wait)
+                self._record_checkpoints(session, claimed, spec, outbox)
+                self._record_outputs(session, claimed, outbox)
                 return renew_lease(session, claimed, self.settings.lease_seconds)
         except Exception:
             log.exception("could not reach the database for job %s; will retry", claimed.job_id)
             return None
 
-    def _store_checkpoints(self, session, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool) -> None:
-        """Take the outbox's checkpoints into the store one at a time, oldest first, on the ingest
-        threads, and record each that is in."""
-        while outbox.checkpoints:
-            step, source, folder = outbox.checkpoints[0]
-            if outbox.ingesting is None:
-                outbox.ingesting = self.ingest.submit(self.store.ingest_checkpoint, source, claimed.job_id, step, folder)
-            if not wait_for([outbox.ingesting], timeout=None if wait else INGEST_WAIT_SECONDS).done:
-                return
-            ingesting, outbox.ingesting = outbox.ingesting, None
-            try:
-                relative, sha256, size = ingesting.result()
-            except CorruptCheckpoint:
-                # Retrying can't mend a missing or corrupt directory; the next checkpoint will do.
-                log.exception("job %s: checkpoint of step %s at %s cannot be stored; skipped", claimed.job_id, step, source)
-                outbox.checkpoints.pop(0)
-                continue
-            stale = record_checkpoint(
-                session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last
-            )
-            for path in stale:
+    def _record_checkpoints(self, session, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> None:
+        """Record the checkpoints taken into the store, dropping the oldest past `keep_last`."""
+        def record(source: Path, step: int, _folder: str, taken: tuple[str, str, int]) -> None:
+            relative, sha256, size = taken
+            for path in record_checkpoint(session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last):
                 self.store.delete(path)
-            outbox.checkpoints.pop(0)
             shutil.rmtree(source, ignore_errors=True)  # the store has it now (moved, or copied: the loop leaves it to us)
 
-    def _store_outputs(self, session, claimed: ClaimedAttempt, outbox: Outbox, wait: bool) -> None:
-        """Copy the outbox's script outputs into the store one at a time, on the ingest threads,
-        and record each copied; a copy whose recording failed is recorded by the next sync."""
-        while outbox.outputs:
-            name, source, step = outbox.outputs[0]
-            if outbox.collecting is None:
-                outbox.collecting = self.ingest.submit(self.store.ingest_output, source, claimed.job_id, name, step)
-            if not wait_for([outbox.collecting], timeout=None if wait else INGEST_WAIT_SECONDS).done:
-                return
-            try:
-                relative, sha256, size, files = outbox.collecting.result()
-            except OSError:
-                log.exception("job %s: output %s at %s cannot be collected; skipped", claimed.job_id, name, source)
-            else:
-                if replaced := record_output(session, claimed.job_id, claimed.attempt_id, name, step, relative, sha256, size, files):
-                    self.store.delete(replaced)
-            outbox.collecting = None
-            outbox.outputs.pop(0)
+        outbox.checkpoints.record(record)
+
+    def _record_outputs(self, session, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """Record the script's outputs copied into the store, each replacing its name's earlier copy."""
+        def record(_source: Path, name: str, step: int | None, taken: tuple[str, str, int, int]) -> None:
+            if replaced := record_output(session, claimed.job_id, claimed.attempt_id, name, step, *taken):
+                self.store.delete(replaced)
+
+        outbox.outputs.record(record)
 
     def _finish(self, claimed: ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
         if outcome is None:
@@ -339,6 +350,7 @@ class RunningAttempt:
         self.output_done = False
         self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
         self.next_sync = 0.0
+        self.renewed_at = time.monotonic()  # the lease's last renewal
         self.step = claimed.resume_step or 0  # the last step the training reported: where system samples are put
         self.system = SystemSampler(process.pid, claimed.device_ids)
 
@@ -387,7 +399,7 @@ class RunningAttempt:
                 self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items()]
             # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
             elif (path := event.path.resolve()).is_relative_to(self.run_dir):
-                self.outbox.checkpoints.append((event.step, path, self._store_folder(event.step, path)))
+                self.outbox.checkpoints.items.append((path, event.step, self._store_folder(event.step, path)))
                 if self.spec.script is not None and self.spec.script.outputs_at_checkpoints:
                     self._collect_outputs()
             else:
@@ -416,7 +428,7 @@ class RunningAttempt:
         for name in self.spec.script.outputs:
             source = cwd / name
             if source.is_dir() and source.resolve() == source:
-                self.outbox.outputs.append((name, source, self.step))
+                self.outbox.outputs.items.append((source, name, self.step))
             else:
                 why = "a symbolic link" if source.resolve() != source else "no such directory"
                 line = f"trainyard: output {name!r} not collected: {why} in the working directory"
@@ -441,6 +453,11 @@ class RunningAttempt:
         lease = self.runner._sync(self.claimed, self.spec, self.outbox)
         if lease is None:  # the database is out of reach: all is kept for the next sync
             return None
+        if (gap := time.monotonic() - self.renewed_at) > self.runner.settings.lease_seconds / 2:
+            # Say so before the lease is lost: the host is starved, or the database slow to answer.
+            log.warning("job %s attempt %s: the lease was renewed %.1f s after the last time (lease %g s)",
+                        self.claimed.job_id, self.claimed.number, gap, self.runner.settings.lease_seconds)
+        self.renewed_at = time.monotonic()
         if not lease.held:
             _stop(self.process)
             return None, "lease lost"

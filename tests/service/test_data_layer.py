@@ -710,19 +710,19 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
         (source / "state").mkdir(parents=True)
         (source / MODEL_FILE).write_bytes(os.urandom(64 << 20))
         write_manifest(source, 10)
-        outbox = supervisor.Outbox(checkpoints=[(10, source, "step-00000010")])
+        outbox = supervisor.Outbox(checkpoints=supervisor.Transfers([(source, 10, "step-00000010")]))
         with sessions() as session:
             renewed_before = session.get(Attempt, claimed.attempt_id).lease_expires_at
         time.sleep(0.01)
 
         assert runner._sync(claimed, spec, outbox).held
-        assert outbox.checkpoints == [(10, source, "step-00000010")] and outbox.ingesting is not None  # still being copied in
+        assert outbox.checkpoints.items == [(source, 10, "step-00000010")] and outbox.checkpoints.taking is not None  # still being copied in
         with sessions() as session:
             assert session.get(Attempt, claimed.attempt_id).lease_expires_at > renewed_before
             assert list_checkpoints(session, claimed.job_id) == []
 
         deadline = time.monotonic() + 60
-        while outbox.checkpoints and time.monotonic() < deadline:
+        while outbox.checkpoints.items and time.monotonic() < deadline:
             runner._sync(claimed, spec, outbox)
         assert outbox.empty() and not source.exists()  # stored, then the copy's source removed
         with sessions() as session:

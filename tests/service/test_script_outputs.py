@@ -100,7 +100,7 @@ def test_a_checkpoint_is_progress_to_the_stall_watch_and_collects_the_outputs_wh
     (attempt.run_dir / EVENTS_FILE_NAME).write_text(encode_event(CheckpointEvent(step=50, path=checkpoint)))
     attempt._take_events()
     assert attempt.stall.last_progress > before
-    assert [(step, path.name) for step, path, _ in attempt.outbox.checkpoints] == [(50, "step_50")]
-    assert attempt.outbox.outputs == [("out", attempt.run_dir / "code" / "out", 50)]
+    assert [(step, path.name) for path, step, _ in attempt.outbox.checkpoints.items] == [(50, "step_50")]
+    assert attempt.outbox.outputs.items == [(attempt.run_dir / "code" / "out", "out", 50)]
     [(_, rank, line)] = attempt.outbox.logs
     assert rank is None and line == "trainyard: output 'never-written' not collected: no such directory in the working directory"
