@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import multiprocessing
 import os
@@ -110,19 +111,23 @@ class ApiProcess:
             await asyncio.sleep(0.25)
 
 
+STREAMS_PER_CLIENT = 50
+
+
 class Run:
     """One phase's requests against the stack, and what they saw."""
 
-    def __init__(self, client: httpx.AsyncClient, job_id: int):
-        self.client, self.job_id = client, job_id
+    def __init__(self, client: httpx.AsyncClient, job_id: int, stream_clients: list[httpx.AsyncClient]):
+        self.client, self.job_id, self.stream_clients = client, job_id, stream_clients
         self.statuses: list[int] = []
         self.connected = 0  # followers whose stream has started
         self.ended_at: list[float] = []  # wall-clock time each follower saw `end`
 
-    async def follow(self, kind: str) -> None:
+    async def follow(self, kind: str, number: int) -> None:
         path = f"/v1/jobs/{self.job_id}/{kind}?follow=true"
+        client = self.stream_clients[number % len(self.stream_clients)]
         try:
-            async with self.client.stream("GET", path, timeout=httpx.Timeout(PROBE_TIMEOUT_S, read=None)) as response:
+            async with client.stream("GET", path, timeout=httpx.Timeout(PROBE_TIMEOUT_S, read=None)) as response:
                 self.statuses.append(response.status_code)
                 self.connected += 1
                 async for line in response.aiter_lines():
@@ -200,17 +205,19 @@ def say(what: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {what}", file=sys.stderr, flush=True)
 
 
-async def phase(client: httpx.AsyncClient, api: ApiProcess, url: str, token: str, args, followers: int, download: int | None) -> dict:
+async def phase(
+    client: httpx.AsyncClient, stream_clients: list[httpx.AsyncClient], api: ApiProcess, url: str, token: str, args, followers: int, download: int | None
+) -> dict:
     """One phase's figures; loaded (slow clients, the burst) if given a checkpoint to `download`."""
     loaded = download is not None
     say(f"{'load' if loaded else 'peer'} phase: starting a training job")
     job_id = await start_training(client)
     say(f"job {job_id} trains; {followers} followers connecting")
-    run = Run(client, job_id)
+    run = Run(client, job_id, stream_clients)
     cpu_before = api.cpu_seconds()
     api.peak_rss = 0
     sampling = asyncio.create_task(api.sample())
-    streams = [asyncio.create_task(run.follow("events" if i % 2 == 0 else "logs")) for i in range(followers)]
+    streams = [asyncio.create_task(run.follow("events" if i % 2 == 0 else "logs", i)) for i in range(followers)]
     async def all_connected() -> bool:
         return run.connected == followers
 
@@ -269,13 +276,21 @@ async def phase(client: httpx.AsyncClient, api: ApiProcess, url: str, token: str
 
 async def measure(url: str, token: str, args) -> dict:
     api = ApiProcess()
-    limits = httpx.Limits(max_connections=args.followers + SLOW_UPLOADS + SLOW_DOWNLOADS + args.burst + 10, max_keepalive_connections=50)
+    limits = httpx.Limits(max_connections=SLOW_UPLOADS + SLOW_DOWNLOADS + args.burst + 10, max_keepalive_connections=50)
     headers = {"Authorization": f"Bearer {token}"}
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=60) as client:
-        peer = await phase(client, api, url, token, args, followers=2, download=None)
+    async with contextlib.AsyncExitStack() as clients:
+        client = await clients.enter_async_context(httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=60))
+        # Followers in clients of STREAMS_PER_CLIENT: one httpx client's pool spends time quadratic in
+        # its connections on each one that closes, so 1,000 streams in one client made this process,
+        # not the API, the slowest part of seeing the end (seconds, timed as the API's).
+        stream_clients = [
+            await clients.enter_async_context(httpx.AsyncClient(base_url=url, headers=headers, limits=httpx.Limits(max_connections=STREAMS_PER_CLIENT), timeout=60))
+            for _ in range(-(-args.followers // STREAMS_PER_CLIENT))
+        ]
+        peer = await phase(client, stream_clients, api, url, token, args, followers=2, download=None)
         # A training job prunes its older checkpoints; the peer's job has ended, its last one stays.
         checkpoint = (await client.get(f"/v1/jobs/{peer['job']}/checkpoints")).json()[-1]["id"]
-        loaded = await phase(client, api, url, token, args, followers=args.followers, download=checkpoint)
+        loaded = await phase(client, stream_clients, api, url, token, args, followers=args.followers, download=checkpoint)
     return {"peer": peer, "load": loaded}
 
 

@@ -2,16 +2,19 @@
 
 No dependency holds a database connection past its route's function: the caller is authenticated in
 a transaction of its own, closed before the route runs (an upload's body then streams in, a
-download's bytes stream out, with no transaction open), and a route's sessions close when it
-returns, before its response is sent.
+download's bytes stream out, with no transaction open), and a route's sessions close in the route's
+own thread as it returns (SessionsEndWithRoute), before its response is validated and sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Query, Request, status
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -53,6 +56,35 @@ def get_write_session(settings: SettingsDep) -> Iterator[Session]:
 # scope="function": closed when the route returns, not after its response (a stream, a slow client) is sent.
 SessionDep = Annotated[Session, Depends(get_session, scope="function")]  # reads only
 WriteSessionDep = Annotated[Session, Depends(get_write_session, scope="function")]
+
+
+
+class SessionsEndWithRoute(APIRoute):
+    """A route whose (sync) function closes the sessions it was given before it returns, in its
+    own thread. FastAPI ends function-scoped dependencies only after it has validated the response,
+    which for a sync route waits for a thread of the pool: with every thread waiting for a database
+    connection and every connection held by a request waiting for a thread, nothing moves until the
+    pool's timeout (500s; on SQLite, a held write lock stalls every process). What a route returns
+    is built by then (an `…Out` model), so nothing needs the session afterwards."""
+
+    def __init__(self, path: str, endpoint: Callable, **kwargs):
+        if not inspect.iscoroutinefunction(endpoint):
+            endpoint = _closing_sessions(endpoint)
+        super().__init__(path, endpoint, **kwargs)
+
+
+def _closing_sessions(endpoint: Callable) -> Callable:
+    @functools.wraps(endpoint)  # the same signature: FastAPI reads the parameters through it
+    def run(*args, **kwargs):
+        try:
+            return endpoint(*args, **kwargs)
+        finally:
+            for value in kwargs.values():
+                if isinstance(value, Session):
+                    value.close()
+
+    return run
+
 
 _bearer = HTTPBearer(auto_error=False)
 

@@ -5,6 +5,7 @@ nothing. Bounded: each test ends in well under a minute."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -159,12 +160,17 @@ def test_hundreds_of_followers_all_see_the_end_and_the_api_keeps_answering(serve
         record_logs(session, job_id, claimed, [(i, 0, f"line {i}") for i in range(50)])
 
     async def run() -> tuple[list, list[float], float, float]:
-        limits = httpx.Limits(max_connections=followers + 10)
-        async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+        # Clients of 50 streams each, and one of its own for the probes: one httpx client's pool
+        # spends time quadratic in its connections on each that closes (500 ends took the test's
+        # own event loop 5 s), which would be timed as the server's.
+        async with contextlib.AsyncExitStack() as clients:
+            pools = [await clients.enter_async_context(httpx.AsyncClient(limits=httpx.Limits(max_connections=50), timeout=60))
+                     for _ in range(followers // 50)]
+            client = await clients.enter_async_context(httpx.AsyncClient(timeout=60))
             ended_at: list[float] = []
             caught_up: list[int] = []
             urls = [f"{server}/v1/jobs/{job_id}/events", f"{server}/v1/jobs/{job_id}/logs?follow=true&tail=10"]
-            streams = [asyncio.create_task(follow(client, urls[i % 2], alice, caught_up, ended_at)) for i in range(followers)]
+            streams = [asyncio.create_task(follow(pools[i % len(pools)], urls[i % 2], alice, caught_up, ended_at)) for i in range(followers)]
             health: list[float] = []
             async def probe() -> None:
                 started = time.monotonic()
@@ -221,9 +227,12 @@ def test_a_multipart_body_without_its_closing_boundary_is_422_and_nothing_is_sto
 def test_a_burst_of_submits_past_the_connection_pool_is_all_admitted(server, tokens):
     """Each submit reads (its checks) then writes (the insert); were the read's connection held
     across the insert, 15 submits at once would take the pool and wait for each other until its
-    timeout, then answer 500."""
+    timeout, then answer 500. Past the thread pool's 40 threads, a route whose session outlived
+    it (FastAPI ends it after validating the response, for which it waits for a thread) held a
+    connection, and on SQLite the write lock, while every thread waited for a connection: nothing
+    moved for the pool's 30 s, then 500s (the worker's lease renewal stalled with it)."""
     alice = auth(tokens["alice"])
-    burst = 40  # past the pool's 15 connections and the thread pool's 40 threads
+    burst = 80  # past the pool's 15 connections, and twice the thread pool's 40 threads
 
     async def submit_all() -> list[httpx.Response]:
         async with httpx.AsyncClient(base_url=server, headers=alice, limits=httpx.Limits(max_connections=burst), timeout=60) as client:

@@ -9,12 +9,12 @@ from fastapi.responses import FileResponse, Response, StreamingResponse
 from sqlalchemy.orm import Session
 
 from api_schemas.manifest import MODEL_FILE
-from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, StoreDep, not_found
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SessionsEndWithRoute, SettingsDep, StoreDep, not_found
 from service.api.tar_stream import open_files, stream_tar
 from service.db.checkpoints import checkpoint_visible_to, deleted_checkpoint_visible_to, list_checkpoints
 from service.db.models import DeletedCheckpoint
 
-router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
+router = APIRouter(prefix="/v1/checkpoints", tags=["checkpoints"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
 
 
 @router.get("/{checkpoint_id}/download", response_model=None)

@@ -6,14 +6,14 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from api_schemas import DashboardOut, HostAttemptOut, RunningJobOut, WorkerOut
-from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionDep, SettingsDep
+from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionDep, SessionsEndWithRoute, SettingsDep
 from service.db.hosts import all_hosts, online_hosts
 from service.db.metrics import latest_metrics
 from service.db.models import utcnow
 from service.db.monitoring import active_attempts, job_counts, running_jobs
 
-router = APIRouter(prefix="/v1", tags=["dashboard"], responses=NEEDS_TOKEN)
-page_router = APIRouter()
+router = APIRouter(prefix="/v1", tags=["dashboard"], responses=NEEDS_TOKEN, route_class=SessionsEndWithRoute)
+page_router = APIRouter(route_class=SessionsEndWithRoute)
 STATIC_DIR = Path(__file__).resolve().parents[2] / "static"  # the page's script and its vendored chart library, at /static
 DASHBOARD_PAGE = STATIC_DIR / "dashboard.html"
 

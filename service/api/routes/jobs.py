@@ -8,7 +8,8 @@ from fastapi.responses import StreamingResponse
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
 from service.admission import admit
 from service.api.deps import (
-    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SettingsDep, VisibleJob, WriteSessionDep, next_page, visible_job,
+    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SessionsEndWithRoute, SettingsDep,
+    VisibleJob, WriteSessionDep, next_page, visible_job,
 )
 from service.api.events import EVENTS, LOG_LINES, EventStreamResponse, Source
 from service.api.limits import TooManyStreams
@@ -18,7 +19,7 @@ from service.db.jobs import jobs_visible_to, last_event_seq, request_cancel
 from service.db.log_lines import log_lines_after, log_tail
 from service.db.metrics import metric_series
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
 
 
 @router.post(
@@ -38,7 +39,9 @@ def submit_job(
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
-    return job_out(admit(session, writes, user, spec, settings, idempotency_key))
+    job = admit(session, writes, user, spec, settings, idempotency_key)
+    # Described from a read: the write transaction is over, and a lazy load in it would take the write lock again.
+    return job_out(visible_job(session, user, job.id))
 
 
 @router.get("", response_model=JobPage)

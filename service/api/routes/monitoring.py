@@ -3,10 +3,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 
 from service.api import prometheus
-from service.api.deps import SessionDep, SettingsDep
+from service.api.deps import SessionDep, SessionsEndWithRoute, SettingsDep
 from service.db.models import utcnow
 
-router = APIRouter(tags=["monitoring"])
+router = APIRouter(tags=["monitoring"], route_class=SessionsEndWithRoute)
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {prometheus.CONTENT_TYPE_LATEST: {}}}})

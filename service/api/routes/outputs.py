@@ -6,12 +6,12 @@ from fastapi import APIRouter
 from fastapi.responses import StreamingResponse
 
 from api_schemas import OutputOut
-from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, SessionDep, StoreDep, VisibleJob, not_found
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, SessionDep, SessionsEndWithRoute, StoreDep, VisibleJob, not_found
 from service.api.tar_stream import open_files, stream_tar
 from service.api.views import output_out
 from service.db.outputs import find_output, list_outputs
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
 
 
 @router.get("/{job_id}/outputs", response_model=list[OutputOut])

@@ -8,13 +8,14 @@ from sqlalchemy.orm import Session
 from api_schemas import SweepOut, SweepPage, SweepSpec
 from service.admission import admit_sweep
 from service.api.deps import (
-    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SettingsDep, WriteSessionDep, next_page, not_found,
+    MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SessionsEndWithRoute, SettingsDep,
+    WriteSessionDep, next_page, not_found,
 )
 from service.api.views import sweep_outs
 from service.db.models import Sweep, User
 from service.db.sweeps import cancel_sweep, sweep_visible_to, sweeps_visible_to
 
-router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
+router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
 
 
 def get_visible_sweep(sweep_id: RowId, session: SessionDep, user: CurrentUser) -> Sweep:

@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from api_schemas import UploadOut
 from service import uploads
-from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SettingsDep, not_found
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SessionsEndWithRoute, SettingsDep, not_found
 from service.db.uploads import create_upload, upload_visible_to, uploads_visible_to
 from service.db.models import Upload, User
 from service.db.session import session_factory
@@ -54,8 +54,8 @@ BODY = {
     }
 }
 
-datasets = APIRouter(prefix="/v1/datasets", tags=["uploads"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
-code = APIRouter(prefix="/v1/code", tags=["uploads"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})
+datasets = APIRouter(prefix="/v1/datasets", tags=["uploads"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
+code = APIRouter(prefix="/v1/code", tags=["uploads"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
 
 
 def upload_out(upload: Upload) -> UploadOut:
