@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
@@ -49,6 +50,7 @@ class Item:
     data: str  # JSON
     rank: int | None = None  # a log line's rank, for followers of one rank
 
+    @cached_property  # once, however many followers send it
     def message(self) -> str:
         return f"id: {self.id}\nevent: {self.event}\ndata: {self.data}\n\n"
 
@@ -178,10 +180,11 @@ class Feeds:
                     except TimeoutError:
                         yield HEARTBEAT
                         continue
-                    for item in items:
-                        if item.id > follower.after and (rank is None or item.rank == rank):
-                            yield item.message()
-                            follower.after = item.id
+                    # The batch's messages as one write: one send through the ASGI stack per batch, not per item.
+                    fresh = [item for item in items if item.id > follower.after and (rank is None or item.rank == rank)]
+                    if fresh:
+                        yield "".join(item.message for item in fresh)
+                        follower.after = fresh[-1].id
                     if final:
                         yield END
                         return
@@ -197,9 +200,9 @@ class Feeds:
         while True:
             async with self._catch_ups:
                 final, items = await run_in_threadpool(_read, self.sessions, source, job_id, follower.after, follower.rank)
-            for item in items:
-                yield item.message()
-                follower.after = item.id
+            if items:
+                yield "".join(item.message for item in items)
+                follower.after = items[-1].id
             if len(items) < PAGE:
                 if final:
                     yield END
@@ -217,7 +220,8 @@ class EventStreamResponse(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         async def send_or_give_up(message) -> None:
-            await asyncio.wait_for(send(message), SEND_TIMEOUT_SECONDS)
+            async with asyncio.timeout(SEND_TIMEOUT_SECONDS):  # no task per message, as wait_for makes
+                await send(message)
 
         try:
             await super().__call__(scope, receive, send_or_give_up)
