@@ -74,7 +74,7 @@ class ApiSettings(_FromEnvironment):
     )
     log_tail_max: int = Field(1000, gt=0, description="Most log lines one /logs request returns.")
     metrics_max_points: int = Field(10_000, gt=0, description="Most points per series one /metrics request returns.")
-    events_poll_seconds: float = Field(0.5, gt=0, description="How often an open /events stream looks for new events.")
+    events_poll_seconds: float = Field(0.5, gt=0, description="How often an open /events or followed /logs stream looks for new items on SQLite (on PostgreSQL a NOTIFY wakes it).")
     events_heartbeat_seconds: float = Field(15.0, gt=0, description="An /events stream with nothing to send sends a comment this often, so proxies keep it open.")
     download_redirect_prefix: str | None = Field(
         None,

@@ -8,8 +8,11 @@ every item is sent, an `end` message (no id) closes the stream; a stream that st
 cut, and should be resumed.
 
 Per API process, one watcher per followed job and kind (a task on the event loop) reads what is
-new every `events_poll_seconds`, in one short read transaction, however many follow it, and hands
-each follower the batch. A follower waiting for the next batch is a coroutine parked on its queue:
+new, in one short read transaction, however many follow it, and hands each follower the batch. On
+PostgreSQL it reads when told: writers NOTIFY the job's id as they commit (db/doorbell.py
+`tell_followers`), heard by one LISTEN connection per API process (JobItemsListener), with a read
+every FALLBACK_READ_SECONDS anyway for a notice missed while that connection was down. On SQLite
+it reads every `events_poll_seconds`. A follower waiting for the next batch is a coroutine parked on its queue:
 no thread, no connection. It first catches up from the database, page by page, a few followers at
 a time; its queue holds at most QUEUE_BATCHES batches, and a follower that falls that far behind
 (its client reads slowly) stops receiving batches and catches up from the database again, at its
@@ -25,11 +28,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from functools import cached_property
 
+import psycopg
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 
 from service.api.views import job_event_out, log_line_out
+from service.db.doorbell import FOLLOWERS_CHANNEL
 from service.db.jobs import job_events_after, job_status, last_event_seq
 from service.db.log_lines import last_log_line_id, log_lines_after
 
@@ -39,6 +44,7 @@ PAGE = 500
 QUEUE_BATCHES = 64  # batches one follower may have waiting before it is made to catch up from the database
 CATCH_UPS_AT_ONCE = 4  # followers reading history at once, per process (each holds a thread and a connection meanwhile)
 SEND_TIMEOUT_SECONDS = 60.0  # a client that takes no bytes for this long is dropped
+FALLBACK_READ_SECONDS = 5.0  # with NOTIFY: how long a watcher waits for one before it reads anyway
 END = "event: end\ndata: {}\n\n"
 HEARTBEAT = ": keep-alive\n\n"  # a comment: EventSource ignores it, proxies see traffic
 
@@ -112,7 +118,17 @@ class _Watcher:
         self.feeds, self.source, self.job_id = feeds, source, job_id
         self.followers: set[_Follower] = set()
         self.started = asyncio.Event()  # its position is known: followers catch up after this
+        self.told = asyncio.Event()  # a NOTIFY said the job has new items
         self.task = asyncio.create_task(self._watch())
+
+    async def _until_next_read(self) -> None:
+        """Until a NOTIFY tells of new items (or the listener connects), or the poll's time."""
+        listening = self.feeds.listener is not None and self.feeds.listener.listening
+        try:
+            await asyncio.wait_for(self.told.wait(), FALLBACK_READ_SECONDS if listening else self.feeds.poll_seconds)
+        except TimeoutError:
+            pass
+        self.told.clear()  # before the read: a notice during it makes the next wait return at once
 
     async def _watch(self) -> None:
         after = None
@@ -122,7 +138,7 @@ class _Watcher:
                 if after is None:
                     after = await run_in_threadpool(_last_id, self.feeds.sessions, self.source, self.job_id)
                     self.started.set()
-                await asyncio.sleep(self.feeds.poll_seconds)
+                await self._until_next_read()
                 while True:
                     final, items = await run_in_threadpool(_read, self.feeds.sessions, self.source, self.job_id, after, None)
                     ended = final and len(items) < PAGE
@@ -142,13 +158,51 @@ def _last_id(sessions: sessionmaker[Session], source: Source, job_id: int) -> in
         return source.last_id(session, job_id)
 
 
+class JobItemsListener:
+    """This API process's one LISTEN connection (PostgreSQL): each notice wakes the watchers of its
+    job. Reconnects while it runs; `listening` says whether notices are heard now."""
+
+    def __init__(self, dsn: str, feeds: Feeds):
+        self.dsn, self.feeds = dsn, feeds
+        self.listening = False
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._listen())
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(self.dsn, autocommit=True) as connection:
+                    await connection.execute(f"LISTEN {FOLLOWERS_CHANNEL}")
+                    self.listening = True
+                    self.feeds.tell_all()  # whatever was committed while nobody listened
+                    async for notice in connection.notifies():
+                        self.feeds.tell(int(notice.payload))
+            except (psycopg.Error, OSError, ValueError):
+                log.warning("listening for new job items failed; watchers poll meanwhile", exc_info=True)
+            self.listening = False
+            await asyncio.sleep(1.0)
+
+
 class Feeds:
     """The watchers of this API process, and the streams their followers read."""
 
-    def __init__(self, sessions: sessionmaker[Session], poll_seconds: float):
+    def __init__(self, sessions: sessionmaker[Session], poll_seconds: float, listen_dsn: str | None = None):
         self.sessions, self.poll_seconds = sessions, poll_seconds
         self.watchers: dict[tuple[str, int], _Watcher] = {}
         self._catch_ups = asyncio.Semaphore(CATCH_UPS_AT_ONCE)
+        self.listener = JobItemsListener(listen_dsn, self) if listen_dsn else None
+
+    def tell(self, job_id: int) -> None:
+        for source in (EVENTS, LOG_LINES):
+            if (watcher := self.watchers.get((source.kind, job_id))) is not None:
+                watcher.told.set()
+
+    def tell_all(self) -> None:
+        for watcher in self.watchers.values():
+            watcher.told.set()
 
     async def stream(
         self, source: Source, job_id: int, after: int, *, rank: int | None = None, follow: bool, heartbeat_seconds: float
@@ -160,6 +214,8 @@ class Feeds:
                 yield message
             return
         key = (source.kind, job_id)
+        if self.listener is not None:
+            self.listener.start()
         watcher = self.watchers.get(key)
         if watcher is None:
             watcher = self.watchers[key] = _Watcher(self, source, job_id)

@@ -17,6 +17,7 @@ from service.admission import Refused
 from service.api.events import Feeds
 from service.api.limits import FailedAuthLimiter, StreamSlots
 from service.api.routes import checkpoints, dashboard, jobs, monitoring, outputs, sweeps, uploads
+from service.db.doorbell import libpq_dsn
 from service.db.session import read_session_factory
 from service.settings import Settings, get_settings
 
@@ -102,7 +103,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.failed_auths = FailedAuthLimiter(settings.max_failed_auths_per_minute)
     app.state.stream_slots = StreamSlots(settings.max_streams_per_user)
-    app.state.feeds = Feeds(read_session_factory(settings.resolved_database_url), settings.events_poll_seconds)
+    database_url = settings.resolved_database_url
+    app.state.feeds = Feeds(read_session_factory(database_url), settings.events_poll_seconds, listen_dsn=libpq_dsn(database_url))
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees what BodySizeLimit lets through
     app.include_router(jobs.router)

@@ -1,4 +1,5 @@
 """The scheduler's doorbell: whoever makes work for it rings, so a queued job need not wait for the next poll.
+(And its small sibling for the API's followers: `tell_followers`, PostgreSQL only.)
 
 A ring is delivered when the ringing transaction commits and not at all if it rolls back, so the
 scheduler never wakes for a job that isn't there yet. On PostgreSQL it is `NOTIFY
@@ -27,6 +28,7 @@ from sqlalchemy.orm import Session
 log = logging.getLogger("trainyard.scheduler")
 
 CHANNEL = "trainyard_scheduler"
+FOLLOWERS_CHANNEL = "trainyard_job_items"  # payload: a job id whose events or log lines grew
 _RING_ON_COMMIT = "trainyard_doorbell"  # Session.info key: the socket to ring once it commits
 
 
@@ -37,6 +39,19 @@ def ring(session: Session) -> None:
         session.execute(text(f"NOTIFY {CHANNEL}"))
     elif (path := socket_path(bind.url)) is not None:
         session.info[_RING_ON_COMMIT] = path
+
+
+def tell_followers(session: Session, job_id: int) -> None:
+    """Wake the API processes' watchers of this job once this transaction commits: a NOTIFY on
+    PostgreSQL (one per job and transaction: PostgreSQL folds repeats). On SQLite they poll."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_notify(:channel, :job)"), {"channel": FOLLOWERS_CHANNEL, "job": str(job_id)})
+
+
+def libpq_dsn(database_url) -> str | None:
+    """The database URL as psycopg connects to it, for a connection that LISTENs; None unless PostgreSQL."""
+    url = make_url(database_url)
+    return url.set(drivername="postgresql").render_as_string(hide_password=False) if url.get_backend_name() == "postgresql" else None
 
 
 @event.listens_for(Session, "after_commit")
@@ -69,9 +84,8 @@ class Doorbell:
     """What the scheduler waits on between passes: a ring or `timeout`, whichever comes first."""
 
     def __init__(self, database_url: str):
-        url = make_url(database_url)
-        self._dsn = url.set(drivername="postgresql").render_as_string(hide_password=False) if url.get_backend_name() == "postgresql" else None
-        self._path = socket_path(url)
+        self._dsn = libpq_dsn(database_url)
+        self._path = socket_path(make_url(database_url))
         self._connection: psycopg.Connection | None = None
         self._socket: socket.socket | None = None
         self._bound: int | None = None  # the inode of our socket file, which close() removes

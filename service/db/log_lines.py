@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session
 
 from service.db.attempts import ClaimedAttempt
 from service.db.dialect import dialect_insert
+from service.db.doorbell import tell_followers
 from service.db.models import LogLine
 
 
@@ -21,6 +22,7 @@ def record_logs(session: Session, job_id: int, attempt: ClaimedAttempt, lines: l
         for seq, rank, line in lines
     ]
     session.execute(insert(LogLine).values(rows).on_conflict_do_nothing(index_elements=["attempt_id", "seq"]))
+    tell_followers(session, job_id)
     session.commit()
 
 

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
-from service.db.doorbell import ring
+from service.db.doorbell import ring, tell_followers
 from service.db.models import Attempt, Job, JobEvent, utcnow
 
 ACTIVE_JOB = (JobStatus.queued, JobStatus.scheduled, JobStatus.running)
@@ -256,6 +256,7 @@ def append_events(session: Session, job_id: int, events: list[tuple[JobEventType
 
 def _insert_events(session: Session, job_id: int, first: int, events: list[tuple[JobEventType, dict]], at: datetime) -> None:
     """The events numbered `first`, `first` + 1, …: numbers the caller took from the job's counter."""
+    tell_followers(session, job_id)
     if len(events) > 1 and session.get_bind().dialect.name == "postgresql":
         # One statement however many events (a metrics batch brings hundreds): the events travel
         # as one JSON array, which the server unpacks. psycopg would send one INSERT per row.

@@ -17,8 +17,9 @@ from trainyard.client import Client, TrainyardError
 
 
 class CutFirstEventStream:
-    """The real app, except that the first /events response breaks off after its first message,
-    as a dropped connection would. Records the Last-Event-ID of every /events request."""
+    """The real app, except that the first /events response breaks off after its first SSE message
+    (a write may carry several: the rest of it is lost), as a dropped connection would. Records
+    the Last-Event-ID of every /events request."""
 
     def __init__(self, app: ASGIApp):
         self.app = app
@@ -33,9 +34,11 @@ class CutFirstEventStream:
             return await self.app(scope, receive, send)
 
         async def send_one_message_then_break(message) -> None:
-            await send(message)
             if message["type"] == "http.response.body" and message.get("body"):
+                first, _, _ = message["body"].partition(b"\n\n")
+                await send({**message, "body": first + b"\n\n", "more_body": True})
                 raise ConnectionAbortedError("the connection drops")  # uvicorn closes it mid-response
+            await send(message)
 
         await self.app(scope, receive, send_one_message_then_break)
 

@@ -23,6 +23,7 @@ from service.db.attempts import renew_lease
 from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.hosts import record_heartbeat
 from service.db.log_lines import record_logs
+from service.db.metrics import record_metrics
 from service.db.models import Upload
 from service.db.session import read_session_factory, session_factory
 from tests.helpers import auth, finish_job, start_job, tiny_spec
@@ -199,6 +200,40 @@ def test_hundreds_of_followers_all_see_the_end_and_the_api_keeps_answering(serve
     # A stalled API (the issue's: followers holding the pool) times out at 30 s; on two shared
     # cores with hundreds of streams reconnecting, a few seconds is slow, not stalled.
     assert slowest_health < 5.0, slowest_health
+
+
+@pytest.mark.parametrize("settings_overrides", [{"events_poll_seconds": 60.0, "events_heartbeat_seconds": 1.0}])
+def test_a_follower_hears_of_new_items_when_they_commit_not_at_the_next_poll(server, settings, tokens, database_url):
+    if database_url.startswith("sqlite"):
+        pytest.skip("SQLite has no NOTIFY: its watchers read every events_poll_seconds")
+    alice = auth(tokens["alice"])
+    job_id = httpx.post(f"{server}/v1/jobs", json=tiny_spec(), headers=alice).json()["id"]
+    claimed = start_job(settings, job_id)
+    sessions = session_factory(settings.resolved_database_url)
+
+    async def first_new(url: str, write) -> float:
+        """Seconds from `write` (committed once the stream is open and idle) to the stream's next item."""
+        async with httpx.AsyncClient(timeout=30) as client, client.stream("GET", url, headers=alice) as response:
+            lines = response.aiter_lines()
+            while await anext(lines) != ": keep-alive":  # caught up and waiting
+                pass
+            await asyncio.to_thread(write)
+            written = time.monotonic()
+            while not (await anext(lines)).startswith("id: "):
+                pass
+            return time.monotonic() - written
+
+    def metrics() -> None:
+        with sessions() as session:
+            record_metrics(session, job_id, claimed.attempt_id, [(1, "train_loss", 2.5)])
+
+    def logs() -> None:
+        with sessions() as session:
+            record_logs(session, job_id, claimed, [(1, 0, "a new line")])
+
+    # A 60 s poll, and a fallback read every 5 s: well under either, the NOTIFY woke the watcher.
+    assert asyncio.run(first_new(f"{server}/v1/jobs/{job_id}/events", metrics)) < 2.5
+    assert asyncio.run(first_new(f"{server}/v1/jobs/{job_id}/logs?follow=true", logs)) < 2.5
 
 
 def test_a_multipart_body_without_its_closing_boundary_is_422_and_nothing_is_stored(server, settings, tokens):
