@@ -12,12 +12,14 @@ new, in one short read transaction, however many follow it, and hands each follo
 PostgreSQL it reads when told: writers NOTIFY the job's id as they commit (db/doorbell.py
 `tell_followers`), heard by one LISTEN connection per API process (JobItemsListener), with a read
 every FALLBACK_READ_SECONDS anyway for a notice missed while that connection was down. On SQLite
-it reads every `events_poll_seconds`. A follower waiting for the next batch is a coroutine parked on its queue:
-no thread, no connection. It first catches up from the database, page by page, a few followers at
-a time; its queue holds at most QUEUE_BATCHES batches, and a follower that falls that far behind
-(its client reads slowly) stops receiving batches and catches up from the database again, at its
-own pace, instead of being buffered for. A client that reads nothing for SEND_TIMEOUT_SECONDS is
-dropped (it resumes with Last-Event-ID).
+it reads every `events_poll_seconds`.
+
+A follower waiting for the next batch is a coroutine parked on its queue: no thread, no
+connection. It first catches up from the database, page by page, a few followers at a time; its
+queue holds at most QUEUE_BATCHES batches, and a follower that falls that far behind (its client
+reads slowly) stops receiving batches and catches up from the database again, at its own pace,
+instead of being buffered for. A client that reads nothing for SEND_TIMEOUT_SECONDS is dropped (it
+resumes with Last-Event-ID).
 """
 
 from __future__ import annotations
