@@ -59,9 +59,13 @@ def metrics_written(info, job_id: int, attempt: int) -> list[dict]:
     return [event for event in map(json.loads, path.read_text().splitlines()) if event["type"] == "metrics"]
 
 
-def test_a_step_named_script_that_logs_once_an_epoch_keeps_every_checkpoint_and_resumes_by_its_own_folder_name(stack):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_step_named_script_that_logs_once_an_epoch_keeps_every_checkpoint_and_resumes_by_its_own_folder_name(stack, processes):
     client, info = stack
-    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "clm_no_trainer.py", [*CLM, "--checkpointing_steps", "20"])
+    # Twice the samples on 2 processes: the same 40 steps an epoch, each process a half of them.
+    args = ["--num_train_epochs", "3", "--train_samples", str(160 * processes), "--checkpointing_steps", "20"]
+    resources = {"resources": {"processes_per_node": processes, "device": "cpu"}}
+    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "clm_no_trainer.py", args, **resources)
     assert job["status"] == "succeeded", job["failure_reason"]
     assert job["failure_reason"] is None  # the failed first attempt keeps its own reason
     first, second = job["attempts"]

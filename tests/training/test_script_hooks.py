@@ -56,9 +56,11 @@ def test_save_state_is_reported_as_a_checkpoint_with_a_manifest_at_the_last_logg
         accelerator.save_state("ckpt/latest")
     """)
     checkpoints = [e for e in events if e["type"] == "checkpoint"]
+    handed_over = tmp_path / "checkpoints" / ".handed-over"  # moved there as save_state returned
     assert [(e["step"], Path(e["path"])) for e in checkpoints] == [
-        (7, tmp_path / "code" / "early_7"), (12, tmp_path / "code" / "ckpt" / "latest"),
+        (7, handed_over / "0" / "early_7"), (12, handed_over / "1" / "latest"),
     ]
+    assert not (tmp_path / "code" / "early_7").exists() and not (tmp_path / "code" / "ckpt" / "latest").exists()
     assert "model.safetensors" in verify_manifest(Path(checkpoints[-1]["path"]))["files"]
 
 
@@ -74,6 +76,9 @@ def test_automatic_checkpoint_naming_saves_under_the_jobs_checkpoint_dir(tmp_pat
             accelerator.save_state()
     """)
     checkpoints = [(e["step"], e["path"]) for e in events if e["type"] == "checkpoint"]
-    root = tmp_path / "checkpoints" / "checkpoints"  # TRAINYARD_CHECKPOINT_DIR is the project_dir
+    # TRAINYARD_CHECKPOINT_DIR is the project_dir: Accelerate saved under its checkpoints/, and each
+    # save was handed over from there as it returned.
+    assert list((tmp_path / "checkpoints" / "checkpoints").iterdir()) == []
+    handed_over = tmp_path / "checkpoints" / ".handed-over"
     # Numbered by the folder's name (Accelerate's save iteration), as every named checkpoint is.
-    assert checkpoints == [(0, str(root / "checkpoint_0")), (1, str(root / "checkpoint_1"))]
+    assert checkpoints == [(0, str(handed_over / "0" / "checkpoint_0")), (1, str(handed_over / "1" / "checkpoint_1"))]
