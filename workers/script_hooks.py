@@ -132,9 +132,9 @@ def report_checkpoint(tracker, directory: Path, save_iteration: int, automatic_n
 def hand_over(directory: Path) -> Path:
     """Where the worker takes the saved folder from: renamed, at once, to a folder of its own under
     TRAINYARD_CHECKPOINT_DIR (`.handed-over/<n>/<its name>`, n counting the saves). From then on
-    the script can't change or delete it: Accelerate's `total_limit` (and scripts' own rotation) deletes old
-    checkpoint folders, and a script that saves to one name each time (`latest`) writes into it
-    again, both possibly before the worker has taken it in. Left where it is (and taken from
+    the script can't change or delete it: Accelerate's `total_limit` (and scripts' own rotation)
+    deletes old checkpoint folders, and a script that saves to one name each time (`latest`)
+    writes into it again, both possibly before the worker has taken it in. Left where it is (and taken from
     there) when it can't be renamed: on another filesystem, or with no TRAINYARD_CHECKPOINT_DIR."""
     root = os.environ.get(CHECKPOINT_DIR_ENV)
     if not root:

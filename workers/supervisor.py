@@ -114,6 +114,9 @@ class Transfers:
             self.taking = None
             self.items.pop(0)
 
+    def pending(self) -> bool:
+        return bool(self.items or self.taken)
+
     def record(self, record: Callable) -> None:
         while self.taken:
             item, taken = self.taken[0]
@@ -131,7 +134,7 @@ class Outbox:
     outputs: Transfers = field(default_factory=Transfers)  # a script's (directory, name, step) to collect
 
     def empty(self) -> bool:
-        return not (self.metrics or self.logs or self.checkpoints.items or self.checkpoints.taken or self.outputs.items or self.outputs.taken)
+        return not (self.metrics or self.logs or self.checkpoints.pending() or self.outputs.pending())
 
 
 class StallWatch:

@@ -58,7 +58,6 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]  # reads
 WriteSessionDep = Annotated[Session, Depends(get_write_session, scope="function")]
 
 
-
 class SessionsEndWithRoute(APIRoute):
     """A route whose (sync) function closes the sessions it was given before it returns, in its
     own thread. FastAPI ends function-scoped dependencies only after it has validated the response,
