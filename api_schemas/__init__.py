@@ -1,5 +1,6 @@
 """Job spec and API models shared by the service, workers and clients. Imports nothing of the project."""
 
+from api_schemas.accounts import AuditEntryOut, AuditPage, JobUsageOut, TokenOut, UsageOut, UserUsageOut
 from api_schemas.api import (
     AttemptOut,
     AttemptStatus,
@@ -19,7 +20,6 @@ from api_schemas.api import (
     OutputOut,
     RunningJobOut,
     UploadOut,
-    UserCreated,
     WorkerOut,
 )
 from api_schemas.jobs import (
@@ -44,6 +44,12 @@ from api_schemas.jobs import (
 from api_schemas.sweeps import Dimension, SweepOut, SweepPage, SweepSpec, SweepStatus, TrialOut
 
 __all__ = [
+    "AuditEntryOut",
+    "AuditPage",
+    "JobUsageOut",
+    "TokenOut",
+    "UsageOut",
+    "UserUsageOut",
     "AttemptOut",
     "AttemptStatus",
     "CheckpointConfig",
@@ -84,7 +90,6 @@ __all__ = [
     "TrainingConfig",
     "TrialOut",
     "UploadOut",
-    "UserCreated",
     "WorkerOut",
     "field_location",
 ]

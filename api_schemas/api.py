@@ -194,8 +194,3 @@ class DashboardOut(BaseModel):
     jobs_by_status: dict[str, int]
     running: list[RunningJobOut]
     workers: list[WorkerOut]
-
-
-class UserCreated(BaseModel):
-    name: str
-    token: str = Field(description="Shown once; only its hash is stored.")

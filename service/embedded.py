@@ -33,8 +33,9 @@ class StackInfo:
 
 def prepare_embedded(settings: Settings) -> str:
     """Create the data dir, migrate the database, ship the corpus and the example plugins, and return the admin token."""
-    from service.db.accounts import create_user, set_can_run_code, user_by_name, user_by_token
+    from service.db.accounts import create_user, rotate_token, set_can_run_code, user_by_name, user_by_token, why_refused
     from service.db.migrate import upgrade
+    from service.db.models import utcnow
     from service.db.session import session_factory
 
     data_dir = settings.data_dir
@@ -61,8 +62,12 @@ def prepare_embedded(settings: Settings) -> str:
             _, token = create_user(session, name, is_admin=True, can_run_code=True)
             token_file.write_text(token + "\n")
             token_file.chmod(0o600)
-        elif not user.can_run_code:  # created before the permission existed
-            set_can_run_code(session, user, True)
+        else:
+            if why_refused(user, utcnow()):  # the machine's own admin revoked or let expire: the file gets a fresh one
+                token, _ = rotate_token(session, user)
+                token_file.write_text(token + "\n")
+            if not user.can_run_code:  # created before the permission existed
+                set_can_run_code(session, user, True)
     return token
 
 

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from trainyard.account_cli import add_account_commands
 from trainyard.client_cli import EXIT_FAILED, add_client_commands
 from trainyard.compare_cli import add_compare_command
 from trainyard.sweep_cli import add_sweep_commands
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     connection = add_client_commands(subparsers)
     add_sweep_commands(subparsers, connection)
     add_compare_command(subparsers, connection)
+    add_account_commands(subparsers, connection)
     return parser
 
 

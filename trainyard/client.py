@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import tarfile
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
@@ -31,8 +33,8 @@ import yaml
 from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
-    CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut, MetricsOut, OutputOut, SweepOut,
-    SweepPage, SweepSpec, UploadOut, WorkerOut, field_location,
+    AuditEntryOut, AuditPage, CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut,
+    MetricsOut, OutputOut, SweepOut, SweepPage, SweepSpec, TokenOut, UploadOut, UsageOut, WorkerOut, field_location,
 )
 from api_schemas.jobs import relative_inside_root
 from api_schemas.manifest import CorruptCheckpoint, verify_manifest
@@ -147,7 +149,8 @@ class Client:
         # Each from the first place that has it: argument, environment, config file, then defaults.
         config = {} if server and token else read_config()
         self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or DEFAULT_SERVER).rstrip("/")
-        self.token = token or os.environ.get("TRAINYARD_TOKEN") or config.get("token") or _token_from_file()
+        found = [("argument", token), ("environment", os.environ.get("TRAINYARD_TOKEN")), ("config", config.get("token")), ("file", _token_from_file())]
+        self.token_source, self.token = next(((where, value) for where, value in found if value), (None, None))  # where: for `token rotate`
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
 
@@ -312,6 +315,24 @@ class Client:
         headers = {"Content-Type": "application/octet-stream"}
         return self._call(UploadOut, "POST", route, params={"name": name}, content=body, headers=headers)
 
+    # -- account -----------------------------------------------------------------------------------
+
+    def rotate_token(self) -> TokenOut:
+        """A new token for this client's user; the current one stops working, and this client uses the new one."""
+        new = self._call(TokenOut, "POST", "/v1/token/rotate")
+        self.token = new.token
+        self._http.headers["Authorization"] = f"Bearer {new.token}"
+        return new
+
+    def usage(self, since: datetime | None = None, limit: int = 20) -> UsageOut:
+        """Device-seconds per user and job: your own, or everyone's for an admin."""
+        return self._call(UsageOut, "GET", "/v1/usage", params=_without_none({"since": since and since.isoformat(), "limit": limit}))
+
+    def audit(self, user: str | None = None, since: datetime | None = None, limit: int = 50) -> Iterator[AuditEntryOut]:
+        """The audit trail, newest first (admins only)."""
+        params = _without_none({"user": user, "since": since and since.isoformat(), "limit": min(limit, 200)})
+        return itertools.islice(self._pages(AuditPage, "/v1/audit", params), limit)
+
     # -- cluster -----------------------------------------------------------------------------------
 
     def dashboard(self) -> DashboardOut:
@@ -403,7 +424,7 @@ class Client:
 
     # -- plumbing ----------------------------------------------------------------------------------
 
-    def _pages(self, page_model: type[JobPage] | type[SweepPage], path: str, params: dict[str, Any]) -> Iterator:
+    def _pages(self, page_model: type[JobPage] | type[SweepPage] | type[AuditPage], path: str, params: dict[str, Any]) -> Iterator:
         """Every item of a cursor-paginated list, a page per request as the iteration goes."""
         while True:
             page = self._call(page_model, "GET", path, params=params)

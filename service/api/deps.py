@@ -9,6 +9,7 @@ own thread as it returns (SessionsEndWithRoute), before its response is validate
 from __future__ import annotations
 
 import functools
+from datetime import datetime, timezone
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Annotated
@@ -21,9 +22,9 @@ from sqlalchemy.orm import Session
 from api_schemas import ErrorOut
 from service.api.limits import FailedAuthLimiter
 from service.artifacts import ArtifactStore
-from service.db.accounts import user_by_token
+from service.db.accounts import user_by_token, why_refused
 from service.db.jobs import job_visible_to
-from service.db.models import Job, User
+from service.db.models import Job, User, utcnow
 from service.db.session import read_session_factory, session_factory
 from service.settings import Settings
 
@@ -106,11 +107,27 @@ def get_current_user(
         if user is None:
             limiter.failed(address)
     if user is None:
-        raise HTTPException(status.HTTP_401_UNAUTHORIZED, "missing or invalid bearer token", headers={"WWW-Authenticate": "Bearer"})
+        raise _unauthorized("missing or invalid bearer token")
+    if refused := why_refused(user, utcnow()):  # a real token, so not counted as a guess
+        raise _unauthorized(refused)
+    request.state.caller = user  # for the audit trail (service/api/audit.py)
     return user
 
 
+def _unauthorized(why: str) -> HTTPException:
+    return HTTPException(status.HTTP_401_UNAUTHORIZED, why, headers={"WWW-Authenticate": "Bearer"})
+
+
 CurrentUser = Annotated[User, Depends(get_current_user)]
+
+
+def get_admin(user: CurrentUser) -> User:
+    if not user.is_admin:
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "admins only")
+    return user
+
+
+AdminUser = Annotated[User, Depends(get_admin)]
 
 
 def get_store(settings: SettingsDep) -> ArtifactStore:
@@ -130,6 +147,11 @@ RowId = Annotated[int, Path(ge=1, le=2**63 - 1)]
 # A list's pages, newest first: `cursor` is the last id of the previous page.
 PageLimit = Annotated[int, Query(ge=1, le=200)]
 PageCursor = Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of the previous page.")]
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """A time from a query: one given without a zone is taken as UTC, the zone the service stores."""
+    return moment.replace(tzinfo=timezone.utc) if moment is not None and moment.tzinfo is None else moment
 
 
 def next_page(rows: list, limit: int) -> str | None:

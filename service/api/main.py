@@ -16,9 +16,10 @@ from api_schemas import field_location
 from service.admission import Refused
 from service.api.events import Feeds
 from service.api.limits import FailedAuthLimiter, StreamSlots
-from service.api.routes import checkpoints, dashboard, jobs, monitoring, outputs, sweeps, uploads
+from service.api.audit import AuditTrail
+from service.api.routes import audit, checkpoints, dashboard, jobs, monitoring, outputs, sweeps, tokens, uploads, usage
 from service.db.doorbell import libpq_dsn
-from service.db.session import read_session_factory
+from service.db.session import read_session_factory, session_factory
 from service.settings import Settings, get_settings
 
 log = logging.getLogger("trainyard.api")
@@ -106,6 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     database_url = settings.resolved_database_url
     app.state.feeds = Feeds(read_session_factory(database_url), settings.events_poll_seconds, listen_dsn=libpq_dsn(database_url))
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
+    app.add_middleware(AuditTrail, sessions=session_factory(database_url))  # a refused body is audited too
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees what BodySizeLimit lets through
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
@@ -113,6 +115,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(sweeps.router)
     app.include_router(uploads.datasets)
     app.include_router(uploads.code)
+    app.include_router(tokens.router)
+    app.include_router(audit.router)
+    app.include_router(usage.router)
     app.include_router(dashboard.router)
     app.include_router(dashboard.page_router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")

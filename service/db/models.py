@@ -50,6 +50,28 @@ class User(Base):
         Boolean, default=False, doc="May submit `script` jobs, which run the user's own code on worker hosts."
     )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    token_lifetime_s: Mapped[int | None] = mapped_column(
+        Integer, nullable=True, doc="How long each of this user's tokens is valid; None: until rotated or revoked."
+    )
+    token_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, doc="Set by `trainyard user revoke`: no token of this user works.")
+
+
+class AuditEntry(Base):
+    """One mutating request or code job: who did what, when, from where, and how it was answered.
+    The name is kept as well as the id: the entry outlives a renamed or revoked user."""
+
+    __tablename__ = "audit_entries"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    user_id: Mapped[int | None] = mapped_column(BigId, nullable=True, index=True, doc="None: the caller was not authenticated.")
+    user_name: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    client_address: Mapped[str] = mapped_column(String(100))
+    method: Mapped[str] = mapped_column(String(10))
+    path: Mapped[str] = mapped_column(String(500))
+    status_code: Mapped[int] = mapped_column(Integer)
+    job_id: Mapped[int | None] = mapped_column(BigId, nullable=True, doc="The job the request submitted or acted on, where one is known.")
+    detail: Mapped[str | None] = mapped_column(String(500), nullable=True, doc="What the request did, in words, e.g. `script job`.")
 
 
 class Upload(Base):

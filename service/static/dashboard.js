@@ -549,6 +549,18 @@ async function workersPage() {
         w.online ? "yes" : "no", when(w.last_heartbeat)])));
 }
 
+async function usagePage() {
+  const usage = await api("/v1/usage");
+  const hours = seconds => (seconds / 3600).toFixed(3);
+  return el("div", {},
+    el("h2", {}, "Usage"),
+    el("p", { class: "muted" }, "Device-hours (processes × hours run) since the beginning, until " + when(usage.until) + "; an admin sees every user."),
+    table(["user", "jobs", "device-hours"], usage.users.map(u => [u.user, String(u.jobs), hours(u.device_seconds)])),
+    el("h3", {}, "Jobs that used the most"),
+    table(["id", "name", "owner", "device-hours"],
+      usage.jobs.map(j => [el("a", { href: "#/jobs/" + j.job_id }, String(j.job_id)), j.name, j.owner, hours(j.device_seconds)])));
+}
+
 // --- Routing: a job's and a comparison's pages stream; the tables are re-read every LIST_POLL_MS ---
 
 function show(page) {
@@ -571,7 +583,7 @@ async function render(mine, signal) {
       start();
       return;
     }
-    const page = hash === "#/workers" ? await workersPage() : await jobsPage();
+    const page = hash === "#/workers" ? await workersPage() : hash === "#/usage" ? await usagePage() : await jobsPage();
     if (mine !== generation) return;
     show(page);
     await sleep(LIST_POLL_MS, signal);

@@ -197,6 +197,16 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         assert "yes" in worker_row.inner_text()
         page.screenshot(path=str(ARTIFACTS / "dashboard-workers.png"), full_page=True)
 
+        # The usage page shows the device-hours the API counts, per user and per job, the jobs finished.
+        usage = client.get("/v1/usage").json()
+        page.click("a[href='#/usage']")
+        [user] = usage["users"]
+        user_row = page.locator("table").first.locator("tr", has_text=user["user"])  # the users table; the jobs table names owners too
+        user_row.wait_for()
+        assert f"{user['device_seconds'] / 3600:.3f}" in user_row.inner_text()
+        assert {j["job_id"] for j in usage["jobs"]} >= {job_id, other_id} and all(j["device_seconds"] > 0 for j in usage["jobs"])
+        page.screenshot(path=str(ARTIFACTS / "dashboard-usage.png"), full_page=True)
+
         # Dark, at a phone's width: nothing wider than the screen, the page dark.
         phone = browser.new_page(viewport={"width": 390, "height": 844}, color_scheme="dark")
         phone.goto(f"{info.url}/dashboard")

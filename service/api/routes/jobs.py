@@ -7,6 +7,7 @@ from fastapi.responses import StreamingResponse
 
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
 from service.admission import admit
+from service.api.audit import describe, note
 from service.api.deps import (
     MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SessionsEndWithRoute, SettingsDep,
     VisibleJob, WriteSessionDep, next_page, visible_job,
@@ -32,6 +33,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, *
     },
 )
 def submit_job(
+    request: Request,
     spec: JobSpec,
     session: SessionDep,
     writes: WriteSessionDep,
@@ -39,7 +41,9 @@ def submit_job(
     settings: SettingsDep,
     idempotency_key: Annotated[str | None, Header(max_length=200)] = None,
 ) -> JobOut:
+    note(request, detail=f"submit {describe(spec)}")  # audited whether or not it is admitted
     job = admit(session, writes, user, spec, settings, idempotency_key)
+    note(request, job_id=job.id, detail=f"submit {describe(spec)}")
     # Described from a read: the write transaction is over, and a lazy load in it would take the write lock again.
     return job_out(visible_job(session, user, job.id))
 
@@ -62,7 +66,8 @@ def get_job(job: VisibleJob, session: SessionDep) -> JobOut:
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
-def cancel_job(job_id: RowId, session: WriteSessionDep, user: CurrentUser) -> JobOut:
+def cancel_job(request: Request, job_id: RowId, session: WriteSessionDep, user: CurrentUser) -> JobOut:
+    note(request, job_id=job_id, detail="cancel")
     return job_out(request_cancel(session, visible_job(session, user, job_id)))
 
 

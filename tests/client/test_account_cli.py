@@ -1,0 +1,97 @@
+"""Tokens, usage and the audit trail from the command line: the server's `user` commands and the
+client's `token rotate`, `usage` and `audit`, against the real API served by uvicorn (SQLite)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from service.db.accounts import create_user
+from service.db.session import session_factory
+from tests.helpers import tiny_spec
+from trainyard.cli import main
+from trainyard.client import Client
+
+
+@pytest.fixture
+def run(settings, api_url, capsys, monkeypatch, tmp_path):
+    """Run `trainyard ARGS…` against the API and its database; returns (exit code, stdout, stderr)."""
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", settings.resolved_database_url)
+    monkeypatch.setenv("TRAINYARD_SERVER", api_url)
+    monkeypatch.delenv("TRAINYARD_TOKEN", raising=False)
+    monkeypatch.delenv("TRAINYARD_DATA_DIR", raising=False)  # the token file is then found going up from the working directory
+    monkeypatch.setenv("TRAINYARD_CONFIG", str(tmp_path / "no-config.yaml"))
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse refusing an argument
+            code = exit.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_an_admin_revokes_a_user_and_rotates_them_a_new_token(run, api_url):
+    code, out, _ = run("user", "create", "carol", "--token-lifetime-days", "30")
+    assert code == 0
+    carol = out.strip()
+    assert run("ls", "--token", carol)[0] == 0
+
+    assert run("user", "revoke", "carol")[0] == 0
+    code, _, err = run("ls", "--token", carol)
+    assert code == 1 and "token revoked" in err
+
+    code, out, _ = run("user", "rotate", "carol")
+    assert code == 0 and run("ls", "--token", out.strip())[0] == 0
+    assert run("user", "revoke", "nobody")[0] == 1
+    code, _, err = run("user", "create", "dave", "--token-lifetime-days", "0")
+    assert code == 2 and "must be more than 0" in err
+
+
+def test_token_rotate_writes_the_new_token_where_the_old_one_was_read(run, settings, tmp_path, monkeypatch):
+    with session_factory(settings.resolved_database_url)() as session:
+        _, old = create_user(session, "erin")
+    token_file = tmp_path / ".trainyard" / "token"
+    token_file.parent.mkdir()
+    token_file.write_text(old + "\n")
+    (tmp_path / "deeper").mkdir()
+    monkeypatch.chdir(tmp_path / "deeper")  # found going up, as `trainyard up`'s token is
+
+    code, out, err = run("token", "rotate")
+    assert code == 0 and out == "" and f"written to {token_file}" in err, err
+    new = token_file.read_text().strip()
+    assert new != old and oct(token_file.stat().st_mode & 0o777) == "0o600"
+    assert run("ls")[0] == 0
+    assert run("ls", "--token", old)[0] == 1
+
+    # From a config file: the file keeps its server and gets the new token.
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"server": Client().server, "token": new}))
+    monkeypatch.setenv("TRAINYARD_CONFIG", str(config))
+    token_file.unlink()
+    assert run("token", "rotate")[0] == 0
+    rotated = yaml.safe_load(config.read_text())
+    assert rotated["server"] == Client().server and rotated["token"] not in (new, old)
+
+    # From --token: printed, since there is nowhere to write it.
+    code, out, _ = run("token", "rotate", "--token", rotated["token"])
+    assert code == 0 and out.strip().startswith("ty_")
+
+
+def test_usage_and_audit_print_tables(run, settings):
+    with session_factory(settings.resolved_database_url)() as session:
+        _, root = create_user(session, "root", is_admin=True)
+        _, frank = create_user(session, "frank")
+    with Client(token=frank) as client:
+        job = client.submit(tiny_spec(name="franks-job"))
+    code, out, _ = run("audit", "--token", root)
+    assert code == 0 and "frank" in out and "POST /v1/jobs" in out and "submit gpt job" in out and str(job.id) in out
+    code, _, err = run("audit", "--token", frank)
+    assert code == 1 and "admins only" in err
+    code, out, _ = run("usage", "--token", frank, "--since", "2026-01-01")
+    assert code == 0 and "DEVICE-HOURS" in out
+    code, _, err = run("usage", "--token", frank, "--since", "last week")
+    assert code == 2 and "invalid local_moment value" in err
