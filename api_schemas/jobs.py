@@ -7,6 +7,7 @@ here is one the worker can run.
 
 from __future__ import annotations
 
+import re
 from pathlib import PurePosixPath
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -427,9 +428,10 @@ class ScriptConfig(_Config):
         default_factory=list,
         max_length=64,
         description=(
-            "Packages the script needs, as `name` or `name>=version` (PEP 440 specifiers). Nothing is installed per job: "
-            "each must be one the workers provide (TRAINYARD_SCRIPT_PACKAGES), checked at submit, and its installed version "
-            "must satisfy the specifier on the host that runs it, or the attempt fails saying which."
+            "Packages the script needs, as `name` or `name>=version` (PEP 440 specifiers): checked, never installed (to "
+            "install one, name it in `environment.pip`). Each must be one the workers provide (TRAINYARD_SCRIPT_PACKAGES) "
+            "or one `environment.pip` names, checked at submit, and its version in the job's environment must satisfy the "
+            "specifier on the host that runs it, or the attempt fails saying which."
         ),
     )
 
@@ -459,6 +461,39 @@ class ScriptConfig(_Config):
         return env
 
 
+# One `environment.pip` requirement: a package name, optional extras and version specifiers, e.g.
+# `tiktoken==0.7` or `peft[torch]>=0.11,<1`. No URLs, paths or markers: only what the worker's
+# index and find-links serve is installed.
+PIP_REQUIREMENT_PATTERN = (
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[ *[A-Za-z0-9][A-Za-z0-9._-]*( *, *[A-Za-z0-9][A-Za-z0-9._-]*)* *\])?"
+    r"( *(===|==|!=|<=|>=|~=|<|>) *[A-Za-z0-9.*+!_-]+( *, *(===|==|!=|<=|>=|~=|<|>) *[A-Za-z0-9.*+!_-]+)*)?$"
+)
+
+
+class EnvironmentConfig(_Config):
+    """Packages installed for this job alone, in a virtualenv the worker builds with uv over its own
+    environment (so the worker's torch and accelerate are used, never reinstalled) and caches by
+    (requirements, Python version, worker environment) for the next job that asks for the same."""
+
+    pip: list[Annotated[str, Field(pattern=PIP_REQUIREMENT_PATTERN, max_length=200)]] = Field(
+        min_length=1,
+        max_length=64,
+        description=(
+            "Requirements as `name`, `name==1.2` or `name[extra]>=1,<2` (PEP 440 specifiers), installed from the "
+            "worker's index and find-links (TRAINYARD_ENVIRONMENT_INDEX_URL, TRAINYARD_ENVIRONMENT_FIND_LINKS) as wheels only. "
+            "torch and accelerate stay at the worker's versions. A package that cannot be installed fails the attempt, naming it."
+        ),
+    )
+
+    @field_validator("pip")
+    @classmethod
+    def _each_package_once(cls, pip: list[str]) -> list[str]:
+        names = [re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group()).lower() for requirement in pip]
+        if repeated := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"{', '.join(repeated)}: name each package once (join its specifiers with commas)")
+        return pip
+
+
 # The training fields a `script` job uses: the launcher's settings, and the service's own watch.
 SCRIPT_TRAINING_FIELDS = {"max_steps", "gradient_accumulation_steps", "precision", "stall_timeout_s"}
 
@@ -474,6 +509,9 @@ class JobSpec(_Config):
         None, description="The data; leave out for a `script` job, and optional for a `custom` one (it may make its own)."
     )
     script: ScriptConfig | None = Field(None, description="Run your own Accelerate script instead of a built-in model.")
+    environment: EnvironmentConfig | None = Field(
+        None, description="Extra Python packages for this job (any kind: built-in, `custom`, `script`), installed on the worker and cached there."
+    )
     training: TrainingConfig = Field(default_factory=lambda: TrainingConfig())
     optimizer: OptimizerConfig | None = Field(None, description="Required for built-in and custom models; a `script` makes its own.")
     schedule: ScheduleConfig = Field(default_factory=lambda: ScheduleConfig())

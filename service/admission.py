@@ -106,8 +106,9 @@ def hand_back_connection(reads: Session, writes: Session) -> None:
 
 def check_spec(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:
     """Refused unless `user` may run `spec`: all of admission but the quota."""
+    installed = _check_environment(user, spec) if spec.environment is not None else set()
     if spec.script is not None:
-        _check_script(session, user, spec.script, settings)
+        _check_script(session, user, spec.script, settings, installed)
     else:
         _check_data(session, user, spec, settings)
     if reason := never_fits(spec.resources, all_hosts(session)):
@@ -125,9 +126,28 @@ def _check_data(session: Session, user: User, spec: JobSpec, settings: Settings)
         raise bad_field(exc.field, str(exc)) from exc
 
 
-def _check_script(session: Session, user: User, script: ScriptConfig, settings: Settings) -> None:
+def _check_environment(user: User, spec: JobSpec) -> set[str]:
+    """The user may run code (a package is code: a wheel's .pth file runs in every process of the
+    job, whatever its kind), and each requirement is one; the names of the packages it installs."""
+    if not user.can_run_code:
+        raise Refused(
+            HTTPStatus.FORBIDDEN,
+            None,
+            "environment.pip installs packages, which run as code on worker hosts, and needs the can_run_code permission; "
+            "an admin grants it with `trainyard user create NAME --can-run-code`",
+        )
+    names = set()
+    for i, requirement in enumerate(spec.environment.pip):
+        try:
+            names.add(package_name(requirement))
+        except InvalidRequirement as exc:  # the schema's pattern lets through some that aren't PEP 508 (`six==!`)
+            raise bad_field(("environment", "pip", str(i)), f"not a requirement: {exc}") from exc
+    return names
+
+
+def _check_script(session: Session, user: User, script: ScriptConfig, settings: Settings, installed: set[str]) -> None:
     """The user may run code, the code and its entrypoint exist (a bundle only if it is theirs), and
-    the workers provide what it requires."""
+    the workers provide what it requires, or the job's environment installs it (`installed`)."""
     if not user.can_run_code:
         raise Refused(
             HTTPStatus.FORBIDDEN,
@@ -145,7 +165,7 @@ def _check_script(session: Session, user: User, script: ScriptConfig, settings: 
     entrypoint = (directory / script.entrypoint).resolve()
     if not entrypoint.is_relative_to(directory) or not entrypoint.is_file():
         raise bad_field(("script", "entrypoint"), f"no file {script.entrypoint!r} in the code")
-    provided = {package_name(name) for name in settings.script_packages}
+    provided = {package_name(name) for name in settings.script_packages} | installed
     for i, requirement in enumerate(script.requirements):
         field = ("script", "requirements", str(i))
         try:
@@ -153,4 +173,6 @@ def _check_script(session: Session, user: User, script: ScriptConfig, settings: 
         except InvalidRequirement as exc:  # the schema's pattern lets through some that aren't PEP 508 (`torch==!`)
             raise bad_field(field, f"not a requirement: {exc}") from exc
         if name not in provided:
-            raise bad_field(field, f"the workers provide no {name!r} and install nothing per job; they provide: {', '.join(sorted(provided))}")
+            raise bad_field(
+                field, f"the workers provide no {name!r} and environment.pip does not name it; they provide: {', '.join(sorted(provided - installed))}"
+            )

@@ -38,6 +38,9 @@ class StorageSettings(_FromEnvironment):
     code_root: Path | None = Field(
         None, description="Directories of training scripts that `script` jobs may name by path (`script.code.path`); default <data_dir>/code."
     )
+    environment_root: Path | None = Field(
+        None, description="Workers: the cached Python environments of jobs' `environment.pip` (workers/environments.py); default <data_dir>/environments."
+    )
 
     def _under_data_dir(self, given: Path | None, default: str) -> Path:
         return (given or self.data_dir / default).resolve()
@@ -49,6 +52,7 @@ class StorageSettings(_FromEnvironment):
     resolved_work_root = property(lambda self: self._under_data_dir(self.work_root, "work"))
     resolved_plugin_dir = property(lambda self: self._under_data_dir(self.plugin_dir, "plugins"))
     resolved_code_root = property(lambda self: self._under_data_dir(self.code_root, "code"))
+    resolved_environment_root = property(lambda self: self._under_data_dir(self.environment_root, "environments"))
 
 
 class LoggingSettings(_FromEnvironment):
@@ -70,7 +74,7 @@ class ApiSettings(_FromEnvironment):
     max_unpacked_files: int = Field(10_000, gt=0, description="Most files (and directories) a code bundle may hold.")
     script_packages: list[str] = Field(
         ["accelerate", "datasets", "numpy", "safetensors", "tokenizers", "torch", "transformers"],
-        description="Packages the workers provide to `script` jobs: what `script.requirements` may name (nothing is installed per job).",
+        description="Packages the workers provide to `script` jobs: what `script.requirements` may name, besides what the job's `environment.pip` installs.",
     )
     log_tail_max: int = Field(1000, gt=0, description="Most log lines one /logs request returns.")
     metrics_max_points: int = Field(10_000, gt=0, description="Most points per series one /metrics request returns.")
@@ -114,6 +118,16 @@ class WorkerSettings(_FromEnvironment):
 
     heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
     lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
+    # Where a job's `environment.pip` comes from: uv's own defaults (PyPI) unless set, so a host
+    # without internet access is pointed at a local mirror or a directory of wheels.
+    environment_index_url: str | None = Field(None, description="The package index uv installs `environment.pip` from; None: PyPI.")
+    environment_find_links: list[str] = Field(
+        [], description="Directories or URLs of wheels uv also installs from (JSON list in the environment variable)."
+    )
+    environment_no_index: bool = Field(False, description="Install from environment_find_links only, never an index (an offline host).")
+    environment_max_bytes: int = Field(
+        20 * 2**30, gt=0, description="Most bytes the cached environments of one host take; past it the least recently used ones not in use are deleted."
+    )
 
 
 class Settings(StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings):

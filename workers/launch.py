@@ -44,13 +44,14 @@ def working_dir(spec: JobSpec, run_dir: Path) -> Path:
 
 def launch_command(
     spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0,
-    plugin_dir: Path | None = None, resume_step: int | None = None,
+    plugin_dir: Path | None = None, resume_step: int | None = None, python: str = sys.executable,
 ) -> list[str]:
     """`accelerate launch -m workers.training …` with the job's process counts and precision, for
     node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet.
     A `script` job runs `accelerate launch <entrypoint> <args>` instead (in its code directory),
-    resuming with its `resume_args`' placeholders filled in (the checkpoint at `resume_step`)."""
-    command = _accelerate_launch(spec, run_dir, rendezvous, node_rank)
+    resuming with its `resume_args`' placeholders filled in (the checkpoint at `resume_step`).
+    `python`: the interpreter the launcher and the processes run (the job's environment's, if it has one)."""
+    command = _accelerate_launch(spec, run_dir, rendezvous, node_rank, python)
     if spec.script is not None:
         args = list(spec.script.args)
         if resume_from is not None:
@@ -108,11 +109,11 @@ def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -
     return env
 
 
-def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank: int) -> list[str]:
+def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank: int, python: str) -> list[str]:
     resources = spec.resources
     address, _, port = rendezvous.rpartition(":")
     command = [
-        sys.executable, "-m", "accelerate.commands.launch",
+        python, "-m", "accelerate.commands.launch",
         "--num_processes", str(spec.world_size),
         "--num_machines", str(resources.nodes),
         "--machine_rank", str(node_rank),

@@ -21,6 +21,7 @@ What one attempt gets (`sandbox_command`, a pure function of its `AttemptView`):
     into the artifact store after verifying them); readable besides: its own inputs, each bound at
     its own path (dataset or upload, tokenizer, `hf` model directory, the `custom` plugin module, the
     checkpoint it resumes from); one the job's user id can't read is copied into the attempt first;
+    the job's `environment.pip` virtualenv, if it has one (workers/environments.py);
   - single-node jobs: a network namespace with loopback only; multi-node jobs keep the host's network
     to meet their other nodes, and hold no credential either way (workers/launch.py);
   - its own GPUs' device nodes only, renumbered from 0 in CUDA_VISIBLE_DEVICES as CUDA numbers the
@@ -72,15 +73,16 @@ class HostSandbox:
         if self.unsafe:
             return "none (--unsafe-no-sandbox: attempts run as the worker's own user, for a single-user machine)"
         if self.tool is None:
-            return "unavailable: bubblewrap (bwrap) is not installed; script and custom jobs are refused"
+            return "unavailable: bubblewrap (bwrap) is not installed; script, custom and environment.pip jobs are refused"
         return f"bubblewrap, uid {SANDBOX_UID}, limits by {self.limits or 'rlimits (no writable cgroup)'}"
 
     def refusal(self, spec: JobSpec) -> str | None:
-        """Why this host won't run `spec`'s code, if it won't: user code needs the sandbox, unless the
-        operator opted out of it."""
-        if self.enabled or self.unsafe or not (spec.script is not None or spec.model.kind == "custom"):
+        """Why this host won't run `spec`'s code, if it won't: user code (a script, a custom loop, the
+        packages of `environment.pip`) needs the sandbox, unless the operator opted out of it."""
+        runs_code = spec.script is not None or spec.model.kind == "custom" or spec.environment is not None
+        if self.enabled or self.unsafe or not runs_code:
             return None
-        return f"this worker host has no sandbox ({self.describe()}); it runs only built-in jobs"
+        return f"this worker host has no sandbox ({self.describe()}); it runs only built-in jobs without environment.pip"
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def service_state(settings: Settings) -> tuple[Path, ...]:
     inside the project, say): each is masked there, so only what is bound in is visible."""
     state = dict.fromkeys(path.resolve() for path in (
         settings.data_dir, settings.resolved_artifact_root, settings.resolved_data_root, settings.resolved_work_root,
-        settings.resolved_plugin_dir, settings.resolved_code_root,
+        settings.resolved_plugin_dir, settings.resolved_code_root, settings.resolved_environment_root,
     ))
     roots = _system_roots()
     return tuple(path for path in state if path.is_dir() and any(path.is_relative_to(root) for root in roots))

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections import deque
@@ -45,6 +46,7 @@ from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
 from service.db.outputs import record_output
 from service.settings import Settings
+from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
 from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, launch_command, training_environment, working_dir
 from workers.limits import AttemptLimits, limited
 from workers.sandbox import (
@@ -159,6 +161,14 @@ class CannotStart(Exception):
     """The attempt cannot run on this host; the message says why."""
 
 
+class EndedBeforeStart(Exception):
+    """The attempt ended while it was getting ready (cancelled, or its lease lost); `outcome` says how."""
+
+    def __init__(self, outcome: Outcome):
+        super().__init__(outcome[1])
+        self.outcome = outcome
+
+
 class AttemptRunner:
     def __init__(
         self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None
@@ -169,6 +179,10 @@ class AttemptRunner:
         # Checkpoints are taken into the store off the supervising thread: one copied to another
         # filesystem and hashed can take longer than a lease lasts, and must not keep it from renewal.
         self.ingest = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-ingest")
+        self.environments = EnvironmentCache(
+            settings.resolved_environment_root, settings.environment_max_bytes, settings.environment_index_url,
+            settings.environment_find_links, settings.environment_no_index,
+        )
         self.shutting_down = threading.Event()
 
     @property
@@ -198,22 +212,65 @@ class AttemptRunner:
 
     def _supervise(self, claimed: ClaimedAttempt) -> Outcome:
         spec = JobSpec.model_validate(claimed.spec)
+        outbox, line_numbers = Outbox(), itertools.count()  # the environment's install log comes first
+        environment = None
         try:
-            run_dir, process, limits = self._start(claimed, spec)
-        except CannotStart as exc:
-            return AttemptStatus.failed, str(exc)
-        try:
-            return RunningAttempt(self, claimed, spec, run_dir, process, limits).supervise()
+            try:
+                if refusal := self.sandbox.refusal(spec):  # before anything is installed for it
+                    raise CannotStart(refusal)
+                environment = self._prepare_environment(claimed, spec, outbox, line_numbers)
+                run_dir, process, limits = self._start(claimed, spec, environment)
+            except CannotStart as exc:
+                if not outbox.empty():
+                    self._sync(claimed, spec, outbox)  # the install log that says why
+                return AttemptStatus.failed, str(exc)
+            except EndedBeforeStart as exc:
+                return exc.outcome
+            try:
+                return RunningAttempt(self, claimed, spec, run_dir, process, limits, outbox, line_numbers).supervise()
+            finally:
+                if limits is not None:
+                    limits.remove()
         finally:
-            if limits is not None:
-                limits.remove()
+            if environment is not None:
+                environment.release()  # no longer in use: it may be collected
 
-    def _start(self, claimed: ClaimedAttempt, spec: JobSpec) -> tuple[Path, subprocess.Popen, AttemptLimits | None]:
+    def _prepare_environment(
+        self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, line_numbers: itertools.count
+    ) -> Environment | None:
+        """The job's `environment.pip` environment, cached or built, held in use. It is made on a
+        thread of its own while this one forwards its install log to the job's logs and renews the
+        lease every heartbeat (a build can take longer than a lease lasts, or wait for another
+        attempt's build of it). Raises CannotStart if it can't be built, EndedBeforeStart if the
+        attempt is cancelled or lost meanwhile."""
+        if spec.environment is None:
+            return None
+        lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="environment")
+        preparing = pool.submit(self.environments.acquire, spec.environment.pip, lines.put)
+        pool.shutdown(wait=False)
+        while True:
+            done = wait_for([preparing], timeout=self.settings.heartbeat_seconds).done
+            while not lines.empty():
+                outbox.logs.append((next(line_numbers), None, lines.get()[:MAX_LOG_LINE]))
+            lease = self._sync(claimed, spec, outbox)
+            if done:
+                break
+            if lease is not None and (not lease.held or lease.cancel_requested):
+                # The build goes on for whoever wants it next; what it holds is let go once it is done.
+                preparing.add_done_callback(lambda built: built.exception() is None and built.result().release())
+                raise EndedBeforeStart((None, "lease lost") if not lease.held else (AttemptStatus.cancelled, "cancelled by user"))
+        try:
+            return preparing.result()
+        except EnvironmentFailed as exc:
+            raise CannotStart(str(exc)) from exc
+
+    def _start(
+        self, claimed: ClaimedAttempt, spec: JobSpec, environment: Environment | None = None
+    ) -> tuple[Path, subprocess.Popen, AttemptLimits | None]:
         """The attempt's directory, and its processes launched in it once node 0 of the job has
-        started, with their cgroups if this host has them. Raises CannotStart if they can't be
-        launched here."""
-        if refusal := self.sandbox.refusal(spec):
-            raise CannotStart(refusal)
+        started (in the job's own Python `environment` if it has one), with their cgroups if this
+        host has them. Raises CannotStart if they can't be launched here."""
         node_rank = claimed.node_rank if spec.resources.nodes > 1 else None
         run_dir = attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -231,16 +288,21 @@ class AttemptRunner:
                 shutil.copytree(code_directory(self.settings, spec.script.code), cwd, symlinks=True)
             except (UploadRefused, OSError) as exc:  # e.g. a code root that differs on this host
                 raise CannotStart(f"cannot get the script's code on {self.host_name}: {exc}") from exc
-            if problems := unmet(spec.script.requirements):
+            # Met by the job's environment: its own packages, then the worker's.
+            search = None if environment is None else [str(environment.site_packages), *sys.path]
+            if problems := unmet(spec.script.requirements, search):
                 raise CannotStart(f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}")
         command = launch_command(
             spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
-            resume_step=claimed.resume_step,
+            resume_step=claimed.resume_step, python=str(environment.python) if environment is not None else sys.executable,
         )
         env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
         if self.sandbox.enabled:
+            inputs = prepare_attempt(run_dir, job_inputs(spec, self.settings, resume_from))
+            if environment is not None:  # read-only, at its own path (made readable by all when built)
+                inputs += ((environment.path, environment.path),)
             view = AttemptView(
-                run_dir, prepare_attempt(run_dir, job_inputs(spec, self.settings, resume_from)), service_state(self.settings),
+                run_dir, inputs, service_state(self.settings),
                 host_network=spec.resources.nodes > 1, gpus=tuple(claimed.device_ids or ()),
             )
             command = sandbox_command(command, cwd, view, self.sandbox.tool)
@@ -334,7 +396,7 @@ class RunningAttempt:
 
     def __init__(
         self, runner: AttemptRunner, claimed: ClaimedAttempt, spec: JobSpec, run_dir: Path, process: subprocess.Popen,
-        limits: AttemptLimits | None = None,
+        limits: AttemptLimits | None = None, outbox: Outbox | None = None, line_numbers: itertools.count | None = None,
     ):
         self.runner, self.claimed, self.spec, self.run_dir, self.process = runner, claimed, spec, run_dir, process
         self.limits = limits
@@ -342,8 +404,8 @@ class RunningAttempt:
         self.output = threading.Event()  # set by the pump on each line and when the output ends
         threading.Thread(target=_pump_lines, args=(process.stdout, self.lines, self.output), daemon=True).start()
         self.events = EventTail(run_dir / EVENTS_FILE_NAME)
-        self.outbox = Outbox()
-        self.line_numbers = itertools.count()
+        self.outbox = outbox or Outbox()  # with what the attempt logged before its processes started
+        self.line_numbers = line_numbers or itertools.count()
         self.checkpoint_numbers = itertools.count(1)
         self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
         self.stall = StallWatch(spec.training.stall_timeout_s)

@@ -38,5 +38,7 @@ def test_a_host_without_bwrap_refuses_user_code_unless_the_operator_opted_out():
     script = JobSpec.model_validate({"name": "mine", "script": {"entrypoint": "train.py", "code": {"path": "project"}}})
     missing = HostSandbox(tool=None, unsafe=False, limits=None)
     assert "no sandbox" in missing.refusal(script) and missing.refusal(job_spec()) is None
+    with_packages = JobSpec.model_validate({**job_spec().model_dump(), "environment": {"pip": ["tinypkg"]}})
+    assert "no sandbox" in missing.refusal(with_packages)  # packages are code too
     assert HostSandbox(tool=None, unsafe=True, limits=None).refusal(script) is None
     assert "unsafe-no-sandbox" in HostSandbox(tool="/usr/bin/bwrap", unsafe=True, limits=None).describe()

@@ -1,0 +1,82 @@
+"""`environment.pip` through the whole embedded stack, sandboxed as every attempt is: a script job
+imports a package installed from a local find-links directory (offline), the next job with the
+same environment reuses it, a built-in job runs its training loop in one, and a package that
+can't be installed fails the job, naming it."""
+
+from __future__ import annotations
+
+
+import httpx
+import pytest
+
+from service.embedded import embedded_stack
+from tests.e2e.test_end_to_end import wait_for
+from tests.e2e.test_scripts import run, script_spec
+from tests.helpers import tiny_spec
+from tests.wheels import make_wheel
+from workers.supervisor import free_port
+
+pytestmark = pytest.mark.timeout(400)
+
+SHOW = "import tinypkg\nprint('tinypkg says', tinypkg.MESSAGE, flush=True)\n"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    root = tmp_path_factory.mktemp("environments")
+    wheels = root / "wheels"
+    make_wheel(wheels, "tinypkg", "1.2", "MESSAGE = 'hello from a wheel'\n")
+    # A .pth file runs in every Python started in the environment: it shows which Python a job ran.
+    make_wheel(wheels, "tinymark", "0.1", "", extra_files={"tinymark.pth": "import sys; print('tinymark: in the job environment', file=sys.stderr)\n"})
+    yard = root / "yard"
+    (yard / "code" / "show").mkdir(parents=True)
+    (yard / "code" / "show" / "show.py").write_text(SHOW)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
+        env.setenv("TRAINYARD_LEASE_SECONDS", "6")
+        env.setenv("TRAINYARD_ENVIRONMENT_FIND_LINKS", f'["{wheels}"]')
+        env.setenv("TRAINYARD_ENVIRONMENT_NO_INDEX", "true")  # offline: the directory of wheels only
+        with embedded_stack(yard, free_port(), workers=1, devices="cpu:2") as info:
+            with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+                yield client, info
+
+
+def logs(client: httpx.Client, job_id: int) -> list[str]:
+    return [line["line"] for line in client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"]]
+
+
+def test_a_script_imports_what_its_environment_installs_and_the_next_job_reuses_it(stack):
+    client, info = stack
+    spec = {**script_spec("show", "show.py", [], {"path": "show"}), "environment": {"pip": ["tinypkg==1.2"]}}
+    first = run(client, spec)
+    assert first["spec"]["environment"] == {"pip": ["tinypkg==1.2"]}  # part of the job's record
+    first_logs = logs(client, first["id"])
+    assert "tinypkg says hello from a wheel" in first_logs
+    assert any(line.startswith("trainyard: building environment") for line in first_logs)
+    assert " + tinypkg==1.2" in first_logs  # uv's install log, in the job's logs
+
+    # Checked at the worker against the job's environment: the package it installs, the worker's torch.
+    second = run(client, {**spec, "name": "show-again", "script": {**spec["script"], "requirements": ["tinypkg>=1.2", "torch>=2"]}})
+    second_logs = logs(client, second["id"])
+    assert "tinypkg says hello from a wheel" in second_logs
+    assert any(line.startswith("trainyard: environment") and line.endswith("is cached on this host; reused") for line in second_logs)
+    assert not any("building environment" in line for line in second_logs)
+    assert len([path for path in (info.data_dir / "environments").iterdir() if path.is_dir() and not path.name.startswith(".")]) == 1
+
+
+def test_a_built_in_job_trains_in_its_environment(stack):
+    client, _ = stack
+    job = run(client, {**tiny_spec(**{"training.max_steps": 4, "checkpoint.every_steps": 4}), "environment": {"pip": ["tinymark"]}})
+    assert job["step"] == 4
+    assert "tinymark: in the job environment" in logs(client, job["id"])  # the loop's Python was the environment's
+
+
+def test_a_package_that_cannot_be_installed_fails_the_job_naming_it(stack):
+    client, _ = stack
+    spec = {**script_spec("missing", "show.py", [], {"path": "show"}), "environment": {"pip": ["tinypkg", "nosuchpkg==1.0"]}}
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "failed"
+    assert job["failure_reason"].splitlines()[0].endswith("environment.pip: could not install nosuchpkg==1.0:")
+    assert any("nosuchpkg was not found" in line for line in logs(client, job_id))  # uv's words, in the job's logs
+    assert len(job["attempts"]) == 1  # max_restarts 0: not tried again
