@@ -4,7 +4,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 PIP    := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench clean server-binaries
 
 # The demo needs the project; the tests also its test tools (browser driver, fuzzer).
 $(VENV)/.demo-stamp: pyproject.toml
@@ -27,8 +27,13 @@ CHROMIUM := /usr/bin/chromium
 NGINX    := /usr/sbin/nginx
 BWRAP    := /usr/bin/bwrap
 
-test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP)
-	$(PYTHON) -m pytest
+# The tests use PostgreSQL at 127.0.0.1:5432 and Redis at :6379 (TRAINYARD_TEST_POSTGRES_URL and _REDIS_URL
+# name others) when they answer; else tests/private_services.py starts private ones for the run and stops them
+# after. PYTEST_ARGS narrows the run: make test PYTEST_ARGS='tests/unit -k spec'.
+PYTEST_ARGS ?=
+
+test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) server-binaries
+	$(PYTHON) -m tests.private_services -- $(PYTHON) -m pytest $(PYTEST_ARGS)
 
 # Each prints one JSON line with its peer's figure and the ratio; none asserts a time. About 5
 # minutes on 2 cores, against PostgreSQL and Redis as the tests use them. A failing one stops the run.
@@ -48,6 +53,12 @@ $(NGINX):
 
 $(BWRAP):
 	$(call apt_install,bubblewrap)
+
+# PostgreSQL's and Redis's server programs: for the private servers above and the restart tests' own.
+# Debian keeps initdb off PATH, in /usr/lib/postgresql/<version>/bin.
+server-binaries:
+	@command -v redis-server >/dev/null || $(call apt_install,redis-server)
+	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || $(call apt_install,postgresql)
 
 define apt_install
 	apt-get install -y -q $(1) >/dev/null 2>&1 || sudo -n apt-get install -y -q $(1) >/dev/null 2>&1 \

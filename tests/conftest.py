@@ -16,10 +16,12 @@ import sqlalchemy as sa
 from service.db.migrate import upgrade
 from service.db.session import session_factory
 from service.settings import Settings
+from tests.private_services import configured_postgres_url, configured_redis_url
 
 REPO = Path(__file__).resolve().parent.parent
-POSTGRES_ADMIN_URL = os.environ.get("TRAINYARD_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
-REDIS_URL = os.environ.get("TRAINYARD_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+# TRAINYARD_TEST_POSTGRES_URL and TRAINYARD_TEST_REDIS_URL; `make test` points them at private servers when these don't answer.
+POSTGRES_ADMIN_URL = configured_postgres_url()
+REDIS_URL = configured_redis_url()
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 

@@ -6,108 +6,27 @@ touching the shared servers other tests use.
 
 from __future__ import annotations
 
-import os
-import pwd
 import signal
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import httpx
 import pytest
-import sqlalchemy as sa
 
 from service.embedded import embedded_stack
 from tests.conftest import service_missing
 from tests.e2e.test_end_to_end import wait_for, wait_for_event, wait_for_step
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
+from tests.private_services import PostgresCluster, RedisServer, why_no_private_postgres, why_no_private_redis
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
 from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def postgres_binary(name: str) -> str | None:
-    """On PATH, or where Debian's packages put it (/usr/lib/postgresql/<version>/bin)."""
-    return shutil.which(name) or max(map(str, Path("/usr/lib/postgresql").glob(f"*/bin/{name}")), default=None)
-
-
-class RedisServer:
-    """A private, memory-only redis-server: a restart loses every message, as a crash would."""
-
-    def __init__(self, directory: Path):
-        self.directory, self.port = directory, free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        import redis
-
-        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                   "--dir", str(self.directory)]
-        with open(self.directory / "redis.log", "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                redis.Redis.from_url(self.url).ping()
-                return
-            except redis.ConnectionError:
-                assert time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(20)
-
-
-class PostgresCluster:
-    """A private PostgreSQL cluster on a free port, trust auth, its socket in its own directory.
-
-    PostgreSQL refuses to run as root, so as root the cluster belongs to the `postgres` user."""
-
-    def __init__(self, initdb: str, pg_ctl: str):
-        self.pg_ctl, self.port = pg_ctl, free_port()
-        self.user = "postgres" if os.geteuid() == 0 else None
-        # Short and outside pytest's root-only tmp dir: the socket path has a ~100-byte limit, and
-        # the `postgres` user must be able to reach it.
-        self.directory = Path(tempfile.mkdtemp(prefix="trainyard-pg-"))
-        if self.user:
-            shutil.chown(self.directory, self.user)
-        self.data = self.directory / "data"
-        self._run(initdb, "-D", str(self.data), "-U", "postgres", "--auth=trust", "--no-sync", "-E", "UTF8")
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/trainyard"
-
-    def _run(self, *command: str) -> None:
-        result = subprocess.run(command, user=self.user, capture_output=True, text=True)
-        assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout}{result.stderr}"
-
-    def start(self) -> None:
-        options = f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 -c fsync=off"
-        self._run(self.pg_ctl, "-D", str(self.data), "-l", str(self.directory / "postgres.log"), "-o", options, "-w", "start")
-
-    def stop(self) -> None:
-        # Fast shutdown: open connections are cut, as a crash or a failover would cut them.
-        self._run(self.pg_ctl, "-D", str(self.data), "-m", "fast", "-w", "stop")
-
-    def create_database(self) -> None:
-        admin = sa.create_engine(self.url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
-        with admin.connect() as connection:
-            connection.execute(sa.text("CREATE DATABASE trainyard"))
-        admin.dispose()
-
-    def remove(self) -> None:
-        subprocess.run([self.pg_ctl, "-D", str(self.data), "-m", "immediate", "stop"], user=self.user, capture_output=True)
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-
 @pytest.fixture
 def private_redis(tmp_path):
-    if shutil.which("redis-server") is None:
-        service_missing("redis-server", FileNotFoundError("redis-server is not on PATH"))
+    if why_not := why_no_private_redis():
+        service_missing("a private redis-server", FileNotFoundError(why_not))
     server = RedisServer(tmp_path)
     server.start()
     yield server
@@ -116,15 +35,9 @@ def private_redis(tmp_path):
 
 @pytest.fixture
 def private_postgres():
-    initdb, pg_ctl = postgres_binary("initdb"), postgres_binary("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        service_missing("PostgreSQL's initdb and pg_ctl", FileNotFoundError("not on PATH nor in /usr/lib/postgresql/*/bin"))
-    if os.geteuid() == 0:
-        try:
-            pwd.getpwnam("postgres")
-        except KeyError as exc:
-            service_missing("a `postgres` user to run PostgreSQL as (it refuses root)", exc)
-    cluster = PostgresCluster(initdb, pg_ctl)
+    if why_not := why_no_private_postgres():
+        service_missing("a private PostgreSQL cluster", FileNotFoundError(why_not))
+    cluster = PostgresCluster()
     try:
         cluster.start()
         cluster.create_database()
