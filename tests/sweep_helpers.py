@@ -74,9 +74,10 @@ class Workers:
                     del self.running[job_id]
 
 
-def run_sweep(settings, sweep_id: int, rounds: int = 100) -> tuple[Sweep, list[Job]]:
-    """Controller passes and worker rounds in turn until the sweep ends."""
-    workers = Workers(settings)
+def run_sweep(settings, sweep_id: int, rounds: int = 100, workers: Workers | None = None) -> tuple[Sweep, list[Job]]:
+    """Controller passes and worker rounds in turn until the sweep ends (`workers`: those that
+    already run some of its trials)."""
+    workers = workers or Workers(settings)
     for _ in range(rounds):
         with workers.sessions() as session:
             advance_sweep(session, sweep_id, settings)

@@ -18,7 +18,7 @@ const GROUPS = [
 ];
 const OWN_GROUP = "Reported by the job";
 const HIDDEN = new Set(["sys/wall_time"]);  // not a chart: it maps steps to times for the wall-time axis
-const FINAL = new Set(["succeeded", "failed", "cancelled"]);
+const FINAL = new Set(["succeeded", "failed", "cancelled", "pruned"]);
 
 let generation = 0;  // bumped on every navigation, so a slow answer for the previous page is dropped
 let leaving = new AbortController();  // aborts the open page's streams and timers when it is left
@@ -549,6 +549,69 @@ async function workersPage() {
         w.online ? "yes" : "no", when(w.last_heartbeat)])));
 }
 
+async function sweepsPage() {
+  const page = await api("/v1/sweeps?limit=100");
+  const best = sweep => { const t = sweep.trials.find(t => t.number === sweep.best_trial); return t ? "t" + t.number + ": " + number(t.value) : "–"; };
+  return el("div", {},
+    el("h2", {}, "Sweeps"),
+    page.items.length
+      ? table(["id", "name", "owner", "status", "trials ended", "objective", "best", "created"], page.items.map(sweep => [
+        String(sweep.id), el("a", { href: "#/sweeps/" + sweep.id, "data-focus": "sweep-" + sweep.id }, sweep.name), sweep.owner, statusBadge(sweep.status),
+        sweep.trials.filter(t => FINAL.has(t.status)).length + " / " + sweep.spec.budget.max_trials,
+        sweep.spec.objective.metric + " (" + sweep.spec.objective.direction + ")", best(sweep), when(sweep.created_at)]))
+      : el("p", { class: "muted" }, "No sweeps yet: `trainyard sweep submit FILE` or POST /v1/sweeps."));
+}
+
+// A sweep's page: its trials (parameters, status, objective) and their curves of the objective and
+// train_loss overlaid. Re-read every LIST_POLL_MS while it runs: one event stream per trial would
+// pass the browser's six connections per server.
+async function sweepPage(id, signal) {
+  const sweep = await api("/v1/sweeps/" + id);
+  const metric = sweep.spec.objective.metric;
+  const runs = [];  // one per trial, in trial order
+  const load = async sweep => {
+    const wanted = sweep.trials.filter(t => !runs[t.number] || !FINAL.has(runs[t.number].status));  // new, or not ended when last read
+    const series = await Promise.all(wanted.map(t => api("/v1/jobs/" + t.job_id + "/metrics?max_points=" + MAX_POINTS + "&names=" + encodeURIComponent(metric + ",train_loss"))));
+    // Updated in place: the board's lines hold these objects.
+    wanted.forEach((t, i) => { runs[t.number] = Object.assign(runs[t.number] || { label: "t" + t.number }, { series: series[i].series, status: t.status }); });
+  };
+  await load(sweep);
+  const summary = el("div"), trials = el("div"), charts = el("section", { class: "board" });
+  const draw = sweep => {
+    const best = sweep.trials.find(t => t.number === sweep.best_trial);
+    summary.replaceChildren(
+      el("h2", {}, "Sweep " + sweep.id + ": ", sweep.name, " ", statusBadge(sweep.status)),
+      el("p", {}, "owner " + sweep.owner + " · " + sweep.spec.sampler.kind + " sampler, pruner " + sweep.spec.pruner.kind + " · objective " +
+        metric + " (" + sweep.spec.objective.direction + ") · " + sweep.trials.length + " of " + sweep.spec.budget.max_trials + " trials" +
+        (sweep.failure_reason ? " · " + sweep.failure_reason : "")),
+      best ? el("p", { id: "best-trial" }, "Best: trial t" + best.number + " (", el("a", { href: "#/jobs/" + best.job_id }, "job " + best.job_id), ") " + metric + " " + number(best.value)) : "",
+      sweep.best_spec ? el("details", {}, el("summary", {}, "best spec, ready to submit"), el("pre", { class: "wrap" }, JSON.stringify(sweep.best_spec, null, 2))) : "");
+    const paths = Object.keys(sweep.spec.search_space);
+    trials.replaceChildren(table(["trial", "job", ...paths, "status", "step", metric, "why it ended"], sweep.trials.map(t => [
+      t.number === sweep.best_trial ? el("strong", {}, "t" + t.number + " ★") : "t" + t.number, el("a", { href: "#/jobs/" + t.job_id }, String(t.job_id)),
+      ...paths.map(path => short(t.params[path])), statusBadge(t.status), String(t.step), number(t.value), t.reason || "–"])));
+  };
+  draw(sweep);
+  const page = el("div", {}, summary, el("h3", {}, "Trials"), trials, charts);
+  return { page, start: () => {
+    const board = new Board(charts, runs, false);  // the same array: trials added to `runs` get their lines
+    signal.addEventListener("abort", () => board.destroy());
+    (async () => {
+      let status = sweep.status;
+      while (status === "running" || runs.some(r => !FINAL.has(r.status))) {
+        await sleep(LIST_POLL_MS, signal);
+        if (signal.aborted) return;
+        const fresh = await api("/v1/sweeps/" + id);
+        await load(fresh);
+        if (signal.aborted) return;
+        draw(fresh);
+        board.refresh();
+        status = fresh.status;
+      }
+    })().catch(error => { if (!signal.aborted) trials.prepend(el("p", { class: "error" }, String(error.message || error))); });
+  } };
+}
+
 async function usagePage() {
   const usage = await api("/v1/usage");
   const hours = seconds => (seconds / 3600).toFixed(3);
@@ -574,16 +637,18 @@ function show(page) {
 
 async function render(mine, signal) {
   const hash = location.hash || "#/jobs";
-  const job = hash.match(/^#\/jobs\/(\d+)$/), compare = hash.match(/^#\/compare\/([\d,]+)$/);
+  const job = hash.match(/^#\/jobs\/(\d+)$/), compare = hash.match(/^#\/compare\/([\d,]+)$/), sweep = hash.match(/^#\/sweeps\/(\d+)$/);
   try {
-    if (job || compare) {
-      const { page, start } = job ? await jobPage(job[1], signal) : await comparePage(compare[1].split(",").filter(Boolean), signal);
+    if (job || compare || sweep) {
+      const { page, start } = job ? await jobPage(job[1], signal) : sweep ? await sweepPage(sweep[1], signal)
+        : await comparePage(compare[1].split(",").filter(Boolean), signal);
       if (mine !== generation) return;
       show(page);
       start();
       return;
     }
-    const page = hash === "#/workers" ? await workersPage() : hash === "#/usage" ? await usagePage() : await jobsPage();
+    const lists = { "#/workers": workersPage, "#/usage": usagePage, "#/sweeps": sweepsPage };
+    const page = await (lists[hash] || jobsPage)();
     if (mine !== generation) return;
     show(page);
     await sleep(LIST_POLL_MS, signal);

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import shutil
 import signal
 import tarfile
 from pathlib import Path
@@ -17,7 +15,7 @@ import httpx
 import pytest
 
 from service.embedded import embedded_stack
-from tests.conftest import IN_CI, REPO
+from tests.browser import ARTIFACTS
 from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
@@ -26,27 +24,6 @@ from workers.supervisor import EventTail, free_port
 
 pytestmark = pytest.mark.timeout(600)
 
-CHROMIUM = "/usr/bin/chromium"
-ARTIFACTS = Path(os.environ.get("TRAINYARD_TEST_ARTIFACTS", REPO / "test-artifacts"))
-
-
-@pytest.fixture
-def browser():
-    missing = None
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError as exc:
-        missing = f"playwright is not installed: {exc}"
-    if missing is None and not shutil.which(CHROMIUM):
-        missing = f"{CHROMIUM} is missing (apt-get install chromium)"
-    if missing:
-        if IN_CI:
-            pytest.fail(f"CI=true: {missing}", pytrace=False)
-        pytest.skip(missing)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield browser
-        browser.close()
 
 
 # A script job that reports metrics of its own names through accelerator.log.
