@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -10,6 +11,7 @@ from sqlalchemy.orm import Session, contains_eager, lazyload
 
 from api_schemas import AttemptStatus, JobStatus
 from service.db import state
+from service.db.dialect import is_postgresql, list_param, none_of
 from service.db.models import Attempt, Job, WorkerHost
 
 
@@ -106,10 +108,27 @@ def place_jobs(
     if not rows:
         return []
     # One INSERT for all of them, which gives them their ids; a Core insert, as the ORM's unit of
-    # work took as much CPU as moving the jobs to scheduled.
-    attempts = Attempt.__table__
-    ids = session.scalars(attempts.insert().returning(attempts.c.id, sort_by_parameter_order=True), rows).all()
+    # work took as much CPU as moving the jobs to scheduled. On PostgreSQL the rows travel as one
+    # JSON array: psycopg converted SQLAlchemy's multi-row VALUES (a placeholder per column per
+    # row) afresh each time, a quarter of a pass placing 1,000 jobs.
+    if is_postgresql(session):
+        fields = ("job_id", "number", "node_rank", "host_name", "slots", "device_ids")
+        payload = json.dumps([{name: row[name] for name in fields} for row in rows])
+        returned = session.execute(_INSERT_ATTEMPTS_JSON, {"rows": payload, "now": now})
+        id_of = {(job_id, rank): id for id, job_id, rank in returned}  # RETURNING keeps no order
+        ids = [id_of[row["job_id"], row["node_rank"]] for row in rows]
+    else:
+        attempts = Attempt.__table__
+        ids = session.scalars(attempts.insert().returning(attempts.c.id, sort_by_parameter_order=True), rows).all()
     return [PlacedAttempt(id, row["job_id"], row["number"], row["host_name"]) for id, row in zip(ids, rows)]
+
+
+_INSERT_ATTEMPTS_JSON = text("""
+    INSERT INTO attempts (job_id, number, node_rank, host_name, slots, device_ids, status, preempt_requested, dispatched_at, created_at)
+    SELECT r.job_id, r.number, r.node_rank, r.host_name, r.slots, r.device_ids, 'scheduled', false, :now, :now
+    FROM json_to_recordset(CAST(:rows AS json)) AS r(job_id bigint, number int, node_rank int, host_name text, slots int, device_ids json)
+    RETURNING id, job_id, node_rank
+""")
 
 
 def expired_leases(session: Session, now: datetime) -> list[Attempt]:
@@ -122,8 +141,15 @@ def unclaimed_attempts(session: Session, online: set[str], resend_before: dateti
     """Attempts placed but not claimed yet whose host went offline or whose dispatch is older than
     `resend_before`: the ones the scheduler acts on. The rest are left in the database, so a pass
     costs the same however many fresh dispatches are in flight."""
-    query = select(Attempt).where(
+    postgresql = is_postgresql(session)
+    query = _UNCLAIMED[postgresql]
+    return list(session.scalars(query, {"online": list_param(sorted(online), postgresql), "resend_before": resend_before}))
+
+
+_UNCLAIMED = {  # by whether the database is PostgreSQL
+    postgresql: select(Attempt).where(
         Attempt.status == AttemptStatus.scheduled,
-        or_(Attempt.host_name.not_in(online), Attempt.dispatched_at < resend_before),
+        or_(none_of(Attempt.host_name, "online", postgresql), Attempt.dispatched_at < bindparam("resend_before")),
     )
-    return list(session.scalars(query))
+    for postgresql in (False, True)
+}
