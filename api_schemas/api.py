@@ -50,6 +50,7 @@ class AttemptOut(BaseModel):
     number: int
     node_rank: int = Field(0, description="Which host of a multi-node job this attempt ran on; its nodes share `number`.")
     host_name: str
+    processes: int = Field(description="Processes it ran on there: the spec's, or fewer for an elastic job placed smaller.")
     status: AttemptStatus
     failure_reason: str | None
     resumed_from_step: int | None

@@ -330,6 +330,16 @@ class ScheduleConfig(_Config):
     min_lr: float = Field(0.0, ge=0.0, description="Final learning rate for `cosine` and `linear`.")
 
 
+class ElasticConfig(_Config):
+    """Run on fewer processes rather than wait: a queued job that can't get its full size within
+    `wait_s` takes the largest size down to `min_processes` that is free, and goes back to its
+    full size at a checkpoint when that is free again. Its effective batch, learning-rate schedule
+    and order of samples stay those of the full size (accumulation × full/placed)."""
+
+    min_processes: int = Field(ge=1, le=64, description="The fewest processes the job may run on.")
+    wait_s: float = Field(300.0, ge=0, le=7 * 86400, description="Seconds a queued job waits for its full size before taking less.")
+
+
 class ResourcesConfig(_Config):
     nodes: int = Field(1, ge=1, le=1024, description="Hosts the job runs on.")
     processes_per_node: int = Field(1, ge=1, le=64, description="Training processes (devices) per host.")
@@ -341,10 +351,17 @@ class ResourcesConfig(_Config):
         "them and the attempt fails saying so. None: no limit of its own.",
     )
 
+    elastic: ElasticConfig | None = Field(None, description="May run on fewer processes when its full size isn't free (one node only).")
+
     @model_validator(mode="after")
     def _gpu_memory_needs_cuda(self) -> ResourcesConfig:
         if self.min_gpu_memory_gb is not None and self.device != "cuda":
             raise ValueError("resources.min_gpu_memory_gb needs device 'cuda'")
+        if self.elastic is not None:
+            if self.nodes > 1:
+                raise ValueError("resources.elastic: one node only (a gang shrinks by hosts, which is not supported)")
+            if self.elastic.min_processes > self.processes_per_node:
+                raise ValueError(f"resources.elastic.min_processes: at most processes_per_node ({self.processes_per_node})")
         return self
 
 
@@ -540,6 +557,8 @@ class JobSpec(_Config):
             ignored += ["checkpoint.every_steps"] if self.checkpoint.every_steps is not None else []
             if ignored:
                 raise ValueError(f"script: {', '.join(ignored)} would have no effect on a script job (it decides them itself); leave them out")
+            if self.resources.elastic is not None:
+                raise ValueError("resources.elastic: a script decides its own batch, so it can't keep it on fewer processes; built-in models only")
             return self
         needed = ("model", "optimizer", "training.max_steps", "training.micro_batch_size")
         if missing := [name for name in needed if _dotted(self, name) is None]:
@@ -553,6 +572,7 @@ class JobSpec(_Config):
                 "a classifier (`mlp`, an `hf` …ForSequenceClassification) on `jsonl`, `csv` or `hf_disk`"
             )
         self._strategy_fits()
+        self._elastic_fits()
         if self.training.grad_clip_norm and self.training.grad_clip_value:
             raise ValueError("training: set grad_clip_norm or grad_clip_value, not both")
         if self.schedule.warmup_steps is not None and self.schedule.warmup_steps >= self.training.max_steps:
@@ -587,6 +607,33 @@ class JobSpec(_Config):
             raise ValueError("resources.nodes: strategy `fsdp` writes every process's shard into one checkpoint directory, so one node only")
         if fsdp.cpu_offload and self.resources.device == "cpu":
             raise ValueError("training.fsdp.cpu_offload: needs device 'cuda' (on the CPU the state is in CPU memory already)")
+
+    def _elastic_fits(self) -> None:
+        elastic = self.resources.elastic
+        if elastic is None:
+            return
+        if self.model.kind == "custom":
+            raise ValueError("resources.elastic: a custom loop decides its own batch; built-in models only")
+        if elastic.min_processes not in self.elastic_sizes():
+            raise ValueError(
+                f"resources.elastic.min_processes: an optimizer step of {self.effective_batch_size} samples (micro_batch_size "
+                f"{self.training.micro_batch_size} × gradient_accumulation_steps {self.training.gradient_accumulation_steps} × "
+                f"{self.world_size} processes) cannot be split into whole micro-batches on {elastic.min_processes} processes"
+            )
+
+    def elastic_sizes(self) -> list[int]:
+        """The process counts this job may run on, largest first: its own, and with `resources.elastic`
+        each smaller one down to `min_processes` that keeps its optimizer step in whole micro-batches."""
+        own, elastic = self.resources.processes_per_node, self.resources.elastic
+        if elastic is None:
+            return [own]
+        return [n for n in range(own, elastic.min_processes - 1, -1) if self.effective_batch_size % (self.training.micro_batch_size * n) == 0]
+
+    def placed_on(self, processes: int) -> JobSpec:
+        """The spec to launch this job on `processes` processes with (an elastic job placed smaller).
+        The training itself reads the job's own spec and accumulates to keep its optimizer step
+        (workers/training/elastic.py)."""
+        return self.model_copy(update={"resources": self.resources.model_copy(update={"processes_per_node": processes})})
 
     @property
     def warmup_steps(self) -> int:

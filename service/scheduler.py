@@ -16,10 +16,10 @@ from datetime import datetime, timedelta
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
-from api_schemas import AttemptStatus, ResourcesConfig
+from api_schemas import AttemptStatus, JobSpec, ResourcesConfig
 from service.db import state
 from service.db.doorbell import Doorbell
-from service.db.models import Job, utcnow
+from service.db.models import Attempt, Job, utcnow
 from service.db.scheduling import (
     expired_leases,
     lock_scheduler,
@@ -29,6 +29,7 @@ from service.db.scheduling import (
     queued_jobs,
     request_preemption,
     set_waiting_reason,
+    shrunk_attempts,
     unclaimed_attempts,
 )
 from service.logs import job_fields
@@ -80,9 +81,13 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
         # Only the resources: the spec was validated whole when admitted, and validating all of it
         # again for each of 10,000 jobs cost a tenth of the pass.
         resources = ResourcesConfig.model_validate(job.spec.get("resources", {}))
-        chosen = rooms.best_fit(resources, skip=reserved)
+        chosen, processes = rooms.best_fit(resources, skip=reserved), resources.processes_per_node
+        if chosen is None and resources.elastic and (now - (job.queued_at or job.created_at)).total_seconds() >= resources.elastic.wait_s:
+            chosen, processes = smaller_fit(rooms, JobSpec.model_validate(job.spec), skip=reserved)
         if chosen is None:
             reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved))
+            if resources.elastic:
+                reason += f"; elastic: runs on as few as {resources.elastic.min_processes} process(es) if still queued after {resources.elastic.wait_s:g} s"
             # The first job that must wait gets hosts held for it: nothing behind it starts there,
             # so jobs that fit elsewhere go on (backfill) without ever delaying its start.
             could_ever = [] if reserved else rooms.could_ever(resources, skip=reserved)
@@ -103,9 +108,18 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             set_waiting_reason(job, reason)
             continue
         for name, devices in chosen:
-            rooms.take(name, resources.processes_per_node, devices)
-        placements.append((job, chosen, resources.processes_per_node))
+            rooms.take(name, processes, devices)
+        placements.append((job, chosen, processes))
     attempts = place_jobs(session, placements, now)
+
+    # Elastic jobs running on fewer processes than their own go back to it once it is free: asked
+    # to stop at a checkpoint, as a preempted job is, they are queued again (no restart counted)
+    # and placed at full size, where they were or elsewhere. Checked after this pass's placements,
+    # so only room nobody queued wanted is taken back.
+    for attempt in shrunk_attempts(session):
+        if not attempt.preempt_requested and full_size_fits(rooms, attempt, skip=reserved):
+            request_preemption(attempt)
+            log.info("job %s goes back to its full size (running on %s processes)", attempt.job_id, attempt.slots, extra=job_fields(attempt.job_id, attempt.id))
     to_dispatch += [(attempt.id, attempt.host_name) for attempt in attempts]
     for job_id, gang in itertools.groupby(attempts, key=lambda attempt: attempt.job_id):
         gang = list(gang)
@@ -114,6 +128,29 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
 
     session.commit()
     return to_dispatch
+
+
+def smaller_fit(rooms: Rooms, spec: JobSpec, skip: set[str]) -> tuple[list | None, int]:
+    """An elastic job's largest smaller size that fits now: (its hosts, its processes), or (None, 0)."""
+    for processes in spec.elastic_sizes()[1:]:
+        if (chosen := rooms.best_fit(spec.placed_on(processes).resources, skip=skip)) is not None:
+            return chosen, processes
+    return None, 0
+
+
+def full_size_fits(rooms: Rooms, attempt: Attempt, skip: set[str]) -> bool:
+    """Whether an elastic attempt's job would fit at its full size now: on its own host once the
+    attempt's devices are counted free, or on another."""
+    full = JobSpec.model_validate(attempt.job.spec).resources
+    if rooms.best_fit(full, skip=skip) is not None:
+        return True
+    own = rooms.room.get(attempt.host_name)
+    if own is None or attempt.host_name in skip:
+        return False
+    own.give_back(attempt.slots, attempt.device_ids)
+    fits = own.offer(full) is not None
+    own.take(attempt.slots, attempt.device_ids or [])
+    return fits
 
 
 def queue_order(jobs: list[Job], now: datetime, aging_seconds: float) -> list[Job]:

@@ -183,9 +183,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     if job.attempts:
         print()
         print_table(
-            ["ATTEMPT", "HOST", "STATUS", "RESUMED FROM", "STARTED", "FINISHED"],
+            ["ATTEMPT", "HOST", "PROCESSES", "STATUS", "RESUMED FROM", "STARTED", "FINISHED"],
             [
-                [a.number, a.host_name, a.status.value, "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}",
+                [a.number, a.host_name, a.processes, a.status.value, "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}",
                  local_time(a.started_at), local_time(a.finished_at)]
                 for a in job.attempts
             ],

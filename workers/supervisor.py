@@ -292,8 +292,11 @@ class AttemptRunner:
             search = None if environment is None else [str(environment.site_packages), *sys.path]
             if problems := unmet(spec.script.requirements, search):
                 raise CannotStart(f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}")
+        # An elastic job placed on fewer processes than its spec's launches that many; the training
+        # reads the spec itself and accumulates to keep its optimizer step.
+        placed = spec.placed_on(claimed.slots) if claimed.slots != spec.resources.processes_per_node else spec
         command = launch_command(
-            spec, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
+            placed, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
             resume_step=claimed.resume_step, python=str(environment.python) if environment is not None else sys.executable,
         )
         env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
@@ -533,7 +536,10 @@ class RunningAttempt:
             self.runner._sync(self.claimed, self.spec, self.outbox, wait=True)
             return AttemptStatus.cancelled, "cancelled by user"
         if lease.preempt_requested:
-            self._preempt("preempted for a higher-priority job")
+            full = self.spec.resources.processes_per_node
+            # An elastic job placed smaller is stopped to go back to its size (or, preemptible, for a higher priority).
+            why = f"stopped to go back to its full size of {full} processes" if self.claimed.slots < full else "preempted for a higher-priority job"
+            self._preempt(why)
         return None
 
     def _preempt(self, reason: str) -> None:

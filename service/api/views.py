@@ -47,6 +47,7 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
                 number=a.number,
                 node_rank=a.node_rank,
                 host_name=a.host_name,
+                processes=a.slots,
                 status=a.status,
                 failure_reason=a.failure_reason,
                 resumed_from_step=a.resumed_from_step,

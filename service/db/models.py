@@ -124,6 +124,9 @@ class Job(Base):
     waiting_reason: Mapped[str | None] = mapped_column(String(500), nullable=True, doc="Why the scheduler has not placed it yet.")
     idempotency_key: Mapped[str | None] = mapped_column(String(200), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    queued_at: Mapped[datetime | None] = mapped_column(
+        UTCDateTime, nullable=True, doc="When it was last queued again after an attempt; None: queued since created_at."
+    )
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     last_event_seq: Mapped[int] = mapped_column(Integer, default=0, server_default="0", doc="seq of the job's newest JobEvent.")

@@ -52,6 +52,15 @@ def preemptible_attempts(session: Session) -> list[Attempt]:
     return [attempt for attempt in session.scalars(query) if attempt.job.spec.get("preemptible")]
 
 
+def shrunk_attempts(session: Session) -> list[Attempt]:
+    """Running attempts on fewer processes than their job's own (elastic jobs placed smaller), with their jobs."""
+    query = (
+        select(Attempt).join(Attempt.job).options(contains_eager(Attempt.job))
+        .where(Attempt.status == AttemptStatus.running, Attempt.slots < Job.spec["resources"]["processes_per_node"].as_integer())
+    )
+    return list(session.scalars(query))
+
+
 def request_preemption(attempt: Attempt) -> None:
     """Its worker sees this at the next lease renewal and stops it at a checkpoint."""
     attempt.preempt_requested = True

@@ -102,6 +102,8 @@ def move_job(
 ) -> bool:
     """Move a job to `to`, setting `values` with it; False if another process changed its status first."""
     now = now or utcnow()
+    if to == JobStatus.queued:
+        values["queued_at"] = now  # an elastic job's wait for its full size starts again
     if to == JobStatus.running and job.started_at is None:
         values["started_at"] = now
     if to.is_final:

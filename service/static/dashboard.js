@@ -464,8 +464,8 @@ function jobSummary(job) {
 }
 
 function attemptsTable(job) {
-  return table(["#", "node", "host", "status", "resumed from step", "started", "finished", "reason"],
-    job.attempts.map(a => [String(a.number), String(a.node_rank), a.host_name || "–", statusBadge(a.status), a.resumed_from_step == null ? "–" : String(a.resumed_from_step),
+  return table(["#", "node", "host", "processes", "status", "resumed from step", "started", "finished", "reason"],
+    job.attempts.map(a => [String(a.number), String(a.node_rank), a.host_name || "–", String(a.processes), statusBadge(a.status), a.resumed_from_step == null ? "–" : String(a.resumed_from_step),
       when(a.started_at), when(a.finished_at), el("td", { class: "reason" }, a.failure_reason || "")]));
 }
 

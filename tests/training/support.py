@@ -198,7 +198,7 @@ def launch(
     `processes` processes if given, as an elastic job resumed on another count is (its spec unchanged)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "spec.json").write_text(spec.model_dump_json())
-    placed = spec if processes is None else spec.model_copy(update={"resources": spec.resources.model_copy(update={"processes_per_node": processes})})
+    placed = spec if processes is None else spec.placed_on(processes)
     command = launch_command(placed, run_dir, data_root, resume_from, f"127.0.0.1:{free_port()}")
     # Its own session, so that a test can kill the launcher and its ranks together.
     return subprocess.Popen(
