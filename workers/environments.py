@@ -18,12 +18,13 @@ as the worker's account with its credentials, outside the sandbox; a wheel's ins
 The environment is only ever run inside the attempt's sandbox, read-only.
 
 Cache. An environment is keyed by the hash of (requirements, Python version, worker environment)
-and lives in `<root>/<key>`. Each has a lock file, `<root>/<key>.lock`: held shared while an attempt
-uses it, exclusive to build or delete it, so concurrent attempts wanting it build it once (the
-others wait; attempts wanting other environments go on) and eviction never deletes one in use. A
+and lives in `<root>/<key>`, with two lock files (flock): `<key>.lock`, held shared by each
+attempt using it and taken exclusive (without waiting) to delete it, so eviction never deletes
+one in use; and `<key>.build.lock`, exclusive while it is built, so concurrent attempts wanting it
+build it once (the others wait for that build; attempts wanting other environments go on). A
 build happens in `<root>/.building/` and is renamed into place when complete, so a killed build
-leaves nothing that is later used. The lock file's mtime is when the environment was last used:
-past `max_bytes`, the least recently used ones are deleted.
+leaves nothing that is later used. `<key>.lock`'s mtime is when the environment was last used:
+past `max_bytes`, the least recently used ones not in use are deleted.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ class EnvironmentCache:
         # The worker's own environment: its site-packages directories, in sys.path's order.
         self.base_site = [Path(p) for p in (base_site or site.getsitepackages()) if os.path.isdir(p)]
         self._base_distributions: dict[str, metadata.Distribution] | None = None
+        self._base_versions: list[str] | None = None
 
     # -- what an environment is --------------------------------------------------------------------
 
@@ -121,10 +123,12 @@ class EnvironmentCache:
 
     def key(self, requirements: Iterable[str]) -> str:
         """The cache key: what the environment is made of, hashed."""
+        if self._base_versions is None:  # each version is a file read: once per worker
+            self._base_versions = sorted(f"{name}=={d.version}" for name, d in self.base_distributions.items())
         made_of = {
             "pip": sorted(canonical_requirement(r) for r in requirements),
             "python": [sys.version, platform.machine(), os.path.realpath(sys.executable)],
-            "base": [str(p) for p in self.base_site] + sorted(f"{name}=={d.version}" for name, d in self.base_distributions.items()),
+            "base": [str(p) for p in self.base_site] + self._base_versions,
         }
         return hashlib.sha256(json.dumps(made_of, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -136,25 +140,25 @@ class EnvironmentCache:
         key = self.key(requirements)
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / key
-        lock = open(self.root / f"{key}.lock", "a")  # noqa: SIM115 (held for as long as the environment is used)
+        in_use = open(self.root / f"{key}.lock", "a")  # noqa: SIM115 (held for as long as the environment is used)
         built = False
         try:
-            while True:
-                fcntl.flock(lock, fcntl.LOCK_SH)
-                if path.is_dir():
-                    break
-                # Exclusive: another builder of this key finishes first, and then we find its result.
-                fcntl.flock(lock, fcntl.LOCK_EX)
-                if not path.is_dir():
-                    self._build(key, requirements, log)
-                    built = True
-                # Back to shared; an eviction may slip in between (flock converts by unlocking first): look again.
-            os.utime(lock.fileno())  # used now: the LRU order
+            # Shared from here on: no eviction takes it (one under way finishes first).
+            fcntl.flock(in_use, fcntl.LOCK_SH)
+            if not path.is_dir():
+                # The build lock is a file of its own: a builder must never wait for the attempts
+                # using an environment, only for another builder of it, whose result it then finds.
+                with open(self.root / f"{key}.build.lock", "a") as building:
+                    fcntl.flock(building, fcntl.LOCK_EX)
+                    if not path.is_dir():
+                        self._build(key, requirements, log)
+                        built = True
+            os.utime(in_use.fileno())  # used now: the LRU order
             if not built:
                 log(f"trainyard: environment {key[:12]} is cached on this host; reused")
-            environment = Environment(path, key, lock)
+            environment = Environment(path, key, in_use)
         except BaseException:
-            lock.close()
+            in_use.close()
             raise
         if built:
             self.evict(log)

@@ -102,8 +102,8 @@ def test_concurrent_attempts_build_one_environment_once_while_another_builds_mea
     environments = cache(tmp_path, wheels)
     key = environments.key(["tinypkg==1.2"])
     environments.root.mkdir(parents=True)
-    # Another builder of that environment holds its lock: both attempts wanting it wait for it...
-    with open(environments.root / f"{key}.lock", "a") as builder:
+    # Another builder of that environment holds its build lock: both attempts wanting it wait for it...
+    with open(environments.root / f"{key}.build.lock", "a") as builder:
         fcntl.flock(builder, fcntl.LOCK_EX)
         logs: list[list[str]] = [[], []]
         got = [None, None]
@@ -121,8 +121,9 @@ def test_concurrent_attempts_build_one_environment_once_while_another_builds_mea
         assert all(thread.is_alive() for thread in waiting) and got == [None, None]
     for thread in waiting:
         thread.join(60)
+    # The first to get the lock built it; the other found it built, though the first holds it in use.
     builds = [line for log in logs for line in log if "building environment" in line]
-    assert len(builds) == 1  # the first to get the lock built it; the other found it built
+    assert len(builds) == 1 and not any(thread.is_alive() for thread in waiting)
     assert got[0].path == got[1].path == environments.root / key
     for environment in got:
         assert run_in(environment, "import tinypkg; print(tinypkg.MESSAGE)") == "tiny 1.2"
