@@ -601,8 +601,6 @@ class JobSpec(_Config):
             raise ValueError("training.strategy: `fsdp` shards the built-in models (gpt, mlp, hf); a custom loop prepares its own")
         if training.precision != "no":
             raise ValueError("training.precision: with strategy `fsdp`, set training.fsdp.param_dtype and reduce_dtype instead")
-        if training.compile:
-            raise ValueError("training.compile: not with strategy `fsdp`")
         if self.resources.nodes > 1:
             raise ValueError("resources.nodes: strategy `fsdp` writes every process's shard into one checkpoint directory, so one node only")
         if fsdp.cpu_offload and self.resources.device == "cpu":

@@ -121,7 +121,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
         progress["batch_in_epoch"] = batches_on(progress, accelerator.num_processes, spec)
         recount_scheduler(scheduler, progress["step"], accelerator.num_processes)
         accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
-    forward = torch.compile(model) if cfg.compile else model
+    forward = torch.compile(model) if cfg.compile and not sharded else model  # a sharded model's blocks were compiled when sharded
 
     step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
     tokens_per_micro_batch = cfg.micro_batch_size * tokens_per_sample * accelerator.num_processes

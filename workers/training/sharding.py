@@ -73,6 +73,12 @@ def shard_model(model: nn.Module, spec: JobSpec, device: torch.device) -> nn.Mod
     if options.activation_checkpointing:
         # The wrapper's state-dict hooks drop its own name, so checkpoints keep the model's names.
         units = [wrap_in_place(model, unit, checkpoint_wrapper(unit)) for unit in units]
+    if spec.training.compile:
+        # Each unit compiled on its own, before sharding (torchtitan's order): the all-gathers and
+        # reduce-scatters stay FSDP's hooks between compiled blocks, and Module.compile() keeps
+        # the parameters' names, so checkpoints are the eager model's.
+        for unit in units:
+            unit.compile()
     settings = {
         "mesh": mesh,
         "reshard_after_forward": options.reshard_after_forward,
