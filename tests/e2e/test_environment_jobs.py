@@ -1,9 +1,13 @@
 """`environment.pip` through the whole embedded stack, sandboxed as every attempt is: a script job
 imports a package installed from a local find-links directory (offline), the next job with the
-same environment reuses it, a built-in job runs its training loop in one, and a package that
-can't be installed fails the job, naming it."""
+same environment reuses it, a built-in job runs its training loop in one, a package that can't be
+installed fails the job, naming it, and a job waiting for its environment's build keeps its lease
+while other jobs go on, and can be cancelled."""
 
 from __future__ import annotations
+
+import fcntl
+import time
 
 
 import httpx
@@ -14,6 +18,7 @@ from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_scripts import run, script_spec
 from tests.helpers import tiny_spec
 from tests.wheels import make_wheel
+from workers.environments import EnvironmentCache
 from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
@@ -80,3 +85,24 @@ def test_a_package_that_cannot_be_installed_fails_the_job_naming_it(stack):
     assert job["failure_reason"].splitlines()[0].endswith("environment.pip: could not install nosuchpkg==1.0:")
     assert any("nosuchpkg was not found" in line for line in logs(client, job_id))  # uv's words, in the job's logs
     assert len(job["attempts"]) == 1  # max_restarts 0: not tried again
+
+
+def test_a_job_waiting_for_its_environments_build_keeps_its_lease_while_another_job_runs_and_can_be_cancelled(stack):
+    client, info = stack
+    requirements = ["tinypkg==1.2", "tinymark"]
+    key = EnvironmentCache(info.data_dir / "environments", 1).key(requirements)  # the worker's key: the same Python and environment
+    (info.data_dir / "environments").mkdir(exist_ok=True)
+    # Another builder of that environment holds its build lock (as a slow download would).
+    with open(info.data_dir / "environments" / f"{key}.build.lock", "a") as builder:
+        fcntl.flock(builder, fcntl.LOCK_EX)
+        spec = {**script_spec("waits", "show.py", [], {"path": "show"}), "environment": {"pip": requirements}}
+        waiting = client.post("/v1/jobs", json=spec).json()["id"]
+        wait_for(client, waiting, {"running"})
+        # Another job, with an environment of its own, is neither held up by it nor waits for it.
+        run(client, {**script_spec("goes-on", "show.py", [], {"path": "show"}), "environment": {"pip": ["tinypkg"]}})
+        time.sleep(7)  # past the stack's 6 s lease: renewed while it waits
+        job = client.get(f"/v1/jobs/{waiting}").json()
+        assert job["status"] == "running" and [a["status"] for a in job["attempts"]] == ["running"]
+        assert client.post(f"/v1/jobs/{waiting}/cancel").status_code in (200, 202)
+        job = wait_for(client, waiting, {"succeeded", "failed", "cancelled"}, timeout=30)
+    assert job["status"] == "cancelled" and job["attempts"][0]["status"] == "cancelled"
