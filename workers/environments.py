@@ -167,7 +167,7 @@ class EnvironmentCache:
     # -- building one --------------------------------------------------------------------------------
 
     def _build(self, key: str, requirements: Sequence[str], log: Log) -> None:
-        """Build `key`'s environment in a scratch directory and rename it into place (we hold its lock exclusively)."""
+        """Build `key`'s environment in a scratch directory and rename it into place (we hold its build lock)."""
         started = time.monotonic()
         scratch = self.root / ".building"
         scratch.mkdir(exist_ok=True)
@@ -235,6 +235,8 @@ class EnvironmentCache:
     def evict(self, log: Log | None = None) -> list[str]:
         """Delete the least recently used environments not in use until the rest fit in max_bytes;
         the keys deleted."""
+        for leftover in (self.root / ".building").glob("deleting-*"):  # an eviction killed mid-way (or under way: harmless)
+            shutil.rmtree(leftover, ignore_errors=True)
         built = []
         for path in self.root.iterdir():
             try:
