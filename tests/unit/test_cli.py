@@ -8,7 +8,8 @@ import pytest
 
 from trainyard.cli import SERVER_COMMANDS, main
 
-CLIENT_COMMANDS = {"submit", "datasets", "ls", "status", "logs", "cancel", "checkpoints", "download", "outputs", "dashboard", "workers", "sweep", "compare"}
+CLIENT_COMMANDS = {"submit", "datasets", "ls", "status", "logs", "cancel", "checkpoints", "download", "outputs", "dashboard", "workers", "sweep", "compare",
+                   "token", "usage", "audit"}
 
 
 def help_of(argv: list[str], capsys) -> str:
