@@ -11,7 +11,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Config(BaseModel):
@@ -487,12 +487,25 @@ PIP_REQUIREMENT_PATTERN = (
 )
 
 
+def _pip_requirement(requirement: str) -> str:
+    if not re.fullmatch(PIP_REQUIREMENT_PATTERN, requirement):
+        raise ValueError(
+            f"{requirement!r}: expected `name`, `name==1.2` or `name[extra]>=1,<2` (a package name with extras and version "
+            "specifiers; no URL, path, option or marker)"
+        )
+    return requirement
+
+
+# The worker's own, which the training loop and the script hooks are built against: never replaced.
+WORKER_OWN_PACKAGES = ("torch", "accelerate")
+
+
 class EnvironmentConfig(_Config):
     """Packages installed for this job alone, in a virtualenv the worker builds with uv over its own
     environment (so the worker's torch and accelerate are used, never reinstalled) and caches by
     (requirements, Python version, worker environment) for the next job that asks for the same."""
 
-    pip: list[Annotated[str, Field(pattern=PIP_REQUIREMENT_PATTERN, max_length=200)]] = Field(
+    pip: list[Annotated[str, Field(max_length=200), AfterValidator(_pip_requirement)]] = Field(
         min_length=1,
         max_length=64,
         description=(
@@ -508,6 +521,8 @@ class EnvironmentConfig(_Config):
         names = [re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement).group()).lower() for requirement in pip]
         if repeated := sorted({name for name in names if names.count(name) > 1}):
             raise ValueError(f"{', '.join(repeated)}: name each package once (join its specifiers with commas)")
+        if own := [name for name in names if name in WORKER_OWN_PACKAGES]:
+            raise ValueError(f"{', '.join(own)}: the worker's own version is used (the training is built against it); leave it out")
         return pip
 
 

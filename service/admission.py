@@ -134,7 +134,7 @@ def _check_environment(user: User, spec: JobSpec) -> set[str]:
             HTTPStatus.FORBIDDEN,
             None,
             "environment.pip installs packages, which run as code on worker hosts, and needs the can_run_code permission; "
-            "an admin grants it with `trainyard user create NAME --can-run-code`",
+            "an admin grants it with `trainyard user set NAME --can-run-code`",
         )
     names = set()
     for i, requirement in enumerate(spec.environment.pip):
@@ -153,7 +153,7 @@ def _check_script(session: Session, user: User, script: ScriptConfig, settings: 
             HTTPStatus.FORBIDDEN,
             None,
             "script jobs run your own code on worker hosts and need the can_run_code permission; "
-            "an admin grants it with `trainyard user create NAME --can-run-code`",
+            "an admin grants it with `trainyard user set NAME --can-run-code`",
         )
     named_by = "path" if script.code.path is not None else "upload_id"
     if script.code.upload_id is not None and upload_visible_to(session, user, script.code.upload_id, CODE) is None:

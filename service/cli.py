@@ -1,4 +1,5 @@
-"""The server's commands: `up` (the embedded stack), `api`, `scheduler`, `worker`, `db upgrade`, `user create|revoke|rotate`.
+"""The server's commands: `up` (the embedded stack), `api`, `scheduler`, `worker`, `db upgrade`, and
+`user create|set|revoke|rotate` (service/user_commands.py).
 
 Users run them as `trainyard <command>`: the client's `trainyard.cli` lists them and hands them here."""
 
@@ -10,16 +11,21 @@ import signal
 import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 from service.embedded import embedded_stack
 from service.settings import Settings
+from service.user_commands import add_user_commands
 from trainyard.cli import SERVER_COMMANDS
+from trainyard.client import token_file
 
 
 def _settings() -> Settings:
-    return Settings()
+    """The service's settings; without TRAINYARD_DATA_DIR, the data of the `trainyard up` this
+    folder is in or below (the nearest `.trainyard/` going up, as the client finds its token)."""
+    if os.environ.get("TRAINYARD_DATA_DIR"):
+        return Settings()
+    return Settings(data_dir=token_file().parent)
 
 
 def _configure_logging(role: str) -> None:
@@ -33,46 +39,6 @@ def db_upgrade(args: argparse.Namespace) -> int:
 
     upgrade(_settings().resolved_database_url)
     print("database schema is up to date")
-    return 0
-
-
-def user_create(args: argparse.Namespace) -> int:
-    from service.db.accounts import create_user, user_by_name
-    from service.db.session import session_factory
-
-    lifetime = timedelta(days=args.token_lifetime_days) if args.token_lifetime_days else None
-    with session_factory(_settings().resolved_database_url)() as session:
-        if user_by_name(session, args.name):
-            print(f"error: user {args.name!r} already exists", file=sys.stderr)
-            return 1
-        _, token = create_user(session, args.name, is_admin=args.admin, can_run_code=args.can_run_code, token_lifetime=lifetime)
-    print(token)
-    return 0
-
-
-def user_revoke(args: argparse.Namespace) -> int:
-    from service.db.accounts import revoke, user_by_name
-    from service.db.session import session_factory
-
-    with session_factory(_settings().resolved_database_url)() as session:
-        if (user := user_by_name(session, args.name)) is None:
-            print(f"error: no user {args.name!r}", file=sys.stderr)
-            return 1
-        revoke(session, user)
-    print(f"{args.name}'s token no longer works; `trainyard user rotate {args.name}` issues a new one", file=sys.stderr)
-    return 0
-
-
-def user_rotate(args: argparse.Namespace) -> int:
-    from service.db.accounts import rotate_token, user_by_name
-    from service.db.session import session_factory
-
-    with session_factory(_settings().resolved_database_url)() as session:
-        if (user := user_by_name(session, args.name)) is None:
-            print(f"error: no user {args.name!r}", file=sys.stderr)
-            return 1
-        token, _ = rotate_token(session, user)
-    print(token)
     return 0
 
 
@@ -143,13 +109,6 @@ UNSAFE_NO_SANDBOX_HELP = (
 )
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainyard", description="The Trainyard server's commands.")
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -182,21 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     db_commands = command("db").add_subparsers(dest="db_command", required=True)
     db_commands.add_parser("upgrade", help="migrate the schema to the latest version").set_defaults(func=db_upgrade)
 
-    user_commands = command("user").add_subparsers(dest="user_command", required=True)
-    create = user_commands.add_parser("create", help="create a user and print its token")
-    create.add_argument("name")
-    create.add_argument("--admin", action="store_true")
-    create.add_argument("--can-run-code", action="store_true", help="may submit `script` jobs, which run the user's own code on worker hosts")
-    create.add_argument(
-        "--token-lifetime-days", type=_positive_float, help="each token of this user stops working this many days after it is issued (default: never)"
-    )
-    create.set_defaults(func=user_create)
-    revoke = user_commands.add_parser("revoke", help="stop a user's token from working (until `user rotate`)")
-    revoke.add_argument("name")
-    revoke.set_defaults(func=user_revoke)
-    rotate = user_commands.add_parser("rotate", help="print a new token for a user (a revoked one too); the old one stops working")
-    rotate.add_argument("name")
-    rotate.set_defaults(func=user_rotate)
+    add_user_commands(command("user"), _settings)
     return parser
 
 

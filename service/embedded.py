@@ -127,6 +127,7 @@ def embedded_stack(
         # Up means the workers too: a multi-node job submitted before its hosts have registered is
         # refused as one that could never fit.
         wait_for_workers(url, token, host_names, list(children.values()), log_dir)
+        (data_dir / "server").write_text(url + "\n")  # beside the token: the CLI below this folder finds both
         yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart)
     finally:
         stop_children(list(children.values()))

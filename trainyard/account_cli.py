@@ -14,7 +14,10 @@ from trainyard.client_cli import connect, guarded, local_time, print_table
 
 def local_moment(text: str) -> datetime:
     """An ISO 8601 time from the command line; without a zone, the local one."""
-    moment = datetime.fromisoformat(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a time such as 2026-11-01 or 2026-11-01T09:30 (ISO 8601), not {text!r}") from None
     return moment if moment.tzinfo else moment.astimezone()
 
 
@@ -45,7 +48,7 @@ def cmd_usage(args: argparse.Namespace) -> int:
     with connect(args) as client:
         found = client.usage(since=args.since, limit=args.limit)
     period = f"since {local_time(found.since)}" if found.since else "since the beginning"
-    print(f"device-seconds {period}, until {local_time(found.until)}")
+    print(f"device-hours (processes × hours run) {period}, until {local_time(found.until)}")
     print_table(["USER", "JOBS", "DEVICE-HOURS"], [[u.user, u.jobs, f"{u.device_seconds / 3600:.3f}"] for u in found.users])
     if found.jobs:
         print()

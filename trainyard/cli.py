@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from trainyard.account_cli import add_account_commands
@@ -44,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVER_COMMANDS:
         return run_server_command(argv)
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # `trainyard ls | head`: the reader has gone, which is no error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush doesn't fail again
+        return 0
 
 
 def run_server_command(argv: list[str]) -> int:

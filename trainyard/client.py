@@ -87,6 +87,14 @@ def read_config() -> dict[str, str]:
     return {key: str(value) for key, value in config.items()}
 
 
+def _server_from_file() -> str | None:
+    """Where the `trainyard up` whose token the CLI finds listens (it writes `server` beside `token`)."""
+    try:
+        return (token_file().parent / "server").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _token_from_file() -> str | None:
     try:
         return token_file().read_text().strip() or None
@@ -115,7 +123,7 @@ def bundle_code(source: Path) -> bytes:
     return out.getvalue()
 
 
-def error_message(response: httpx.Response) -> str:
+def error_message(response: httpx.Response, token_source: str | None = None) -> str:
     """The server's reason for an error response; FastAPI's 422 list becomes one `loc: msg` line per problem."""
     try:
         detail = response.json().get("detail")
@@ -128,8 +136,12 @@ def error_message(response: httpx.Response) -> str:
     if isinstance(detail, dict):  # a structured detail (the 429 quota answer) carries its sentence in `msg`
         detail = detail.get("msg")
     reason = detail if isinstance(detail, str) and detail else response.reason_phrase
-    if response.status_code == 401:
-        reason += f"; pass --token or set TRAINYARD_TOKEN (`trainyard up` writes it to {token_file()})"
+    if response.status_code == 401:  # where the token came from, to fix it there (see Client.__init__)
+        reason += {
+            "argument": "; check --token",
+            "environment": "; check TRAINYARD_TOKEN",
+            "config": f"; check the token in {config_file()}",
+        }.get(token_source, f"; pass --token or set TRAINYARD_TOKEN (`trainyard up` writes its admin's to {token_file()})")
     return f"{reason} ({status})"
 
 
@@ -148,7 +160,7 @@ class Client:
     def __init__(self, server: str | None = None, token: str | None = None, timeout: float = 30.0):
         # Each from the first place that has it: argument, environment, config file, then defaults.
         config = {} if server and token else read_config()
-        self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or DEFAULT_SERVER).rstrip("/")
+        self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file() or DEFAULT_SERVER).rstrip("/")
         found = [("argument", token), ("environment", os.environ.get("TRAINYARD_TOKEN")), ("config", config.get("token")), ("file", _token_from_file())]
         self.token_source, self.token = next(((where, value) for where, value in found if value), (None, None))  # where: for `token rotate`
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -448,7 +460,7 @@ class Client:
             with self._http.stream(method, path, **kwargs) as response:
                 if response.is_error:
                     response.read()
-                    raise TrainyardError(error_message(response), status_code=response.status_code)
+                    raise TrainyardError(error_message(response, self.token_source), status_code=response.status_code)
                 yield response
         except httpx.ConnectError as exc:
             raise TrainyardError(f"cannot reach Trainyard at {self.server} — is `trainyard up` running?") from exc

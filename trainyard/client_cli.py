@@ -178,6 +178,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"  status    {job.status.value}")
     print(f"  progress  {steps_text(job.step, job.max_steps)} steps, batch {job.effective_batch_size or '-'}, restarts {job.restarts}")
     print(f"  created   {local_time(job.created_at)}  started {local_time(job.started_at)}  finished {local_time(job.finished_at)}")
+    if job.waiting_reason:
+        print("  waiting   " + job.waiting_reason)
     if job.failure_reason:
         print("  reason    " + job.failure_reason.replace("\n", "\n" + " " * 12))  # keeps a multi-line reason indented
     if job.attempts:

@@ -44,7 +44,8 @@ def cmd_sweep_show(args: argparse.Namespace) -> int:
         ],
     )
     if sweep.best_spec is not None:
-        print(f"\nbest: trial {sweep.best_trial} ({best_text(sweep)}); its spec, to submit with `trainyard submit FILE`:")
+        best = next(t for t in sweep.trials if t.number == sweep.best_trial)
+        print(f"\nbest: trial {best.number}, {sweep.spec.objective.metric} {best.value:.4g}; its spec, to submit with `trainyard submit FILE`:")
         print(json.dumps(sweep.best_spec, indent=2))
     return 0
 

@@ -10,6 +10,7 @@ after the response is sent, in a thread, so no request waits for it.
 from __future__ import annotations
 
 import logging
+import re
 
 import anyio.to_thread
 from fastapi import Request
@@ -22,6 +23,7 @@ from service.db.audit import record
 log = logging.getLogger("trainyard.api")
 
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+JOB_PATH = re.compile(r"^/v1/jobs/(\d{1,18})(/|$)")
 
 
 def note(request: Request, *, job_id: int | None = None, detail: str | None = None) -> None:
@@ -59,6 +61,8 @@ class AuditTrail:
         finally:
             caller = state.get("caller")
             job_id, detail = state.get("audit", (None, None))
+            if job_id is None and (named := JOB_PATH.match(scope["path"])):  # refused before its route ran
+                job_id = int(named.group(1))
             entry = dict(
                 user_id=caller.id if caller else None,
                 user_name=caller.name if caller else None,

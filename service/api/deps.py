@@ -108,9 +108,9 @@ def get_current_user(
             limiter.failed(address)
     if user is None:
         raise _unauthorized("missing or invalid bearer token")
+    request.state.caller = user  # for the audit trail (service/api/audit.py), a refused token's owner too
     if refused := why_refused(user, utcnow()):  # a real token, so not counted as a guess
         raise _unauthorized(refused)
-    request.state.caller = user  # for the audit trail (service/api/audit.py)
     return user
 
 
@@ -150,8 +150,11 @@ PageCursor = Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`ne
 
 
 def as_utc(moment: datetime | None) -> datetime | None:
-    """A time from a query: one given without a zone is taken as UTC, the zone the service stores."""
-    return moment.replace(tzinfo=timezone.utc) if moment is not None and moment.tzinfo is None else moment
+    """A time from a query in UTC, the zone the service stores (SQLite compares the stored text, so
+    a time with another offset must be converted first); one given without a zone is taken as UTC."""
+    if moment is None:
+        return None
+    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
 
 
 def next_page(rows: list, limit: int) -> str | None:

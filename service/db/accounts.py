@@ -79,7 +79,7 @@ def user_by_token(session: Session, token: str) -> User | None:
 def why_refused(user: User, now: datetime) -> str | None:
     """Why this user's (otherwise right) token is not accepted now, or None when it is."""
     if user.revoked_at is not None:
-        return "token revoked"
+        return "token revoked; ask an admin for a new one (`trainyard user rotate`)"
     if user.token_expires_at is not None and user.token_expires_at <= now:
         return f"token expired at {user.token_expires_at.isoformat(timespec='seconds')}; ask an admin for a new one (`trainyard user rotate`)"
     return None

@@ -94,4 +94,43 @@ def test_usage_and_audit_print_tables(run, settings):
     code, out, _ = run("usage", "--token", frank, "--since", "2026-01-01")
     assert code == 0 and "DEVICE-HOURS" in out
     code, _, err = run("usage", "--token", frank, "--since", "last week")
-    assert code == 2 and "invalid local_moment value" in err
+    assert code == 2 and "expected a time such as 2026-11-01" in err
+
+
+def test_user_set_changes_an_existing_users_permissions_and_each_admin_command_is_audited(run, settings):
+    assert run("user", "create", "gina")[0] == 0
+    code, out, _ = run("user", "set", "gina", "--can-run-code")
+    assert code == 0 and out.strip() == "gina: admin False, can_run_code True"
+    assert run("user", "set", "gina", "--no-can-run-code", "--admin")[1].strip() == "gina: admin True, can_run_code False"
+    code, _, err = run("user", "set", "gina")
+    assert code == 1 and "nothing to set" in err
+    code, _, err = run("user", "create", "gina")
+    assert code == 1 and "already exists (`trainyard user set` changes its permissions)" in err
+    assert run("user", "revoke", "gina")[0] == 0
+
+    with session_factory(settings.resolved_database_url)() as session:
+        _, root = create_user(session, "root", is_admin=True)
+    with Client(token=root) as client:
+        done = [(e.method, e.path) for e in client.audit()][::-1]
+    assert done == [
+        ("CLI", "trainyard user create gina"), ("CLI", "trainyard user set gina can_run_code=True"),
+        ("CLI", "trainyard user set gina is_admin=True can_run_code=False"), ("CLI", "trainyard user revoke gina"),
+    ]
+
+
+def test_the_user_commands_find_the_embedded_database_going_up_or_say_where_they_looked(capsys, monkeypatch, tmp_path):
+    from service.db.migrate import upgrade
+
+    for name in ("TRAINYARD_DATABASE_URL", "TRAINYARD_DATA_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "yard" / ".trainyard").mkdir(parents=True)
+    upgrade(f"sqlite:///{tmp_path}/yard/.trainyard/trainyard.db")
+    (tmp_path / "yard" / ".trainyard" / "token").write_text("ty_admin\n")  # as `trainyard up` leaves it
+    (tmp_path / "yard" / "examples" / "deeper").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "yard" / "examples" / "deeper")
+    assert main(["user", "create", "hana"]) == 0 and capsys.readouterr().out.startswith("ty_")
+
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["user", "create", "ivan"]) == 1
+    assert "error: no Trainyard database at" in capsys.readouterr().err  # one line, no traceback

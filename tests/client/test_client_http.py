@@ -59,7 +59,7 @@ def test_http_errors_carry_the_servers_reason(client, api_url):
         client.job(12345)
     job_id = client.submit(tiny_spec()).id
     with Client(api_url, "wrong-token") as stranger:
-        with pytest.raises(TrainyardError, match="invalid bearer token; pass --token or set TRAINYARD_TOKEN"):
+        with pytest.raises(TrainyardError, match="invalid bearer token; check --token"):  # given as an argument: fix it there
             stranger.job(job_id)
 
 
@@ -93,8 +93,11 @@ def test_the_token_of_trainyard_up_is_found_from_a_folder_below_the_one_it_ran_i
     (tmp_path / "experiments" / "lr").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "experiments" / "lr")
     assert Client().token == "ty_up" and token_file() == tmp_path / ".trainyard" / "token"
+    assert Client().server == "http://127.0.0.1:8000"
+    (tmp_path / ".trainyard" / "server").write_text("http://127.0.0.1:8765\n")  # `trainyard up --port 8765`
+    assert Client().server == "http://127.0.0.1:8765"
     (tmp_path / "experiments" / ".trainyard").mkdir()  # a data dir without a token (never `up`) is passed by
-    assert Client().token == "ty_up"
+    assert (Client().token, Client().server) == ("ty_up", "http://127.0.0.1:8765")
 
 
 @pytest.mark.parametrize(

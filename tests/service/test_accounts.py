@@ -65,9 +65,14 @@ def test_a_revoked_user_is_refused_everywhere_until_an_admin_rotates_a_new_token
         revoke(session, user_by_name(session, "bob"))
     for method, path in [("GET", "/v1/jobs"), ("GET", f"/v1/jobs/{job_id}"), ("POST", f"/v1/jobs/{job_id}/cancel"), ("POST", "/v1/token/rotate")]:
         response = api.request(method, path, headers=auth(tokens["bob"]))
-        assert response.status_code == 401 and response.json()["detail"] == "token revoked", (method, path)
+        assert response.status_code == 401 and response.json()["detail"].startswith("token revoked; ask an admin"), (method, path)
     # Revoking is not a guess: the address is not locked out for the others.
     assert api.get("/v1/jobs", headers=auth(tokens["alice"])).status_code == 200
+    # And the audit trail names whose revoked token it was.
+    with sessions() as session:
+        _, root = create_user(session, "root2", is_admin=True)
+    refused = api.get("/v1/audit", params={"limit": 2}, headers=auth(root)).json()["items"]
+    assert [(e["user"], e["path"], e["status_code"]) for e in refused] == [("bob", "/v1/token/rotate", 401), ("bob", f"/v1/jobs/{job_id}/cancel", 401)]
 
 
 def test_the_audit_trail_names_who_did_what_from_where_and_the_answer(api, tokens):
@@ -79,6 +84,7 @@ def test_the_audit_trail_names_who_did_what_from_where_and_the_answer(api, token
     assert api.post(f"/v1/jobs/{job_id}/cancel", headers=bob).status_code == 404
     assert api.post(f"/v1/jobs/{job_id}/cancel", headers=alice).status_code == 200
     assert api.post("/v1/jobs", json=tiny_spec(), headers=auth("ty_wrong")).status_code == 401
+    assert api.post(f"/v1/jobs/{job_id}/cancel", headers=auth("ty_wrong")).status_code == 401
     api.get("/v1/jobs", headers=alice)  # reads are not audited
 
     assert api.get("/v1/audit", headers=alice).status_code == 403
@@ -92,16 +98,21 @@ def test_the_audit_trail_names_who_did_what_from_where_and_the_answer(api, token
         ("bob", "POST", f"/v1/jobs/{job_id}/cancel", 404, job_id, "cancel"),
         ("alice", "POST", f"/v1/jobs/{job_id}/cancel", 200, job_id, "cancel"),
         (None, "POST", "/v1/jobs", 401, None, None),
+        (None, "POST", f"/v1/jobs/{job_id}/cancel", 401, job_id, None),
     ]
     entries = page.json()["items"]
     assert all(e["client_address"] == "testclient" for e in entries)
     assert all(abs(datetime.fromisoformat(e["at"]) - datetime.now(timezone.utc)) < timedelta(minutes=1) for e in entries)
 
-    # Filters and pages.
+    # Filters and pages; a time with an offset means that moment, whatever the offset.
     bobs = api.get("/v1/audit", params={"user": "bob"}, headers=auth(tokens["root"])).json()["items"]
     assert [e["status_code"] for e in bobs] == [404, 403]
-    first = api.get("/v1/audit", params={"limit": 4}, headers=auth(tokens["root"])).json()
-    rest = api.get("/v1/audit", params={"limit": 4, "cursor": first["next_cursor"]}, headers=auth(tokens["root"])).json()
+    third = datetime.fromisoformat(entries[-3]["at"])
+    for zone in (timezone.utc, timezone(timedelta(hours=9)), timezone(timedelta(hours=-5))):
+        since = api.get("/v1/audit", params={"since": third.astimezone(zone).isoformat()}, headers=auth(tokens["root"])).json()["items"]
+        assert [e["id"] for e in since] == [e["id"] for e in entries[:-2]], zone
+    first = api.get("/v1/audit", params={"limit": 5}, headers=auth(tokens["root"])).json()
+    rest = api.get("/v1/audit", params={"limit": 5, "cursor": first["next_cursor"]}, headers=auth(tokens["root"])).json()
     assert [e["id"] for e in first["items"] + rest["items"]] == [e["id"] for e in entries]
 
 
@@ -129,6 +140,24 @@ def test_usage_counts_device_seconds_per_user_and_job_and_shows_each_user_only_t
     since = (t0 + timedelta(seconds=60)).isoformat()
     clipped = api.get("/v1/usage", params={"since": since}, headers=auth(tokens["alice"])).json()
     assert clipped["users"][0]["device_seconds"] == 80.0
+    in_tokyo = (t0 + timedelta(seconds=60)).astimezone(timezone(timedelta(hours=9))).isoformat()
+    assert api.get("/v1/usage", params={"since": in_tokyo}, headers=auth(tokens["alice"])).json()["users"][0]["device_seconds"] == 80.0
     later = (t0 + timedelta(seconds=100)).isoformat()
     assert api.get("/v1/usage", params={"since": later}, headers=auth(tokens["alice"])).json()["users"] == []
     assert api.get("/v1/usage", params={"since": "yesterday"}, headers=auth(tokens["alice"])).status_code == 422
+
+
+def test_uploads_and_sweeps_are_audited_with_what_they_made(api, tokens):
+    alice = auth(tokens["alice"])
+    upload = api.post("/v1/datasets", params={"name": "lines.txt"}, content=b"to be or not to be\n" * 10,
+                      headers={**alice, "Content-Type": "application/octet-stream"}).json()
+    sweep = {"name": "search", "base": tiny_spec(), "search_space": {"optimizer.lr": {"choice": [0.001, 0.003]}},
+             "sampler": {"kind": "grid"}, "budget": {"max_trials": 2}}
+    sweep_id = api.post("/v1/sweeps", json=sweep, headers=alice).json()["id"]
+    assert api.post(f"/v1/sweeps/{sweep_id}/cancel", headers=alice).status_code == 200
+    entries = api.get("/v1/audit", params={"user": "alice"}, headers=auth(tokens["root"])).json()["items"]
+    assert [e["detail"] for e in reversed(entries)] == [
+        f"upload dataset lines.txt (upload {upload['id']}, 190 bytes)",
+        f"submit sweep search, sweep {sweep_id} (trials: gpt job)",
+        f"cancel sweep {sweep_id}",
+    ]

@@ -32,9 +32,12 @@ def test_the_environment_is_part_of_the_jobs_record(api, tokens):
 @pytest.mark.parametrize(
     "pip, loc, reason",
     [
-        (["tinypkg @ https://example.com/tinypkg.whl"], ["body", "environment", "pip", 0], "should match pattern"),
-        (["torch", "../wheels/x.whl"], ["body", "environment", "pip", 1], "should match pattern"),
-        (["tinypkg; os_name == 'nt'"], ["body", "environment", "pip", 0], "should match pattern"),
+        (["tinypkg @ https://example.com/tinypkg.whl"], ["body", "environment", "pip", 0], "expected `name`, `name==1.2`"),
+        (["tinypkg", "../wheels/x.whl"], ["body", "environment", "pip", 1], "no URL, path, option or marker"),
+        (["tinypkg; os_name == 'nt'"], ["body", "environment", "pip", 0], "expected `name`"),
+        (["--index-url=https://evil.example"], ["body", "environment", "pip", 0], "expected `name`"),
+        (["torch==2.0.0", "tinypkg"], ["body", "environment", "pip"], "torch: the worker's own version is used"),
+        (["Accelerate<0.1"], ["body", "environment", "pip"], "accelerate: the worker's own version is used"),
         (["Tiny_Pkg>=1", "tiny-pkg<2"], ["body", "environment", "pip"], "tiny-pkg: name each package once"),
         ([], ["body", "environment", "pip"], "at least 1 item"),
         (["six==!"], ["body", "environment", "pip", "0"], "not a requirement"),  # the pattern's gap, closed by admission

@@ -2,11 +2,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, status
+from fastapi import APIRouter, Depends, Request, status
 from sqlalchemy.orm import Session
 
 from api_schemas import SweepOut, SweepPage, SweepSpec
 from service.admission import admit_sweep
+from service.api.audit import describe, note
 from service.api.deps import (
     MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, PageCursor, PageLimit, RowId, SessionDep, SessionsEndWithRoute, SettingsDep,
     WriteSessionDep, next_page, not_found,
@@ -34,10 +35,15 @@ VisibleSweep = Annotated[Sweep, Depends(get_visible_sweep)]
 
 
 @router.post("", status_code=status.HTTP_201_CREATED, response_model=SweepOut)
-def submit_sweep(spec: SweepSpec, session: SessionDep, writes: WriteSessionDep, user: CurrentUser, settings: SettingsDep) -> SweepOut:
+def submit_sweep(
+    request: Request, spec: SweepSpec, session: SessionDep, writes: WriteSessionDep, user: CurrentUser, settings: SettingsDep
+) -> SweepOut:
     """Start a search; the scheduler submits its trials as jobs (422 naming the field of a base
     spec or search space no job could take)."""
-    return sweep_outs(writes, [admit_sweep(session, writes, user, spec, settings)])[0]
+    note(request, detail=f"submit sweep {spec.name} (trials: {describe(spec.base)})")
+    sweep = admit_sweep(session, writes, user, spec, settings)
+    note(request, detail=f"submit sweep {spec.name}, sweep {sweep.id} (trials: {describe(spec.base)})")
+    return sweep_outs(writes, [sweep])[0]
 
 
 @router.get("", response_model=SweepPage)
@@ -57,5 +63,6 @@ def get_sweep(sweep: VisibleSweep, session: SessionDep) -> SweepOut:
 
 
 @router.post("/{sweep_id}/cancel", response_model=SweepOut)
-def cancel(sweep_id: RowId, session: WriteSessionDep, user: CurrentUser) -> SweepOut:
+def cancel(request: Request, sweep_id: RowId, session: WriteSessionDep, user: CurrentUser) -> SweepOut:
+    note(request, detail=f"cancel sweep {sweep_id}")
     return sweep_outs(session, [cancel_sweep(session, visible_sweep(session, user, sweep_id))])[0]

@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 
 from api_schemas import UploadOut
 from service import uploads
+from service.api.audit import note
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, SessionDep, SessionsEndWithRoute, SettingsDep, not_found
 from service.db.uploads import create_upload, upload_visible_to, uploads_visible_to
 from service.db.models import Upload, User
@@ -104,14 +105,18 @@ def _refused(exc: Exception) -> HTTPException:
 async def upload_dataset(request: Request, user: CurrentUser, settings: SettingsDep, name: UploadName = None) -> UploadOut:
     """A dataset file, then usable by your jobs as `"dataset": {"kind": …, "upload_id": ID}`."""
     root = settings.resolved_data_root
+    note(request, detail=f"upload dataset {name or ''}".rstrip())
     received, name = await _receive(request, root / "uploads", settings.max_upload_bytes, name)
-    return await _record(settings, user, uploads.DATASET, name, received, received.path, root)
+    uploaded = await _record(settings, user, uploads.DATASET, name, received, received.path, root)
+    note(request, detail=f"upload dataset {name} (upload {uploaded.id}, {uploaded.size_bytes} bytes)")
+    return uploaded
 
 
 @code.post("", status_code=status.HTTP_201_CREATED, response_model=UploadOut, responses=UPLOAD_ERRORS, openapi_extra=BODY)
 async def upload_code(request: Request, user: CurrentUser, settings: SettingsDep, name: UploadName = None) -> UploadOut:
     """A code bundle (tar, tar.gz or zip), unpacked safely; then usable by your `script` jobs as `"code": {"upload_id": ID}`."""
     root = settings.resolved_artifact_root
+    note(request, detail=f"upload code {name or ''}".rstrip())
     received, name = await _receive(request, root / "code", settings.max_upload_bytes, name)
     try:
         unpacked = await run_in_threadpool(
@@ -121,7 +126,9 @@ async def upload_code(request: Request, user: CurrentUser, settings: SettingsDep
         raise _refused(exc) from None
     finally:
         received.path.unlink(missing_ok=True)
-    return await _record(settings, user, uploads.CODE, name, received, unpacked, root)
+    uploaded = await _record(settings, user, uploads.CODE, name, received, unpacked, root)
+    note(request, detail=f"upload code {name} (upload {uploaded.id}, {uploaded.size_bytes} bytes)")
+    return uploaded
 
 
 async def _record(settings: Settings, user: User, kind: str, name: str, received: uploads.Received, staged: Path, root: Path) -> UploadOut:

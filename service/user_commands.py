@@ -1,0 +1,136 @@
+"""`trainyard user create|set|revoke|rotate`: an admin's commands for users and their tokens, run on
+a host that reaches the database. Each is written to the audit trail as the OS account that ran it."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+
+from service.settings import Settings
+
+
+class CommandError(Exception):
+    """What the command prints as `error: …`, exiting 1."""
+
+
+@contextmanager
+def admin_session(settings: Settings) -> Iterator[Session]:
+    """A session on the service's database; a missing embedded database is an error that says where
+    it looked, not a traceback."""
+    from service.db.session import session_factory
+
+    url = settings.resolved_database_url
+    database = make_url(url).database
+    if url.startswith("sqlite") and database and not Path(database).exists():
+        raise CommandError(
+            f"no Trainyard database at {database}: run this where `trainyard up` ran (or below), "
+            "or set TRAINYARD_DATA_DIR or TRAINYARD_DATABASE_URL"
+        )
+    with session_factory(url)() as session:
+        yield session
+
+
+def _audited(session: Session, action: str) -> None:
+    from service.db.audit import record
+
+    record(
+        session, user_id=None, user_name=f"{getpass.getuser()} (server CLI)", client_address=socket.gethostname()[:100],
+        method="CLI", path=f"trainyard user {action}"[:500], status_code=200, detail=action[:500],
+    )
+
+
+def create(args: argparse.Namespace, session: Session) -> str:
+    from service.db.accounts import create_user, user_by_name
+
+    if user_by_name(session, args.name):
+        raise CommandError(f"user {args.name!r} already exists (`trainyard user set` changes its permissions)")
+    lifetime = timedelta(days=args.token_lifetime_days) if args.token_lifetime_days else None
+    _, token = create_user(session, args.name, is_admin=args.admin, can_run_code=args.can_run_code, token_lifetime=lifetime)
+    _audited(session, f"create {args.name}" + (" --admin" if args.admin else "") + (" --can-run-code" if args.can_run_code else ""))
+    return token
+
+
+def set_permissions(args: argparse.Namespace, session: Session) -> str:
+    user = _named(session, args.name)
+    changes = {name: value for name, value in (("is_admin", args.admin), ("can_run_code", args.can_run_code)) if value is not None}
+    if not changes:
+        raise CommandError("nothing to set: give --admin/--no-admin or --can-run-code/--no-can-run-code")
+    for name, value in changes.items():
+        setattr(user, name, value)
+    session.commit()
+    _audited(session, f"set {args.name} " + " ".join(f"{name}={value}" for name, value in changes.items()))
+    return f"{args.name}: admin {user.is_admin}, can_run_code {user.can_run_code}"
+
+
+def revoke(args: argparse.Namespace, session: Session) -> str:
+    from service.db.accounts import revoke as revoke_user
+
+    revoke_user(session, _named(session, args.name))
+    _audited(session, f"revoke {args.name}")
+    return f"{args.name}'s token no longer works; `trainyard user rotate {args.name}` issues a new one"
+
+
+def rotate(args: argparse.Namespace, session: Session) -> str:
+    from service.db.accounts import rotate_token
+
+    token, expires_at = rotate_token(session, _named(session, args.name))
+    _audited(session, f"rotate {args.name}")
+    if expires_at is not None:
+        print(f"valid until {expires_at.isoformat(timespec='seconds')}", file=sys.stderr)
+    return token
+
+
+def _named(session: Session, name: str):
+    from service.db.accounts import user_by_name
+
+    if (user := user_by_name(session, name)) is None:
+        raise CommandError(f"no user {name!r}")
+    return user
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    return value
+
+
+def add_user_commands(parser: argparse.ArgumentParser, settings: Callable[[], Settings]) -> None:
+    commands = parser.add_subparsers(dest="user_command", required=True)
+
+    def command(name: str, action: Callable[[argparse.Namespace, Session], str], help: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help)
+        sub.add_argument("name")
+        sub.set_defaults(func=lambda args: run(action, args, settings()))
+        return sub
+
+    new = command("create", create, "create a user and print its token")
+    new.add_argument("--admin", action="store_true")
+    new.add_argument("--can-run-code", action="store_true", help="may submit `script` jobs and `environment.pip`, which run the user's own code on worker hosts")
+    new.add_argument(
+        "--token-lifetime-days", type=_positive_float, help="each token of this user stops working this many days after it is issued (default: never)"
+    )
+    change = command("set", set_permissions, "change a user's permissions")
+    change.add_argument("--admin", action=argparse.BooleanOptionalAction, default=None)
+    change.add_argument("--can-run-code", action=argparse.BooleanOptionalAction, default=None)
+    command("revoke", revoke, "stop a user's token from working (until `user rotate`)")
+    command("rotate", rotate, "print a new token for a user (a revoked one too); the old one stops working")
+
+
+def run(action: Callable[[argparse.Namespace, Session], str], args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        with admin_session(settings) as session:
+            print(action(args, session))
+    except CommandError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
