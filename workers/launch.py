@@ -51,15 +51,7 @@ def launch_command(
     A `script` job runs `accelerate launch <entrypoint> <args>` instead (in its code directory),
     resuming with its `resume_args`' placeholders filled in (the checkpoint at `resume_step`).
     `python`: the interpreter the launcher and the processes run (the job's environment's, if it has one)."""
-    if spec.script is None and spec.world_size == 1:
-        # One process of the built-in (or custom) loop: `python -m workers.training …` itself, not
-        # through `accelerate launch`, whose launcher is one more interpreter importing torch before
-        # the training's own (half of an attempt's start on a busy CPU). Its Accelerator is built
-        # from the spec (cpu, precision, accumulation: loop.make_accelerator); the launcher's thread
-        # count is in its environment (training_environment).
-        command = [python]
-    else:
-        command = _accelerate_launch(spec, run_dir, rendezvous, node_rank, python)
+    command = _accelerate_launch(spec, run_dir, rendezvous, node_rank, python)
     if spec.script is not None:
         args = list(spec.script.args)
         if resume_from is not None:
@@ -73,11 +65,6 @@ def launch_command(
     if plugin_dir is not None:
         command += ["--plugin-dir", str(plugin_dir)]
     return command
-
-
-def cpu_threads(spec: JobSpec) -> int:
-    """Threads per process on the CPU: Accelerate's own default, the cores shared by the processes."""
-    return max(1, (os.cpu_count() or 1) // spec.resources.processes_per_node)
 
 
 def resume_arg(arg: str, checkpoint: Path, step: int | None) -> str:
@@ -98,8 +85,6 @@ def training_environment(
     else:
         env = {name: value for name, value in os.environ.items() if not name.startswith(SERVICE_SETTINGS_PREFIX)}
         env.update({EVENTS_FILE_ENV: str(run_dir / EVENTS_FILE_NAME), "PYTHONUNBUFFERED": "1"})
-        if spec.world_size == 1 and spec.resources.device == "cpu":  # started without the launcher, which sets it
-            env["OMP_NUM_THREADS"] = str(cpu_threads(spec))
     if device_ids:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, device_ids))
     return env
@@ -138,8 +123,9 @@ def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank:
         "--dynamo_backend", "no",
     ]
     if resources.device == "cpu":
-        # Passed explicitly so the launcher doesn't warn.
-        command += ["--num_cpu_threads_per_process", str(cpu_threads(spec))]
+        # Accelerate's own default thread count, passed explicitly so the launcher doesn't warn.
+        threads = max(1, (os.cpu_count() or 1) // resources.processes_per_node)
+        command += ["--num_cpu_threads_per_process", str(threads)]
     if spec.world_size > 1:
         # torchrun prefixes each process's output with `[default<local rank>]:` (see supervisor.split_rank).
         command += ["--tee", "3", "--log_dir", str(run_dir / "rank-logs")]

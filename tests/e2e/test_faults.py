@@ -174,14 +174,14 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_sta
 
 
 def training_ranks(run_dir: Path) -> list[int]:
-    """The attempt's training processes, not Accelerate's launcher nor the sandbox's bwrap (whose command lines name the same run dir)."""
+    """The attempt's training processes, not Accelerate's launcher (whose command line names the same run dir)."""
     ranks = []
     for pid in pids_matching(f"{run_dir}/"):
         try:
             command = open(f"/proc/{pid}/cmdline", "rb").read()
         except FileNotFoundError:
             continue
-        if b"accelerate.commands.launch" not in command and not command.split(b"\0")[0].endswith(b"bwrap"):
+        if b"accelerate.commands.launch" not in command:
             ranks.append(pid)
     return ranks
 
