@@ -206,7 +206,11 @@ def _system_roots() -> list[Path]:
     """The directories of the system view, outermost only. Of the project, its packages only, never
     its directory or one above it: that holds the embedded data directory beside them, and may be
     one only its owner can enter (a `mktemp -d` clone), which the job's user id could not pass."""
-    python = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), *sys.path]
+    # Not sys.path[0]: the worker's script directory, or with `python -m` its working directory,
+    # which for `trainyard up` is the folder holding the data directory (in a private folder, its
+    # read-only bind hid the attempt's own directory from the job's user, so the job could not read
+    # its spec).
+    python = [sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable)), *sys.path[1:]]
     python = [p for p in python if p and not PROJECT_ROOT.is_relative_to(Path(p).resolve())]
     project = [str(PROJECT_ROOT / package) for package in PROJECT_PACKAGES]
     paths = sorted({Path(p).resolve() for p in [*SYSTEM_DIRS, *python, *project] if p and os.path.isdir(p)}, key=lambda p: len(p.parts))
