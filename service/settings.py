@@ -128,6 +128,10 @@ class WorkerSettings(_FromEnvironment):
     environment_max_bytes: int = Field(
         20 * 2**30, gt=0, description="Most bytes the cached environments of one host take; past it the least recently used ones not in use are deleted."
     )
+    warm_interpreters: int = Field(
+        1, ge=0, description="Interpreters each worker keeps loaded (torch and accelerate imported) for the next attempts to start "
+        "from (workers/warm_pool.py); each holds a few hundred MB of memory while it waits. 0: every attempt starts cold.",
+    )
 
 
 class Settings(StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings):

@@ -13,6 +13,7 @@ from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make
 from service.settings import Settings
 from workers.sandbox import HostSandbox
 from workers.supervisor import AttemptRunner
+from workers.warm_pool import WarmPool
 
 log = logging.getLogger("trainyard.worker")
 
@@ -68,7 +69,9 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
 
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
 
-    runner = AttemptRunner(settings, sessions, host_name, address, sandbox)
+    warm = WarmPool(settings, sandbox, settings.warm_interpreters)
+    warm.fill()
+    runner = AttemptRunner(settings, sessions, host_name, address, sandbox, warm)
 
     @app.task(name=RUN_ATTEMPT_TASK)
     def run_attempt(attempt_id: int) -> None:
@@ -85,6 +88,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         except Exception:
             log.exception("could not deregister %s; its heartbeat stops, so it goes offline anyway", host_name)
         runner.preempt_all()
+        warm.close()
 
     worker_shutting_down.connect(shutting_down, weak=False)
 
@@ -99,3 +103,4 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         ]
     )
     stop.set()
+    warm.close()

@@ -67,16 +67,21 @@ class AttemptLimits:
             directory.mkdir(exist_ok=True)
         (limits.pids_dir / "pids.max").write_text(str(max_processes))
         if memory_bytes is not None:
-            if limits.v2:
-                (limits.memory_dir / "memory.max").write_text(str(memory_bytes))
-            else:
-                (limits.memory_dir / "memory.limit_in_bytes").write_text(str(memory_bytes))
-            with contextlib.suppress(OSError):  # no swap past the limit either (absent without swap accounting)
-                if limits.v2:
-                    (limits.memory_dir / "memory.swap.max").write_text("0")
-                else:
-                    (limits.memory_dir / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+            limits.set_memory(memory_bytes)
         return limits
+
+    def set_memory(self, memory_bytes: int) -> None:
+        """Cap the group's memory (a warm interpreter's, once its attempt is known: workers/warm_pool.py)."""
+        self.memory_bytes = memory_bytes
+        if self.v2:
+            (self.memory_dir / "memory.max").write_text(str(memory_bytes))
+        else:
+            (self.memory_dir / "memory.limit_in_bytes").write_text(str(memory_bytes))
+        with contextlib.suppress(OSError):  # no swap past the limit either (absent without swap accounting)
+            if self.v2:
+                (self.memory_dir / "memory.swap.max").write_text("0")
+            else:
+                (self.memory_dir / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
 
     @property
     def v2(self) -> bool:

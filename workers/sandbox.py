@@ -104,17 +104,23 @@ def job_inputs(spec: JobSpec, settings: Settings, resume_from: Path | None) -> l
     inputs = [resume_from] if resume_from is not None else []
     if spec.script is not None:
         return inputs
-    data_root = settings.resolved_data_root
-    if (dataset := spec.dataset) is not None:
-        inputs.append(data_root / dataset.relative_path)
-        if getattr(dataset, "tokenizer_file", None):
-            inputs.append(data_root / dataset.tokenizer_file)
-    if getattr(spec.model, "path", None):
-        inputs.append(data_root / spec.model.path)
+    inputs += [settings.resolved_data_root / relative for relative in data_inputs(spec)]
     if spec.model.kind == "custom":
-        inputs.append(settings.resolved_plugin_dir / f"{spec.model.entrypoint.partition(':')[0]}.py")
+        inputs.append(plugin_module(spec, settings))
     # Resolved as the training resolves them; one that doesn't exist fails there, saying so.
     return [path.resolve() for path in inputs if path.exists()]
+
+
+def data_inputs(spec: JobSpec) -> list[str]:
+    """The paths under the data root that a built-in or custom job reads: its dataset, tokenizer, model directory."""
+    dataset = spec.dataset
+    paths = [] if dataset is None else [dataset.relative_path, getattr(dataset, "tokenizer_file", None)]
+    return [path for path in [*paths, getattr(spec.model, "path", None)] if path]
+
+
+def plugin_module(spec: JobSpec, settings: Settings) -> Path:
+    """The file a `custom` job's entrypoint module is loaded from."""
+    return settings.resolved_plugin_dir / f"{spec.model.entrypoint.partition(':')[0]}.py"
 
 
 def service_state(settings: Settings) -> tuple[Path, ...]:

@@ -50,8 +50,10 @@ from workers.environments import Environment, EnvironmentCache, EnvironmentFaile
 from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, launch_command, training_environment, working_dir
 from workers.limits import AttemptLimits, limited
 from workers.sandbox import (
-    MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, job_inputs, prepare_attempt, sandbox_command, service_state,
+    MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, data_inputs, job_inputs, plugin_module, prepare_attempt, sandbox_command,
+    service_state,
 )
+from workers.warm_pool import WarmPool, place_inputs
 from workers.system_metrics import SystemSampler
 
 log = logging.getLogger("trainyard.worker")
@@ -171,10 +173,12 @@ class EndedBeforeStart(Exception):
 
 class AttemptRunner:
     def __init__(
-        self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None
+        self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None,
+        warm: WarmPool | None = None,
     ):
         self.settings, self.sessions, self.host_name, self.address = settings, sessions, host_name, address
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
+        self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
         self.store = ArtifactStore(settings.resolved_artifact_root)
         # Checkpoints are taken into the store off the supervising thread: one copied to another
         # filesystem and hashed can take longer than a lease lasts, and must not keep it from renewal.
@@ -234,6 +238,8 @@ class AttemptRunner:
         finally:
             if environment is not None:
                 environment.release()  # no longer in use: it may be collected
+            if self.warm is not None:
+                self.warm.fill()  # replace the interpreter this attempt may have used, now that it no longer needs the cores
 
     def _prepare_environment(
         self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, line_numbers: itertools.count
@@ -273,14 +279,20 @@ class AttemptRunner:
         host has them. Raises CannotStart if they can't be launched here."""
         node_rank = claimed.node_rank if spec.resources.nodes > 1 else None
         run_dir = attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / SPEC_FILE_NAME).write_text(json.dumps(claimed.spec))
         resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
         rendezvous = self._wait_for_node_0(claimed)
         if rendezvous is None:
             raise CannotStart(f"node 0 of this job did not start within {self.node_0_wait_seconds:.0f} s")
         if self.sandbox.enabled and spec.resources.nodes == 1:  # its network namespace has loopback only
             rendezvous = f"127.0.0.1:{rendezvous.rpartition(':')[2]}"
+        # An elastic job placed on fewer processes than its spec's launches that many; the training
+        # reads the spec itself and accumulates to keep its optimizer step.
+        placed = spec.placed_on(claimed.slots) if claimed.slots != spec.resources.processes_per_node else spec
+        memory_bytes = int(spec.resources.memory_gb * 2**30) if spec.resources.memory_gb else None
+        if environment is None and (started := self._start_warm(claimed, spec, placed, run_dir, resume_from, rendezvous, memory_bytes)):
+            return started
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / SPEC_FILE_NAME).write_text(json.dumps(claimed.spec))
         cwd = working_dir(spec, run_dir)
         if spec.script is not None:
             shutil.rmtree(cwd, ignore_errors=True)
@@ -292,9 +304,6 @@ class AttemptRunner:
             search = None if environment is None else [str(environment.site_packages), *sys.path]
             if problems := unmet(spec.script.requirements, search):
                 raise CannotStart(f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}")
-        # An elastic job placed on fewer processes than its spec's launches that many; the training
-        # reads the spec itself and accumulates to keep its optimizer step.
-        placed = spec.placed_on(claimed.slots) if claimed.slots != spec.resources.processes_per_node else spec
         command = launch_command(
             placed, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
             resume_step=claimed.resume_step, python=str(environment.python) if environment is not None else sys.executable,
@@ -309,7 +318,6 @@ class AttemptRunner:
                 host_network=spec.resources.nodes > 1, gpus=tuple(claimed.device_ids or ()),
             )
             command = sandbox_command(command, cwd, view, self.sandbox.tool)
-        memory_bytes = int(spec.resources.memory_gb * 2**30) if spec.resources.memory_gb else None
         limits = None
         if self.sandbox.limits:
             limits = AttemptLimits.create(f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}", memory_bytes, MAX_PROCESSES)
@@ -318,6 +326,40 @@ class AttemptRunner:
             stderr=subprocess.STDOUT, start_new_session=True,
         )
         return run_dir, process, limits
+
+    def _start_warm(
+        self, claimed: ClaimedAttempt, spec: JobSpec, placed: JobSpec, link: Path, resume_from: Path | None, rendezvous: str,
+        memory_bytes: int | None,
+    ) -> tuple[Path, subprocess.Popen, AttemptLimits | None] | None:
+        """The attempt started from a warm interpreter, if it can be (workers/warm_pool.py): its
+        inputs placed in the interpreter's slot, its spec written, and the launch command a cold
+        start would run handed to it. `link`, the attempt's usual directory, points at the slot's."""
+        if self.warm is None or (warm := self.warm.take(spec, memory_bytes)) is None:
+            return None
+        inputs, run_dir = warm.inputs, warm.run_dir
+        plugin = plugin_module(spec, self.settings) if spec.model.kind == "custom" else None
+        try:
+            if not place_inputs(warm, self.settings.resolved_data_root, data_inputs(spec), resume_from, plugin):
+                warm.discard()
+                return None
+            (run_dir / SPEC_FILE_NAME).write_text(json.dumps(claimed.spec))
+            prepare_attempt(run_dir, [])  # the spec is the job's user's to read
+            command = launch_command(
+                placed, run_dir, inputs / "data", inputs / "resume" if resume_from else None, rendezvous, claimed.node_rank,
+                inputs / "plugins", resume_step=claimed.resume_step,
+            )
+            order = {"command": command[3:], "env": training_environment(spec, run_dir, None)}  # after `python -m accelerate.commands.launch`
+            warm.process.stdin.write(json.dumps(order).encode() + b"\n")
+            warm.process.stdin.close()
+        except OSError:  # it died meanwhile, or the inputs could not be placed: a cold start instead
+            log.exception("job %s attempt %s could not start warm; starting it cold", claimed.job_id, claimed.number)
+            warm.discard()
+            return None
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.unlink(missing_ok=True)
+        link.symlink_to(run_dir, target_is_directory=True)
+        log.info("job %s attempt %s started from a warm interpreter in %s", claimed.job_id, claimed.number, warm.slot)
+        return run_dir, warm.process, warm.limits
 
     def _wait_for_node_0(self, claimed: ClaimedAttempt) -> str | None:
         """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a

@@ -107,13 +107,14 @@ def wait_until_training(client: httpx.Client, job_id: int) -> dict:
     return job
 
 
-def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_identical_weights(two_host_stack):
+def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_identical_weights(two_host_stack, tmp_path):
     client = two_host_stack
     job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
 
     # Once a checkpoint exists, kill -9 the worker host running the job and its training processes.
     host = wait_until_training(client, job_id)["attempts"][0]["host_name"]
-    for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(f"job-{job_id}/attempt-1/"):
+    run_dir = attempt_dir(tmp_path / "yard" / "work", job_id, 1)
+    for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(attempt_pattern(run_dir)):
         os.kill(pid, signal.SIGKILL)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
@@ -135,7 +136,7 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
     while not (staging := [p.name for p in checkpoints.glob(".tmp-*")]):
         assert time.monotonic() < deadline, "no checkpoint was caught being written"
         time.sleep(0.002)
-    for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(f"job-{job_id}/attempt-1/"):
+    for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(attempt_pattern(checkpoints.parent)):
         os.kill(pid, signal.SIGKILL)
     partial_step = int(staging[0].rsplit("-", 1)[1])
     finished_anyway = (checkpoints / staging[0].removeprefix(".tmp-")).is_dir()  # renamed in the millisecond before the kill
@@ -174,16 +175,24 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_sta
 
 
 def training_ranks(run_dir: Path) -> list[int]:
-    """The attempt's training processes, not Accelerate's launcher (whose command line names the same run dir)."""
+    """The attempt's training processes: not Accelerate's launcher nor the sandbox's bwrap (whose
+    command lines name the same directory), nor a warm interpreter that forked them (workers/warm.py)."""
     ranks = []
-    for pid in pids_matching(f"{run_dir}/"):
+    for pid in pids_matching(attempt_pattern(run_dir)):
         try:
-            command = open(f"/proc/{pid}/cmdline", "rb").read()
-        except FileNotFoundError:
+            command, parent = open(f"/proc/{pid}/cmdline", "rb").read(), psutil.Process(pid).ppid()
+        except (FileNotFoundError, psutil.Error):
             continue
-        if b"accelerate.commands.launch" not in command:
-            ranks.append(pid)
-    return ranks
+        if b"accelerate.commands.launch" not in command and not command.split(b"\0")[0].endswith(b"bwrap"):
+            ranks.append((pid, parent))
+    forked_ranks = {parent for _, parent in ranks}
+    return [pid for pid, _ in ranks if pid not in forked_ranks]
+
+
+def attempt_pattern(run_dir: Path) -> str:
+    """What the command lines of an attempt's processes hold: its directory, or for an attempt
+    started warm the interpreter's own, which its directory links to (workers/warm_pool.py)."""
+    return f"{run_dir.resolve()}/"
 
 
 def signal_ranks(ranks: list[int], signum: int) -> None:
@@ -224,7 +233,7 @@ def test_a_hung_training_process_is_killed_after_the_stall_timeout_and_the_job_r
     hung_for = (datetime.fromisoformat(first["finished_at"]) - stopped_at).total_seconds()
     assert stall_timeout - 2 <= hung_for <= stall_timeout + 30, hung_for
     assert second["status"] == "succeeded" and second["resumed_from_step"] >= 100
-    assert not pids_matching(f"{first_run_dir}/"), "the hung attempt's processes were left behind"
+    assert not pids_matching(attempt_pattern(first_run_dir)), "the hung attempt's processes were left behind"
     series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]
     assert series["train_loss"]["steps"] == list(range(1, max_steps + 1))
 

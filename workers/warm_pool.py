@@ -1,0 +1,217 @@
+"""Warm interpreters a worker host keeps ready (workers/warm.py): an attempt that can use one
+starts without paying for Python, torch and accelerate to load (most of a cold start's seconds).
+
+Each is started before its attempt is known, in a sandbox of its own made as a cold start's is
+(workers/sandbox.py: the same system view, user, namespaces and cgroup), around a slot directory:
+  - `run/`, writable: becomes the attempt's directory (its spec, events, checkpoints); the attempt's
+    usual path (work/job-N/attempt-M) is a link to it;
+  - `inputs/`, read-only inside: once the attempt is known the worker places its inputs there
+    (dataset, tokenizer, model directory, custom module, the checkpoint it resumes from), each
+    hard-linked where the job's user may read it and the filesystem allows, else copied.
+The attempt's memory limit is written into the interpreter's cgroup when it is handed over, and
+its priority, lowered while it loaded beside running jobs, is raised back.
+
+Which attempts start warm (`WarmPool.take`): the built-in and custom loops (a script runs its own
+program in its own clean environment), on one node (a gang's nodes keep the host's network), on the
+CPU (which GPUs an attempt gets is known only once placed, and the sandbox binds their device nodes
+at its start), in the worker's own Python (not `environment.pip`), with a memory limit only where a
+cgroup can apply it after the start, and at most WARM_COPY_LIMIT bytes of inputs to copy. The others,
+and any attempt that finds no warm interpreter ready, start cold as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from api_schemas import JobSpec
+from service.settings import Settings
+from workers.launch import SERVICE_SETTINGS_PREFIX
+from workers.limits import AttemptLimits, limited
+from workers.sandbox import (
+    MAX_OPEN_FILES, MAX_PROCESSES, SANDBOX_GID, SANDBOX_UID, AttemptView, HostSandbox, prepare_attempt, sandbox_command, service_state,
+)
+
+log = logging.getLogger("trainyard.worker")
+
+WARM_COPY_LIMIT = 256 * 2**20  # inputs that can't be linked, copied at hand-over; past it a cold start binds them instead
+LOADING_NICENESS = 10  # while it loads, a new interpreter yields the cores to running jobs
+
+
+@dataclass
+class WarmInterpreter:
+    slot: Path
+    process: subprocess.Popen
+    limits: AttemptLimits | None
+    niced: bool
+
+    @property
+    def run_dir(self) -> Path:
+        return self.slot / "run"
+
+    @property
+    def inputs(self) -> Path:
+        return self.slot / "inputs"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def discard(self) -> None:
+        with contextlib.suppress(OSError):
+            self.process.stdin.close()  # it exits at once, unused
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, 9)
+            self.process.wait()
+        if self.limits is not None:
+            self.limits.remove()
+        shutil.rmtree(self.slot, ignore_errors=True)
+
+
+class WarmPool:
+    """Up to `size` warm interpreters, each used once and replaced in the background once its
+    attempt has ended (`fill`): loading beside a starting attempt on the CPU would take cores from
+    its threads, which wait for each other at every operation (a 5-step job ran 7 times slower)."""
+
+    def __init__(self, settings: Settings, sandbox: HostSandbox, size: int):
+        self.settings, self.sandbox, self.size = settings, sandbox, size
+        self.root = settings.resolved_work_root / "warm"
+        self.ready: list[WarmInterpreter] = []
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def fill(self) -> None:
+        """Start interpreters up to the pool's size, on a thread of their own."""
+        threading.Thread(target=self._fill, name="warm-pool", daemon=True).start()
+
+    def take(self, spec: JobSpec, memory_bytes: int | None) -> WarmInterpreter | None:
+        """A warm interpreter for an attempt of `spec`, if it can start warm and one is ready."""
+        if not self._fits(spec, memory_bytes):
+            return None
+        warm = None
+        with self.lock:
+            while self.ready and warm is None:
+                candidate = self.ready.pop(0)
+                if candidate.alive():
+                    warm = candidate
+                else:  # died while waiting (killed, out of memory): replaced once the attempt ends
+                    candidate.discard()
+        if warm is None:
+            return None
+        if memory_bytes is not None:
+            try:
+                warm.limits.set_memory(memory_bytes)
+            except OSError:  # it already holds more than the limit: a cold start fails on its own terms
+                warm.discard()
+                return None
+        if warm.niced:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PGRP, warm.process.pid, 0)
+        return warm
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            ready, self.ready = self.ready, []
+        for warm in ready:
+            warm.discard()
+
+    def _fits(self, spec: JobSpec, memory_bytes: int | None) -> bool:
+        return (
+            self.size > 0 and spec.script is None and spec.environment is None and spec.resources.nodes == 1
+            and spec.resources.device == "cpu" and (memory_bytes is None or self.sandbox.limits is not None)
+        )
+
+    def _fill(self) -> None:
+        with self.lock:
+            wanted = 0 if self.closed else self.size - len(self.ready)
+        for _ in range(wanted):
+            try:
+                warm = self._start()
+            except OSError:
+                log.exception("could not start a warm interpreter; attempts start cold")
+                return
+            with self.lock:
+                if self.closed or len(self.ready) >= self.size:
+                    warm.discard()
+                    return
+                self.ready.append(warm)
+
+    def _start(self) -> WarmInterpreter:
+        slot = self.root / uuid.uuid4().hex
+        run_dir, inputs = slot / "run", slot / "inputs"
+        run_dir.mkdir(parents=True)
+        _readable_dir(inputs)
+        command = [sys.executable, "-m", "workers.warm", f"{run_dir}/"]
+        if self.sandbox.enabled:
+            prepare_attempt(run_dir, [])
+            view = AttemptView(run_dir, ((inputs, inputs),), service_state(self.settings), host_network=False)
+            command = sandbox_command(command, run_dir, view, self.sandbox.tool)
+        limits = None
+        if self.sandbox.limits:
+            limits = AttemptLimits.create(f"trainyard-warm-{slot.name}", None, MAX_PROCESSES)
+        niced = os.geteuid() == 0  # only root can raise it back at hand-over
+        if niced:
+            command = ["nice", "-n", str(LOADING_NICENESS), *command]
+        env = {name: value for name, value in os.environ.items() if not name.startswith(SERVICE_SETTINGS_PREFIX)}
+        process = subprocess.Popen(
+            limited(command, MAX_OPEN_FILES, limits, None), cwd=run_dir, env={**env, "PYTHONUNBUFFERED": "1"},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        return WarmInterpreter(slot, process, limits, niced)
+
+
+def place_inputs(warm: WarmInterpreter, data_root: Path, data_inputs: list[str], resume_from: Path | None, plugin: Path | None) -> bool:
+    """Put an attempt's inputs where its warm interpreter reads them: the data files at their paths
+    under `inputs/data` (the attempt's data root), the checkpoint as `inputs/resume`, the custom
+    module under `inputs/plugins`. False, with nothing placed, if more than WARM_COPY_LIMIT bytes
+    would have to be copied."""
+    placements = [(data_root / relative, warm.inputs / "data" / relative) for relative in data_inputs if (data_root / relative).exists()]
+    if resume_from is not None:
+        placements.append((resume_from, warm.inputs / "resume"))
+    if plugin is not None and plugin.exists():
+        placements.append((plugin, warm.inputs / "plugins" / plugin.name))
+    files = [(source, target) for path, place in placements for source, target in _files(path.resolve(), place)]
+    device = warm.inputs.stat().st_dev
+    copies = [(source, target) for source, target in files if not _linkable(source, device)]
+    if sum(source.stat().st_size for source, _ in copies) > WARM_COPY_LIMIT:
+        return False
+    for source, target in files:
+        for directory in reversed(target.relative_to(warm.inputs).parents[:-1]):
+            _readable_dir(warm.inputs / directory)
+        if (source, target) in copies:
+            shutil.copyfile(source, target)
+            if os.geteuid() == 0:
+                os.chown(target, SANDBOX_UID, SANDBOX_GID)  # a copy is the job's own; a link stays the store's
+        else:
+            os.link(source, target)
+    return True
+
+
+def _readable_dir(path: Path) -> None:
+    """A directory the job's user may enter and list (the worker's umask may keep it private)."""
+    path.mkdir(exist_ok=True)
+    path.chmod(0o755)
+
+
+def _files(source: Path, target: Path) -> list[tuple[Path, Path]]:
+    if source.is_file():
+        return [(source, target)]
+    return [(path, target / path.relative_to(source)) for path in sorted(source.rglob("*")) if path.is_file()]
+
+
+def _linkable(path: Path, device: int) -> bool:
+    """A hard link shares the file itself: only one any user may read, on the slot's filesystem.
+    Inside, the slot's `inputs` is a read-only mount, so the job can't write through it."""
+    status = path.stat()
+    return status.st_dev == device and bool(status.st_mode & 0o004)
