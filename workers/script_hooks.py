@@ -11,7 +11,8 @@ Installed by workers/script_site/sitecustomize.py when Accelerate is imported:
   TRAINYARD_CHECKPOINT_DIR (hand_over). The worker then moves it into the artifact store (copies
   it, across filesystems), keeping its folder's name, and gives that folder back to resume from;
 - `accelerator.load_state(".../checkpoint_3")` under automatic checkpoint naming goes on naming
-  from `checkpoint_4`, as the run it resumes would have.
+  from `checkpoint_4`, as the run it resumes would have;
+- destroying the process group waits for gloo's threads first (workers/process_group_exit.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 from pathlib import Path
 
 from api_schemas.worker_protocol import CHECKPOINT_DIR_ENV
+from workers.process_group_exit import guard_process_group_exit
 
 HOOKED_MODULE = "accelerate.accelerator"
 
@@ -59,6 +61,7 @@ def patch(accelerator_class) -> None:
     if getattr(accelerator_class, "_trainyard_patched", False):
         return
     accelerator_class._trainyard_patched = True
+    guard_process_group_exit()
     original_init, original_save_state = accelerator_class.__init__, accelerator_class.save_state
     original_load_state = accelerator_class.load_state
 

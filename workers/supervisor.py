@@ -348,9 +348,7 @@ class AttemptRunner:
                 placed, run_dir, inputs / "data", inputs / "resume" if resume_from else None, rendezvous, claimed.node_rank,
                 inputs / "plugins", resume_step=claimed.resume_step,
             )
-            order = {"command": command[3:], "env": training_environment(spec, run_dir, None)}  # after `python -m accelerate.commands.launch`
-            warm.process.stdin.write(json.dumps(order).encode() + b"\n")
-            warm.process.stdin.close()
+            warm.hand_over(command[3:], training_environment(spec, run_dir, None))  # after `python -m accelerate.commands.launch`
         except OSError:  # it died meanwhile, or the inputs could not be placed: a cold start instead
             log.exception("job %s attempt %s could not start warm; starting it cold", claimed.job_id, claimed.number)
             warm.discard()

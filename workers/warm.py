@@ -10,8 +10,8 @@ environment. Accelerate's own parser and environment functions read that command
 gets exactly the environment the launcher would give it; torchrun's per-rank variables are added
 as torchrun sets them. One process runs the training here; several are forked from here, one per
 rank, each line of their output prefixed `[default<rank>]:` as torchrun's `--tee` prefixes it
-(workers/supervisor.split_rank reads it). Used once: the worker starts a fresh one meanwhile
-(workers/warm_pool.py). The slot's run directory is on the command line so that the processes
+(workers/supervisor.split_rank reads it). Used once: the worker starts a fresh one when its
+attempt ends (workers/warm_pool.py). The slot's run directory is on the command line so that the processes
 of an attempt show their directory, as a cold start's do.
 """
 
@@ -41,7 +41,9 @@ def main() -> int:
     if not line:
         return 0  # the worker let this one go unused
     order = json.loads(line)
-    os.environ.update(order["env"])  # over the sandbox's own variables, as a cold start's
+    os.environ.update(order["env"])  # what differs from this process's start (WarmInterpreter.hand_over)
+    for name in order["unset"]:
+        os.environ.pop(name, None)
     args = accelerate_launch.launch_command_parser().parse_args(order["command"])
     args, _, _ = accelerate_launch._validate_launch_command(args)
     if args.num_processes == 1:

@@ -22,6 +22,7 @@ and any attempt that finds no warm interpreter ready, start cold as before.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from api_schemas import JobSpec
@@ -43,7 +44,7 @@ from workers.sandbox import (
 log = logging.getLogger("trainyard.worker")
 
 WARM_COPY_LIMIT = 256 * 2**20  # inputs that can't be linked, copied at hand-over; past it a cold start binds them instead
-LOADING_NICENESS = 10  # while it loads, a new interpreter yields the cores to running jobs
+LOADING_NICENESS = 19  # while it loads, a new interpreter takes only the cores running jobs leave idle
 
 
 @dataclass
@@ -52,6 +53,17 @@ class WarmInterpreter:
     process: subprocess.Popen
     limits: AttemptLimits | None
     niced: bool
+    env: dict[str, str] = field(default_factory=dict)  # what it was started with (the sandbox adds its own)
+
+    def hand_over(self, command: list[str], env: dict[str, str]) -> None:
+        """Start the attempt: `command`, what follows `python -m accelerate.commands.launch` in a
+        cold start's command line, with the processes' environment `env`. Only the variables that
+        differ from its own start's are sent: the sandbox's (HOME, TMPDIR, the loopback interface)
+        stay as a cold start's sandbox sets them."""
+        changed = {name: value for name, value in env.items() if self.env.get(name) != value}
+        unset = [name for name in self.env if name not in env]
+        self.process.stdin.write(json.dumps({"command": command, "env": changed, "unset": unset}).encode() + b"\n")
+        self.process.stdin.close()
 
     @property
     def run_dir(self) -> Path:
@@ -164,11 +176,12 @@ class WarmPool:
         if niced:
             command = ["nice", "-n", str(LOADING_NICENESS), *command]
         env = {name: value for name, value in os.environ.items() if not name.startswith(SERVICE_SETTINGS_PREFIX)}
+        env["PYTHONUNBUFFERED"] = "1"
         process = subprocess.Popen(
-            limited(command, MAX_OPEN_FILES, limits, None), cwd=run_dir, env={**env, "PYTHONUNBUFFERED": "1"},
+            limited(command, MAX_OPEN_FILES, limits, None), cwd=run_dir, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        return WarmInterpreter(slot, process, limits, niced)
+        return WarmInterpreter(slot, process, limits, niced, env)
 
 
 def place_inputs(warm: WarmInterpreter, data_root: Path, data_inputs: list[str], resume_from: Path | None, plugin: Path | None) -> bool:

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from api_schemas import JobSpec, field_location
 from api_schemas.worker_protocol import EXIT_PREEMPTED
+from workers.process_group_exit import guard_process_group_exit
 from workers.training.custom import run_custom
 from workers.training.data import SpecError
 from workers.training.loop import train
@@ -38,6 +39,7 @@ def main() -> int:
     except ValidationError as exc:
         return bad_spec("; ".join(describe(error) for error in exc.errors()))
 
+    guard_process_group_exit()
     reporter = reporter_from_env()
     try:
         if spec.model.kind == "custom":
