@@ -99,6 +99,7 @@ class WarmPool:
         self.settings, self.sandbox, self.size = settings, sandbox, size
         self.root = settings.resolved_work_root / "warm"
         self.ready: list[WarmInterpreter] = []
+        self.starting = 0  # being started by `fill`, not ready yet
         self.lock = threading.Lock()
         self.closed = False
 
@@ -145,19 +146,30 @@ class WarmPool:
         )
 
     def _fill(self) -> None:
-        with self.lock:
-            wanted = 0 if self.closed else self.size - len(self.ready)
-        for _ in range(wanted):
+        while self._reserve():
             try:
                 warm = self._start()
             except OSError:
                 log.exception("could not start a warm interpreter; attempts start cold")
+                with self.lock:
+                    self.starting -= 1
                 return
             with self.lock:
-                if self.closed or len(self.ready) >= self.size:
-                    warm.discard()
-                    return
-                self.ready.append(warm)
+                self.starting -= 1
+                if not self.closed:
+                    self.ready.append(warm)
+                    continue
+            warm.discard()
+            return
+
+    def _reserve(self) -> bool:
+        """Count one more interpreter as starting, if the pool wants one: two attempts ending at
+        once ask twice, and each start costs an import of torch."""
+        with self.lock:
+            if self.closed or len(self.ready) + self.starting >= self.size:
+                return False
+            self.starting += 1
+            return True
 
     def _start(self) -> WarmInterpreter:
         slot = self.root / uuid.uuid4().hex

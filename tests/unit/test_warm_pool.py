@@ -81,3 +81,16 @@ def test_built_in_and_custom_loops_on_one_cpu_node_start_warm(tmp_path, spec, wa
     # A memory limit needs a cgroup to apply it once the attempt is known.
     assert not pool._fits(job_spec(), memory_bytes=2**30)
     assert not WarmPool(Settings(data_dir=tmp_path), HostSandbox(tool=None, unsafe=True, limits=None), size=0)._fits(spec, None)
+
+
+def test_fills_asked_at_once_start_only_what_the_pool_lacks(tmp_path, monkeypatch):
+    pool = WarmPool(Settings(data_dir=tmp_path), HostSandbox(tool=None, unsafe=True, limits=None), size=2)
+    started = []
+    monkeypatch.setattr(pool, "_start", lambda: started.append(1) or WarmInterpreter(tmp_path / str(len(started)), None, None, False))
+    pool.starting = 1  # another fill is starting one already
+    pool._fill()
+    assert len(started) == 1 and len(pool.ready) == 1 and pool.starting == 1
+    pool.starting = 0  # that other start failed: one is lacking again
+    pool._fill()
+    pool._fill()  # full now: nothing more
+    assert len(started) == 2 and len(pool.ready) == 2 and pool.starting == 0
