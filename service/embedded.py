@@ -108,12 +108,15 @@ def embedded_stack(
     }
     url = f"http://127.0.0.1:{port}"
     children: dict[str, subprocess.Popen] = {}
+    cores = host_cores(workers)
 
     def start(name: str) -> None:
         with open(log_dir / f"{name}.log", "ab") as out:
             children[name] = subprocess.Popen(
                 [sys.executable, "-m", "trainyard", *commands[name]], env=child_env, stdout=out, stderr=subprocess.STDOUT
             )
+        if name.startswith("worker-") and cores:  # before it starts any process of its own: they inherit it
+            os.sched_setaffinity(children[name].pid, cores[int(name.removeprefix("worker-"))])
 
     def restart(name: str) -> None:
         stop_children([children[name]])
@@ -131,6 +134,16 @@ def embedded_stack(
         yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart)
     finally:
         stop_children(list(children.values()))
+
+
+def host_cores(workers: int) -> list[set[int]]:
+    """Each local worker host's own share of this machine's cores, as separate machines would have
+    theirs (and each sizes its jobs' threads by its own); none to share among fewer cores than hosts."""
+    available = sorted(os.sched_getaffinity(0))
+    share = len(available) // workers
+    if workers < 2 or share < 1:
+        return []
+    return [set(available[i * share:(i + 1) * share]) for i in range(workers)]
 
 
 def stop_children(children: list[subprocess.Popen]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 
 from celery.signals import worker_shutting_down
@@ -43,6 +44,14 @@ def parse_devices(devices: str) -> tuple[str, int, dict]:
     raise ValueError(f"--devices {devices!r}: expected cpu:N, cuda:all or cuda:0,1,…")
 
 
+def cpu_threads_per_slot(device: str, slots: int) -> int | None:
+    """A CPU slot's share of the cores this worker may use (its CPU affinity: a host started on some
+    cores of a machine has those); None on a GPU host, whose processes keep the launcher's default."""
+    if device != "cpu":
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // slots)
+
+
 def run_worker(settings: Settings, host_name: str, devices: str, address: str, unsafe_no_sandbox: bool = False) -> None:
     """`address`: where the other hosts of a multi-node job reach this one. `unsafe_no_sandbox`:
     the operator's choice to run attempts unsandboxed (workers/sandbox.py)."""
@@ -71,7 +80,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
 
     warm = WarmPool(settings, sandbox, settings.warm_interpreters)
     warm.fill()
-    runner = AttemptRunner(settings, sessions, host_name, address, sandbox, warm)
+    runner = AttemptRunner(settings, sessions, host_name, address, sandbox, warm, cpu_threads_per_slot(device, slots))
 
     @app.task(name=RUN_ATTEMPT_TASK)
     def run_attempt(attempt_id: int) -> None:

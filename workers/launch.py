@@ -44,14 +44,16 @@ def working_dir(spec: JobSpec, run_dir: Path) -> Path:
 
 def launch_command(
     spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0,
-    plugin_dir: Path | None = None, resume_step: int | None = None, python: str = sys.executable,
+    plugin_dir: Path | None = None, resume_step: int | None = None, python: str = sys.executable, cpu_threads: int | None = None,
 ) -> list[str]:
     """`accelerate launch -m workers.training …` with the job's process counts and precision, for
     node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet.
     A `script` job runs `accelerate launch <entrypoint> <args>` instead (in its code directory),
     resuming with its `resume_args`' placeholders filled in (the checkpoint at `resume_step`).
-    `python`: the interpreter the launcher and the processes run (the job's environment's, if it has one)."""
-    command = _accelerate_launch(spec, run_dir, rendezvous, node_rank, python)
+    `python`: the interpreter the launcher and the processes run (the job's environment's, if it has one).
+    `cpu_threads`: each CPU process's threads, the cores of the slot it holds (the worker knows them);
+    without it, this machine's cores shared among the job's processes."""
+    command = _accelerate_launch(spec, run_dir, rendezvous, node_rank, python, cpu_threads)
     if spec.script is not None:
         args = list(spec.script.args)
         if resume_from is not None:
@@ -109,7 +111,7 @@ def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -
     return env
 
 
-def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank: int, python: str) -> list[str]:
+def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank: int, python: str, cpu_threads: int | None) -> list[str]:
     resources = spec.resources
     address, _, port = rendezvous.rpartition(":")
     command = [
@@ -123,8 +125,10 @@ def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank:
         "--dynamo_backend", "no",
     ]
     if resources.device == "cpu":
-        # Accelerate's own default thread count, passed explicitly so the launcher doesn't warn.
-        threads = max(1, (os.cpu_count() or 1) // resources.processes_per_node)
+        # Passed explicitly (the launcher warns otherwise). Never more than the cores the process's
+        # slot stands for: two 2-thread processes sharing 2 cores stepped 22x slower than 1-thread ones
+        # (each thread's barrier spins while the other process holds its core).
+        threads = cpu_threads or max(1, (os.cpu_count() or 1) // resources.processes_per_node)
         command += ["--num_cpu_threads_per_process", str(threads)]
     if spec.world_size > 1:
         # torchrun prefixes each process's output with `[default<local rank>]:` (see supervisor.split_rank).

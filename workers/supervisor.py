@@ -174,9 +174,10 @@ class EndedBeforeStart(Exception):
 class AttemptRunner:
     def __init__(
         self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None,
-        warm: WarmPool | None = None,
+        warm: WarmPool | None = None, cpu_threads: int | None = None,
     ):
         self.settings, self.sessions, self.host_name, self.address = settings, sessions, host_name, address
+        self.cpu_threads = cpu_threads  # threads of each CPU process: the cores of one slot of this host
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
         self.store = ArtifactStore(settings.resolved_artifact_root)
@@ -307,6 +308,7 @@ class AttemptRunner:
         command = launch_command(
             placed, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
             resume_step=claimed.resume_step, python=str(environment.python) if environment is not None else sys.executable,
+            cpu_threads=self.cpu_threads,
         )
         env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
         if self.sandbox.enabled:
@@ -346,7 +348,7 @@ class AttemptRunner:
             prepare_attempt(run_dir, [])  # the spec is the job's user's to read
             command = launch_command(
                 placed, run_dir, inputs / "data", inputs / "resume" if resume_from else None, rendezvous, claimed.node_rank,
-                inputs / "plugins", resume_step=claimed.resume_step,
+                inputs / "plugins", resume_step=claimed.resume_step, cpu_threads=self.cpu_threads,
             )
             warm.hand_over(command[3:], training_environment(spec, run_dir, None))  # after `python -m accelerate.commands.launch`
         except OSError:  # it died meanwhile, or the inputs could not be placed: a cold start instead

@@ -11,6 +11,8 @@ from pydantic import ValidationError
 
 from api_schemas import JobSpec
 from tests.helpers import job_spec
+from service.embedded import host_cores
+from workers.host import cpu_threads_per_slot
 from workers.launch import launch_command, script_environment, training_environment, working_dir
 
 
@@ -35,6 +37,20 @@ def test_a_two_process_job_is_one_accelerate_launch_of_the_training_entry_point_
     ]
     single = launch_command(job_spec(), tmp_path, tmp_path / "data", None, "10.0.0.1:29500")
     assert "--cpu" in single and "--multi_gpu" not in single and "--tee" not in single and "--resume-from" not in single
+
+
+def test_a_worker_gives_each_cpu_process_the_cores_of_its_slot_never_the_whole_machine(monkeypatch, tmp_path: Path):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_threads_per_slot("cpu", 8) == 1 and cpu_threads_per_slot("cpu", 2) == 4 and cpu_threads_per_slot("cpu", 16) == 1
+    assert cpu_threads_per_slot("cuda", 2) is None  # a GPU host's processes keep the launcher's count
+    command = launch_command(job_spec(), tmp_path, tmp_path / "data", None, "10.0.0.1:29500", cpu_threads=1)
+    assert command[command.index("--num_cpu_threads_per_process") + 1] == "1"
+
+
+def test_local_worker_hosts_each_get_their_own_cores_as_separate_machines_would(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert host_cores(2) == [{0, 1}, {2, 3}] and host_cores(3) == [{0}, {1}, {2}]
+    assert host_cores(1) == [] and host_cores(5) == []  # one host has them all; too few to share: unpinned
 
 
 def test_the_worker_launches_the_script_with_the_jobs_settings_in_a_clean_environment(monkeypatch, tmp_path: Path):
