@@ -66,7 +66,8 @@ def test_a_warm_start_holds_the_specs_memory_limit(tmp_path, monkeypatch):
     data_dir = tmp_path / "yard"
     with embedded_stack(data_dir, free_port(), workers=1, devices="cpu:2") as info:
         client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
-        spec = tiny_spec(**{"training.max_steps": 400, "checkpoint.every_steps": 400, "resources.memory_gb": 1.5})
+        # Far more steps than it trains before the cancel below on any machine (400 once finished first).
+        spec = tiny_spec(**{"training.max_steps": 1_000_000, "checkpoint.every_steps": 1_000_000, "resources.memory_gb": 1.5})
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
         run_dir = attempt_dir(data_dir / "work", job_id, 1)
         deadline = time.monotonic() + 120
