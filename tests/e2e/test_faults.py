@@ -66,22 +66,33 @@ def final_weights(client: httpx.Client, job_id: int) -> dict[str, torch.Tensor]:
     return load(client.get(f"/v1/checkpoints/{latest['id']}/download").content)
 
 
-def run_reference(client: httpx.Client, spec: dict) -> int:
-    """The same spec run straight through: what an interrupted job must end up identical to."""
+Reference = tuple[dict, dict[str, torch.Tensor]]  # an uninterrupted run's metric series and final weights
+_references: dict[str, Reference] = {}
+
+
+def run_reference(client: httpx.Client, spec: dict, shared_as: str | None = None) -> Reference:
+    """The same spec run straight through: what an interrupted job must end up identical to.
+    Tests whose stacks train it alike (the same hosts, so the same threads) share one run, `shared_as`."""
+    if shared_as in _references:
+        return _references[shared_as]
     reference_id = client.post("/v1/jobs", json=spec).json()["id"]
     reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"}, timeout=240)
     assert reference["status"] == "succeeded" and {a["number"] for a in reference["attempts"]} == {1}  # one try (a gang: one attempt per node)
-    return reference_id
+    series = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
+    run = (series, final_weights(client, reference_id))
+    if shared_as is not None:
+        _references[shared_as] = run
+    return run
 
 
-def assert_same_run(client: httpx.Client, job_id: int, reference_id: int, max_steps: int) -> None:
+def assert_same_run(client: httpx.Client, job_id: int, reference: Reference, max_steps: int) -> None:
     """Every step reported exactly once, recomputed steps replaced their earlier values, and the
     final weights are the uninterrupted run's, bit for bit."""
+    expected, straight = reference
     series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
-    expected = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
     assert series["train_loss"]["steps"] == list(range(1, max_steps + 1))
     assert series == expected
-    resumed, straight = final_weights(client, job_id), final_weights(client, reference_id)
+    resumed = final_weights(client, job_id)
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
 
@@ -122,7 +133,7 @@ def test_kill_9_of_a_worker_mid_job_resumes_elsewhere_with_every_step_once_and_i
     first, second = killed_and_resumed(job, host)
     assert first["status"] == "lost" and "stopped renewing its lease" in first["failure_reason"]
     assert second["host_name"] != host and second["resumed_from_step"] >= 50
-    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
+    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC, shared_as="two hosts"), 300)
 
 
 def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_one_before_it(two_host_stack, tmp_path):
@@ -154,7 +165,7 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
         assert hashlib.sha256(body.content).hexdigest() == checkpoint["sha256"] == body.headers["x-checkpoint-sha256"]
     store = tmp_path / "yard" / "artifacts" / "jobs" / str(job_id) / "checkpoints"
     assert not list(store.glob(".tmp-*"))
-    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
+    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC, shared_as="two hosts"), 300)
 
 
 def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_stack):
@@ -171,7 +182,7 @@ def test_sigterm_to_a_worker_checkpoints_requeues_and_loses_no_step(two_host_sta
     assert second["host_name"] != host
     # It stopped at a checkpoint of its own, not at the last scheduled one (every 50 steps).
     assert second["resumed_from_step"] % 50 != 0
-    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC), 300)
+    assert_same_run(client, job_id, run_reference(client, FAULT_SPEC, shared_as="two hosts"), 300)
 
 
 def training_ranks(run_dir: Path) -> list[int]:

@@ -39,9 +39,9 @@ def stack(tmp_path_factory):
     (yard / "code").mkdir(parents=True)
     shutil.copytree(EXAMPLES, yard / "code" / "examples")  # for `code.path`, under the code root
     with pytest.MonkeyPatch.context() as env:
-        # Heartbeats short enough that a checkpoint is registered within a second.
+        # Heartbeats short enough that a checkpoint is registered within a second. The lease stays
+        # the production 30 s: no test here kills a worker, and a busy machine may delay a renewal.
         env.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
-        env.setenv("TRAINYARD_LEASE_SECONDS", "6")
         with embedded_stack(yard, free_port(), workers=1, devices="cpu:2") as info:
             with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
                 yield client, info
