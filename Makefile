@@ -4,7 +4,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 PIP    := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test bench clean server-binaries
+.PHONY: demo test test-quick bench clean server-binaries
 
 # The demo needs the project; the tests also its test tools (browser driver, fuzzer).
 $(VENV)/.demo-stamp: pyproject.toml
@@ -29,11 +29,19 @@ BWRAP    := /usr/bin/bwrap
 
 # The tests use PostgreSQL at 127.0.0.1:5432 and Redis at :6379 (TRAINYARD_TEST_POSTGRES_URL and _REDIS_URL
 # name others) when they answer; else tests/private_services.py starts private ones for the run and stops them
-# after. PYTEST_ARGS narrows the run: make test PYTEST_ARGS='tests/unit -k spec'.
-PYTEST_ARGS ?=
+# after. PYTEST_ARGS narrows the run: make test PYTEST_ARGS='tests/unit -k spec'. TEST_WORKERS pytest
+# processes share the files (pytest-xdist, a file to a process: its module's stack is made once); the
+# end-to-end tests mostly wait on processes they started, so two overlap on 2 cores. TEST_WORKERS=0: one.
+PYTEST_ARGS  ?=
+TEST_WORKERS ?= 2
 
 test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) server-binaries
-	$(PYTHON) -m tests.private_services -- $(PYTHON) -m pytest $(PYTEST_ARGS)
+	$(PYTHON) -m tests.private_services -- $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+
+# The inner loop's tier: unit, service and client tests on SQLite alone (no PostgreSQL, Redis or browser
+# needed), about 2 minutes on 2 cores. `make test` stays the whole suite, and what CI runs.
+test-quick: $(VENV)/.test-stamp
+	TRAINYARD_TEST_BACKENDS=sqlite $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=10 tests/unit tests/service tests/client $(PYTEST_ARGS)
 
 # Each prints one JSON line with its peer's figure and the ratio; none asserts a time. About 5
 # minutes on 2 cores, against PostgreSQL and Redis as the tests use them. A failing one stops the run.

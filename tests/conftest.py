@@ -21,7 +21,18 @@ from tests.private_services import configured_postgres_url, configured_redis_url
 REPO = Path(__file__).resolve().parent.parent
 # TRAINYARD_TEST_POSTGRES_URL and TRAINYARD_TEST_REDIS_URL; `make test` points them at private servers when these don't answer.
 POSTGRES_ADMIN_URL = configured_postgres_url()
-REDIS_URL = configured_redis_url()
+
+
+def redis_url_of_this_process(url: str) -> str:
+    """The configured Redis, on a database of this pytest-xdist worker's own (gw0 the configured one,
+    gw1 the one below it...): the tests empty their database before and after, and a Celery broker on
+    it sees only its own stack's queues."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    base, _, db = url.rpartition("/")
+    return f"{base}/{(int(db or 0) - int(worker.removeprefix('gw'))) % 16}"
+
+
+REDIS_URL = redis_url_of_this_process(configured_redis_url())
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
 
@@ -90,13 +101,17 @@ def sqlite_url(empty_sqlite_url: str) -> str:
     return empty_sqlite_url
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+# `make test-quick` sets TRAINYARD_TEST_BACKENDS=sqlite: the inner loop's tier needs no server.
+BACKENDS = os.environ.get("TRAINYARD_TEST_BACKENDS", "sqlite,postgres").split(",")
+
+
+@pytest.fixture(params=BACKENDS)
 def database_url(request) -> str:
     """Data-layer tests run against both backends."""
     return request.getfixturevalue(f"{request.param}_url")
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=BACKENDS)
 def empty_database_url(request) -> str:
     """database_url before any migration: for tests of the migrations themselves."""
     return request.getfixturevalue(f"empty_{request.param}_url")
