@@ -140,9 +140,9 @@ def host_cores(workers: int) -> list[set[int]]:
     """Each local worker host's own share of this machine's cores, as separate machines would have
     theirs (and each sizes its jobs' threads by its own); none to share among fewer cores than hosts."""
     available = sorted(os.sched_getaffinity(0))
-    share = len(available) // workers
-    if workers < 2 or share < 1:
+    if workers < 2 or len(available) < workers:
         return []
+    share = len(available) // workers
     return [set(available[i * share:(i + 1) * share]) for i in range(workers)]
 
 

@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from service.db.models import Attempt
 from service.db.session import session_factory
-from service.embedded import embedded_stack, stop_children
+from service.embedded import embedded_stack, host_cores, stop_children
 from tests.conftest import IN_CI
 from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
@@ -39,6 +39,8 @@ def two_hosts(tmp_path, monkeypatch):
         env = {**os.environ, "TRAINYARD_DATA_DIR": str(info.data_dir)}
         with open(tmp_path / "workers.log", "ab") as log:
             workers = [start_worker(host, f"ns-{i}", "cpu:2", env, log) for i, host in enumerate(hosts)]
+        for worker, cores in zip(workers, host_cores(len(workers))):  # a core each, as machines of their own
+            os.sched_setaffinity(worker.pid, cores)
         try:
             with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
                 yield client, hosts, info.data_dir
