@@ -22,6 +22,13 @@ REPO = Path(__file__).resolve().parent.parent
 # TRAINYARD_TEST_POSTGRES_URL and TRAINYARD_TEST_REDIS_URL; `make test` points them at private servers when these don't answer.
 POSTGRES_ADMIN_URL = configured_postgres_url()
 
+# Two pytest processes run stacks side by side on cores none of their worker hosts knows the other
+# uses: OpenMP threads spinning at barriers while their peers wait for a core took the preemption
+# test from 50 s alone to 234 s in a full run (2 processes x 2 threads: 1.20 s a step spinning, 0.15 s
+# sleeping, on a loaded machine). Waiting threads sleep instead (built-in jobs' training processes
+# inherit it from their worker); it changes no result, only how threads wait.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def redis_url_of_this_process(url: str) -> str:
     """The configured Redis, on a database of this pytest-xdist worker's own (gw0 the configured one,
