@@ -126,7 +126,9 @@ def test_a_slow_upload_and_a_slow_download_delay_no_other_request_nor_the_worker
                 record_heartbeat(session, "host-a")
             slowest = max(slowest, time.monotonic() - started)
             time.sleep(0.2)
-    assert slowest < 1.0 and set(statuses) == {200}, (slowest, statuses)
+    # A request held behind either slow client would wait its whole 11 s (the upload) or ~1,000 s
+    # (the download); 1.9 s was seen on a busy 2-core machine, so the bound tells a stall from load.
+    assert slowest < 5.0 and set(statuses) == {200}, (slowest, statuses)
 
     uploading.sendall(body[-1:])
     assert response_status(uploading) == 201
