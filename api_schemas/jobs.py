@@ -423,7 +423,9 @@ class ScriptConfig(_Config):
         default_factory=dict,
         max_length=64,
         description=(
-            "Environment variables for the script, e.g. `{\"HF_HUB_OFFLINE\": \"1\"}`. Names Trainyard sets itself "
+            "Environment variables for the script, e.g. `{\"HF_HUB_OFFLINE\": \"1\"}`, given to the job's own processes "
+            "only, inside its sandbox: names that change how programs load (LD_PRELOAD, PATH, PYTHONPATH...) are allowed "
+            "and act there alone, never on the worker's programs that build the sandbox. Names Trainyard sets itself "
             "(`TRAINYARD_*`, the launcher's ACCELERATE_USE_CPU and ACCELERATE_GRADIENT_ACCUMULATION_STEPS, "
             "CUDA_VISIBLE_DEVICES, PYTHONUNBUFFERED) are refused; a PYTHONPATH comes after Trainyard's own."
         ),

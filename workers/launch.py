@@ -5,6 +5,7 @@ the supervisor (workers/supervisor.py) starts and watches the processes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -23,6 +24,9 @@ EVENTS_FILE_NAME = "events.jsonl"
 # credential (database or broker URL, tokens) reaches user code.
 SCRIPT_INHERITED_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")
 SCRIPT_SITE = Path(__file__).resolve().parent / "script_site"  # its sitecustomize.py installs workers/script_hooks.py
+
+ENTER_JOB_ENV = Path(__file__).resolve().parent / "enter_job_env.py"
+JOB_ENV_FILE_NAME = "job-env.json"  # in the attempt's directory until enter_job_env.py has read it
 
 # The service's own settings, credentials among them (TRAINYARD_DATABASE_URL, _BROKER_URL) and where
 # its state lives: no training process needs them (it reports through files).
@@ -67,6 +71,17 @@ def launch_command(
     if plugin_dir is not None:
         command += ["--plugin-dir", str(plugin_dir)]
     return command
+
+
+def enter_job_env(command: Sequence[str], run_dir: Path, env: dict[str, str]) -> list[str]:
+    """`command` started by workers/enter_job_env.py with the processes' environment `env`, written
+    for it to the attempt's directory (readable by its owner only: the job's user once the sandbox
+    has the directory). Whatever runs before it gets none of `env`."""
+    env_file = run_dir / JOB_ENV_FILE_NAME
+    env_file.unlink(missing_ok=True)
+    with open(os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        json.dump(env, file)
+    return [sys.executable, "-I", "-S", str(ENTER_JOB_ENV), str(env_file), "--", *command]
 
 
 def resume_arg(arg: str, checkpoint: Path, step: int | None) -> str:

@@ -26,6 +26,8 @@ What one attempt gets (`sandbox_command`, a pure function of its `AttemptView`):
     to meet their other nodes, and hold no credential either way (workers/launch.py);
   - its own GPUs' device nodes only, renumbered from 0 in CUDA_VISIBLE_DEVICES as CUDA numbers the
     GPUs it can open.
+The job's environment (a script's `env`: LD_PRELOAD, PATH...) is applied by the sandbox's last step,
+as the job's user (workers/enter_job_env.py): the shell, bwrap and setpriv before it run with none.
 Memory and process limits are the attempt's cgroups (workers/limits.py).
 """
 
@@ -183,7 +185,7 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
     args += ["--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--chdir", str(cwd)]
     if privileged:
         args += [
-            "setpriv", "--reuid", str(SANDBOX_UID), "--regid", str(SANDBOX_GID), "--clear-groups", "--inh-caps=-all",
+            shutil.which("setpriv") or "/usr/bin/setpriv", "--reuid", str(SANDBOX_UID), "--regid", str(SANDBOX_GID), "--clear-groups", "--inh-caps=-all",
             "--no-new-privs", "--",
         ]
     return args + list(command)

@@ -47,7 +47,9 @@ from service.db.metrics import record_metrics
 from service.db.outputs import record_output
 from service.settings import Settings
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
-from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, launch_command, training_environment, working_dir
+from workers.launch import (
+    EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
+)
 from workers.limits import AttemptLimits, limited
 from workers.sandbox import (
     MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, data_inputs, job_inputs, plugin_module, prepare_attempt, sandbox_command,
@@ -310,7 +312,9 @@ class AttemptRunner:
             resume_step=claimed.resume_step, python=str(environment.python) if environment is not None else sys.executable,
             cpu_threads=self.cpu_threads,
         )
-        env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
+        # The job's environment is applied by the last step in, as the job's user (workers/enter_job_env.py):
+        # the shell, bwrap and setpriv before it run as the worker's user with an empty one.
+        command = enter_job_env(command, run_dir, training_environment(spec, run_dir, resume_from, claimed.device_ids))
         if self.sandbox.enabled:
             inputs = prepare_attempt(run_dir, job_inputs(spec, self.settings, resume_from))
             if environment is not None:  # read-only, at its own path (made readable by all when built)
@@ -324,7 +328,7 @@ class AttemptRunner:
         if self.sandbox.limits:
             limits = AttemptLimits.create(f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}", memory_bytes, MAX_PROCESSES)
         process = subprocess.Popen(
-            limited(command, MAX_OPEN_FILES, limits, memory_bytes), cwd=cwd, env=env, stdout=subprocess.PIPE,
+            limited(command, MAX_OPEN_FILES, limits, memory_bytes), cwd=cwd, env={}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
         return run_dir, process, limits

@@ -1,15 +1,17 @@
 """A hostile user's jobs against the sandbox (workers/sandbox.py), on both backend pairs: a `script`
 job and a `custom` plugin (tests/e2e/sandbox_probe.py) try to read the token, the database, another
-user's upload and checkpoint, other processes' environments; to connect to the database, broker and
-API; to write into the service's directories; to start threads without bound. Every try fails and
-the job's logs say so; a job over its memory limit fails saying so; the worker lives on, and the
-other user's checkpoint is untouched."""
+user's upload and checkpoint, other processes' environments; to run a library of theirs outside the
+sandbox (LD_PRELOAD in the job's env); to connect to the database, broker and API; to write into the
+service's directories; to start threads without bound. Every try fails and the job's logs say so; a
+job over its memory limit fails saying so; the worker lives on, and the other user's checkpoint is
+untouched."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -23,6 +25,7 @@ from service.settings import Settings
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_scripts import upload_code
 from tests.helpers import tiny_spec
+from workers.sandbox import SANDBOX_UID
 from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(600)
@@ -108,12 +111,44 @@ def assert_the_service_is_unharmed(admin: httpx.Client, settings: Settings, chec
     assert all(host["online"] and host["sandbox"].startswith("bubblewrap") for host in admin.get("/v1/workers").json())
 
 
-def test_a_hostile_script_job_reaches_nothing_that_is_not_its_own(yard):
+# A library whose constructor runs in every program that preloads it: it says where it ran, and
+# leaves a file at a host path (which exists only outside the sandbox) if it can.
+PRELOADED_LIBRARY = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((constructor)) static void preloaded(void) {
+    char exe[512] = {0};
+    readlink("/proc/self/exe", exe, sizeof exe - 1);
+    fprintf(stderr, "PRELOADED uid=%d exe=%s\n", (int)getuid(), exe);
+    FILE *witness = fopen(getenv("WITNESS") ? getenv("WITNESS") : "/nonexistent", "a");
+    if (witness) { fprintf(witness, "uid=%d exe=%s\n", (int)getuid(), exe); fclose(witness); }
+}
+"""
+
+
+def preloaded_library(directory: Path) -> Path:
+    source, library = directory / "evil.c", directory / "evil.so"
+    source.write_text(PRELOADED_LIBRARY)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return library
+
+
+def test_a_hostile_script_job_reaches_nothing_that_is_not_its_own(yard, tmp_path):
     admin, mallory, info, settings, upload_id, job_id, checkpoint = yard
     probe_targets = targets(info, settings, upload_id, job_id, checkpoint)
-    code = upload_code(mallory, PROBE)
-    spec = {"name": "probe", "script": {"entrypoint": PROBE.name, "args": [json.dumps(probe_targets)], "code": {"upload_id": code}}}
-    assert_all_blocked(run_probe(mallory, spec), probe_targets)
+    # Its env preloads its own library: before, the worker's shell and bwrap ran it as root on the host.
+    witness = tmp_path / "preloaded-on-the-host"
+    code = upload_code(mallory, PROBE, preloaded_library(tmp_path))
+    spec = {"name": "probe", "script": {
+        "entrypoint": PROBE.name, "args": [json.dumps(probe_targets)], "code": {"upload_id": code},
+        "env": {"LD_PRELOAD": "./evil.so", "WITNESS": str(witness)},
+    }}
+    lines = run_probe(mallory, spec)
+    assert_all_blocked(lines, probe_targets)
+    assert not witness.exists(), witness.read_text()
+    preloaded = {line.partition("exe=")[0].strip() for line in lines if line.startswith("PRELOADED")}
+    assert preloaded == {f"PRELOADED uid={SANDBOX_UID}"}, lines  # applied, to the job's own processes only
     assert_the_service_is_unharmed(admin, settings, checkpoint)
 
 

@@ -1,8 +1,11 @@
-"""What an attempt's processes are started with (workers/launch.py): built from the spec alone, no process run."""
+"""What an attempt's processes are started with (workers/launch.py): built from the spec alone (one test runs the
+last step into the sandbox, workers/enter_job_env.py, to see the environment it gives)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +16,7 @@ from api_schemas import JobSpec
 from tests.helpers import job_spec
 from service.embedded import host_cores
 from workers.host import cpu_threads_per_slot
-from workers.launch import launch_command, script_environment, training_environment, working_dir
+from workers.launch import JOB_ENV_FILE_NAME, enter_job_env, launch_command, script_environment, training_environment, working_dir
 
 
 def script_job(**fields) -> JobSpec:
@@ -123,3 +126,19 @@ def test_a_scripts_own_env_reaches_it_and_trainyards_names_cannot_be_set(monkeyp
     for name in ["TRAINYARD_EVENTS_FILE", "trainyard_database_url", "CUDA_VISIBLE_DEVICES", "ACCELERATE_USE_CPU", "1BAD", "A-B"]:
         with pytest.raises(ValidationError):
             script_job(script={"entrypoint": "train.py", "code": {"path": "project"}, "env": {name: "x"}})
+
+
+def test_the_jobs_environment_reaches_only_the_command_after_the_last_step_in(tmp_path: Path):
+    # What runs before enter_job_env.py (the shell, bwrap, setpriv: the worker's user) starts with an
+    # empty environment; the job's, LD_PRELOAD and all, is given to its command alone, and its file is gone.
+    job_env = {"LD_PRELOAD": "./evil.so", "PATH": "./bin:/usr/bin", "HF_TOKEN": "hf_secret", "HOME": "/home/mallory"}
+    command = enter_job_env([sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"], tmp_path, job_env)
+    assert "hf_secret" not in " ".join(command)  # never on a command line `ps` shows
+    env_file = tmp_path / JOB_ENV_FILE_NAME
+    assert env_file.stat().st_mode & 0o077 == 0
+    job_env["LD_PRELOAD"] = ""  # a missing library would only be warned about, but keep the run quiet
+    env_file.write_text(json.dumps(job_env))
+    seen = json.loads(subprocess.run(command, env={"HOME": "/tmp"}, capture_output=True, text=True, check=True).stdout)
+    assert seen["HF_TOKEN"] == "hf_secret" and seen["PATH"] == "./bin:/usr/bin"
+    assert seen["HOME"] == "/tmp"  # what the sandbox sets itself is kept
+    assert not env_file.exists()
