@@ -73,3 +73,29 @@ def test_a_checkpoint_recorded_outside_the_artifact_store_is_a_server_error(api,
     response = api.get(f"/v1/checkpoints/{checkpoint_id}/download", headers=auth(token))
     assert_internal_error(response, caplog, ValueError)
 
+
+
+def test_every_integer_parameter_past_what_the_database_holds_is_a_422_naming_it(api, settings):
+    # `from_step=99999999999999999999` was a 500 on PostgreSQL (integer out of range). Every integer
+    # in a query, path or header of a GET route, from the schema itself, at 10**20, as an admin (who may call them all).
+    with session_factory(settings.resolved_database_url)() as session:
+        token = create_user(session, "root", is_admin=True)[1]
+    job = api.post("/v1/jobs", json=tiny_spec(), headers=auth(token)).json()["id"]
+    huge = str(10**20)
+    probed = 0
+    for path, methods in api.app.openapi()["paths"].items():
+        for parameter in methods.get("get", {}).get("parameters", []):
+            schema = parameter["schema"].get("anyOf", [parameter["schema"]])[0]
+            if schema.get("type") != "integer":
+                continue
+            url = path.replace("{" + parameter["name"] + "}", huge).replace("{job_id}", str(job))
+            url = url.replace("{checkpoint_id}", "1").replace("{sweep_id}", "1").replace("{output_id}", "1")
+            location = parameter["in"]
+            response = api.get(
+                url, params={parameter["name"]: huge} if location == "query" else None,
+                headers={**auth(token), **({parameter["name"]: huge} if location == "header" else {})},
+            )
+            assert response.status_code == 422, (url, parameter["name"], response.status_code, response.text)
+            assert parameter["name"] in {str(part) for error in response.json()["detail"] for part in error["loc"]}, response.text
+            probed += 1
+    assert probed >= 8

@@ -77,8 +77,8 @@ def get_metrics(
     session: SessionDep,
     settings: SettingsDep,
     names: Annotated[str | None, Query(max_length=1000, description="Comma-separated metric names; all when omitted.")] = None,
-    from_step: Annotated[int | None, Query(ge=0)] = None,
-    max_points: Annotated[int | None, Query(ge=3, description="Per series; spikes are kept when downsampling.")] = None,
+    from_step: Annotated[int | None, Query(ge=0, le=2**31 - 1, description="Only points at this step or later.")] = None,
+    max_points: Annotated[int | None, Query(ge=3, le=10**9, description="Per series; spikes are kept when downsampling.")] = None,
 ) -> MetricsOut:
     wanted = [n.strip() for n in names.split(",") if n.strip()] if names else None
     limit = min(max_points or settings.metrics_max_points, settings.metrics_max_points)
@@ -102,7 +102,7 @@ def get_logs(
     user: CurrentUser,
     session: SessionDep,
     settings: SettingsDep,
-    tail: Annotated[int, Query(ge=1, description="The last N lines (without `cursor`), or the page size (with it).")] = 100,
+    tail: Annotated[int, Query(ge=1, le=10**9, description="The last N lines (without `cursor`), or the page size (with it).")] = 100,
     cursor: Annotated[str | None, Query(pattern=r"^\d{1,18}$", description="`next_cursor` of a previous read: the lines after it.")] = None,
     rank: Annotated[int | None, Query(ge=0, le=1_000_000, description="Only what this process (global rank) printed.")] = None,
     follow: Annotated[
