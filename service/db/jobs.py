@@ -43,6 +43,7 @@ def create_job(
     Raises QuotaExceeded if the owner already has `max_active` active jobs."""
     by_key = select(Job).where(Job.owner_id == owner.id, Job.idempotency_key == idempotency_key)
     if idempotency_key and (existing := session.scalar(by_key)):
+        session.commit()  # hand the connection back: the caller reads next, and 30 retries at once each holding one took the pool
         return existing
     if max_active is not None:
         # Lock the owner's row so two concurrent submits can't both see room for one more job
@@ -71,7 +72,9 @@ def create_job(
             raise
         # A concurrent retry with the same key inserted first (the unique constraint decided): its job.
         session.rollback()
-        return session.scalar(by_key)
+        existing = session.scalar(by_key)
+        session.commit()
+        return existing
     state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
     ring(session)
     session.commit()

@@ -280,3 +280,23 @@ def test_a_burst_of_submits_past_the_connection_pool_is_all_admitted(server, tok
     assert [answer.status_code for answer in answers] == [201] * burst and time.monotonic() - started < 20
     listed = httpx.get(f"{server}/v1/jobs", params={"limit": 200}, headers=alice).json()["items"]
     assert {job["id"] for job in listed} == {answer.json()["id"] for answer in answers}
+
+
+def test_thirty_submits_with_one_idempotency_key_make_one_job_and_answer_every_one_with_it(server, tokens):
+    """A client retrying a submit over a flaky network may send the same key many times at once.
+    The unique (owner, key) decides which insert wins; the others wait for it and answer with its
+    job, none with a 5xx, and another user's listing meanwhile answers at once."""
+    alice, bob = auth(tokens["alice"]), auth(tokens["bob"])
+    burst = 30
+
+    async def submit_all() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(base_url=server, limits=httpx.Limits(max_connections=burst + 1), timeout=60) as client:
+            same = [client.post("/v1/jobs", json=tiny_spec(), headers={**alice, "Idempotency-Key": "retry-1"}) for _ in range(burst)]
+            *answers, listing = await asyncio.gather(*same, client.get("/v1/jobs", headers=bob))
+            return answers, listing
+
+    answers, listing = asyncio.run(submit_all())
+    assert sorted({answer.status_code for answer in answers}) in ([201], [200, 201]), [a.text for a in answers if a.status_code >= 300]
+    assert len({answer.json()["id"] for answer in answers}) == 1
+    assert listing.status_code == 200
+    assert len(httpx.get(f"{server}/v1/jobs", headers=alice).json()["items"]) == 1
