@@ -19,14 +19,16 @@ connection. It first catches up from the database, page by page, a few followers
 queue holds at most QUEUE_BATCHES batches, and a follower that falls that far behind (its client
 reads slowly) stops receiving batches and catches up from the database again, at its own pace,
 instead of being buffered for. A client that reads nothing for SEND_TIMEOUT_SECONDS is dropped (it
-resumes with Last-Event-ID).
+resumes with Last-Event-ID). A followed stream whose token stops working (rotated, revoked,
+expired) ends within seconds (service/api/stream_tokens.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -49,6 +51,10 @@ SEND_TIMEOUT_SECONDS = 60.0  # a client that takes no bytes for this long is dro
 FALLBACK_READ_SECONDS = 5.0  # with NOTIFY: how long a watcher waits for one before it reads anyway
 END = "event: end\ndata: {}\n\n"
 HEARTBEAT = ": keep-alive\n\n"  # a comment: EventSource ignores it, proxies see traffic
+
+
+async def _always() -> bool:
+    return True
 
 
 @dataclass(frozen=True)
@@ -207,9 +213,12 @@ class Feeds:
             watcher.told.set()
 
     async def stream(
-        self, source: Source, job_id: int, after: int, *, rank: int | None = None, follow: bool, heartbeat_seconds: float
+        self, source: Source, job_id: int, after: int, *, rank: int | None = None, follow: bool, heartbeat_seconds: float,
+        allowed: Callable[[], Awaitable[bool]] = _always, recheck_seconds: float = 2.0,
     ) -> AsyncIterator[str]:
-        """SSE messages of the items after `after`; without `follow`, only those there are now."""
+        """SSE messages of the items after `after`; without `follow`, only those there are now.
+        A followed stream asks `allowed` at least every `recheck_seconds` and ends, without END, once
+        it says no (its token no longer works: the client's reconnection is told why)."""
         follower = _Follower(after, rank)
         if not follow:
             async for message in self._catch_up(source, job_id, follower):
@@ -224,7 +233,7 @@ class Feeds:
         watcher.followers.add(follower)
         try:
             await watcher.started.wait()
-            while True:
+            while await allowed():
                 follower.behind = False
                 while not follower.batches.empty():  # all of it is in the database: read it there
                     follower.batches.get_nowait()
@@ -232,12 +241,18 @@ class Feeds:
                     yield message
                     if message is END:
                         return
+                quiet_since = time.monotonic()
                 while not follower.behind:
+                    if not await allowed():
+                        return
                     try:
-                        items, final = await asyncio.wait_for(follower.batches.get(), heartbeat_seconds)
+                        items, final = await asyncio.wait_for(follower.batches.get(), min(heartbeat_seconds, recheck_seconds))
                     except TimeoutError:
-                        yield HEARTBEAT
+                        if time.monotonic() - quiet_since >= heartbeat_seconds:
+                            yield HEARTBEAT
+                            quiet_since = time.monotonic()
                         continue
+                    quiet_since = time.monotonic()
                     # The batch's messages as one write: one send through the ASGI stack per batch, not per item.
                     fresh = [item for item in items if item.id > follower.after and (rank is None or item.rank == rank)]
                     if fresh:

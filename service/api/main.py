@@ -16,6 +16,7 @@ from api_schemas import field_location
 from service.admission import Refused
 from service.api.events import Feeds
 from service.api.limits import FailedAuthLimiter, StreamSlots
+from service.api.stream_tokens import StreamTokens
 from service.api.audit import AuditTrail
 from service.api.routes import audit, checkpoints, dashboard, jobs, monitoring, outputs, sweeps, tokens, uploads, usage
 from service.db.doorbell import libpq_dsn
@@ -105,6 +106,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.failed_auths = FailedAuthLimiter(settings.max_failed_auths_per_minute)
     app.state.stream_slots = StreamSlots(settings.max_streams_per_user)
     database_url = settings.resolved_database_url
+    app.state.stream_tokens = StreamTokens(read_session_factory(database_url))  # a followed stream ends when its token stops working
     app.state.feeds = Feeds(read_session_factory(database_url), settings.events_poll_seconds, listen_dsn=libpq_dsn(database_url))
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(AuditTrail, sessions=session_factory(database_url))  # a refused body is audited too

@@ -18,13 +18,13 @@ import pytest
 from sqlalchemy import select
 
 from api_schemas import AttemptStatus
-from service.db.accounts import create_user
+from service.db.accounts import create_user, revoke
 from service.db.attempts import renew_lease
 from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.hosts import record_heartbeat
 from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
-from service.db.models import Upload
+from service.db.models import Upload, User
 from service.db.session import read_session_factory, session_factory
 from tests.helpers import auth, finish_job, start_job, tiny_spec
 
@@ -300,3 +300,40 @@ def test_thirty_submits_with_one_idempotency_key_make_one_job_and_answer_every_o
     assert len({answer.json()["id"] for answer in answers}) == 1
     assert listing.status_code == 200
     assert len(httpx.get(f"{server}/v1/jobs", headers=alice).json()["items"]) == 1
+
+
+@pytest.mark.parametrize("how", ["rotated", "revoked"])
+def test_open_streams_end_within_seconds_once_their_token_is_rotated_or_revoked(server, settings, tokens, how):
+    """A stream is authenticated when it starts, and may stay open for days: a leaked token that is
+    rotated or revoked must stop delivering, not keep a follower reading the job's events and logs."""
+    alice = auth(tokens["alice"])
+    job_id = httpx.post(f"{server}/v1/jobs", json=tiny_spec(), headers=alice).json()["id"]
+    claimed = start_job(settings, job_id)
+    with session_factory(settings.resolved_database_url)() as session:
+        record_logs(session, job_id, claimed, [(i, 0, f"line {i}") for i in range(5)])
+
+    async def run() -> tuple[list[list[str]], float]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            caught_up: list[int] = []
+            urls = [f"{server}/v1/jobs/{job_id}/events", f"{server}/v1/jobs/{job_id}/logs?follow=true"]
+            streams = [asyncio.create_task(follow(client, url, alice, caught_up, [])) for url in urls]
+            while len(caught_up) < len(urls):
+                await asyncio.sleep(0.1)
+            if how == "rotated":
+                assert (await client.post(f"{server}/v1/token/rotate", headers=alice)).status_code == 200
+            else:
+                await asyncio.to_thread(revoke_user, settings, "alice")
+            cut_at = time.monotonic()
+            names = await asyncio.wait_for(asyncio.gather(*streams), 30)
+            return names, time.monotonic() - cut_at
+
+    names, took = asyncio.run(run())
+    assert took < 10, took
+    assert all("end" not in stream for stream in names), names  # cut, not ended: the job runs on
+    again = httpx.get(f"{server}/v1/jobs/{job_id}/events", headers=alice)
+    assert again.status_code == 401 and ("revoked" in again.text) == (how == "revoked"), again.text
+
+
+def revoke_user(settings, name: str) -> None:
+    with session_factory(settings.resolved_database_url)() as session:
+        revoke(session, session.scalar(select(User).where(User.name == name)))

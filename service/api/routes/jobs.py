@@ -156,5 +156,9 @@ def _event_stream(request: Request, user, source: Source, job_id: int, after: in
         slots.take(user.id)
     except TooManyStreams as exc:
         raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, str(exc), headers={"Retry-After": "5"}) from None
-    messages = request.app.state.feeds.stream(source, job_id, after, rank=rank, follow=follow, heartbeat_seconds=settings.events_heartbeat_seconds)
+    tokens = request.app.state.stream_tokens
+    messages = request.app.state.feeds.stream(
+        source, job_id, after, rank=rank, follow=follow, heartbeat_seconds=settings.events_heartbeat_seconds,
+        allowed=lambda: tokens.still_works(user), recheck_seconds=tokens.check_seconds,
+    )
     return EventStreamResponse(messages, on_close=lambda: slots.give_back(user.id))
