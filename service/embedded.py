@@ -146,15 +146,18 @@ def host_cores(workers: int) -> list[set[int]]:
     return [set(available[i * share:(i + 1) * share]) for i in range(workers)]
 
 
-def stop_children(children: list[subprocess.Popen]) -> None:
-    """SIGTERM each, then give each 20 s to exit before SIGKILL."""
+def stop_children(children: list[subprocess.Popen], grace_seconds: float = 20.0) -> None:
+    """SIGTERM each, then SIGKILL those not gone within `grace_seconds`, one deadline for all (each
+    its own 20 s in turn made a Ctrl-C of `trainyard up` on a busy machine take over a minute)."""
     for child in children:
         child.terminate()
+    deadline = time.monotonic() + grace_seconds
     for child in children:
         try:
-            child.wait(20)
+            child.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             child.kill()
+            child.wait()
 
 
 def wait_healthy(url: str, children: list[subprocess.Popen], log_dir: Path | None = None, timeout: float = 60.0) -> None:

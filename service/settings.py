@@ -118,6 +118,10 @@ class WorkerSettings(_FromEnvironment):
 
     heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
     lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
+    max_log_lines_per_attempt: int = Field(
+        1_000_000, gt=0, description="Output lines stored of one attempt (on each node); past it lines are dropped, and a line "
+        "in the job's logs says so and, at the end, how many. Lines of up to 4,000 characters each.",
+    )
     # Where a job's `environment.pip` comes from: uv's own defaults (PyPI) unless set, so a host
     # without internet access is pointed at a local mirror or a directory of wheels.
     environment_index_url: str | None = Field(None, description="The package index uv installs `environment.pip` from; None: PyPI.")

@@ -65,6 +65,15 @@ REASON_LOG_LINES = 20
 # How long a sync waits for a checkpoint being taken into the store before it renews the lease
 # anyway (a move takes milliseconds; a copy to another filesystem, and its hash, can take minutes).
 INGEST_WAIT_SECONDS = 1.0
+# What one sync stores, after it has renewed the lease: batches of at most this many lines and points,
+# for at most DELIVERY_SECONDS; a backlog goes on at the next round, so a burst of a million lines or
+# points never delays the lease, a cancel or a SIGTERM by more than that (it was 46 s past a 30 s lease).
+LINES_PER_BATCH = 5000
+POINTS_PER_BATCH = 20000
+DELIVERY_SECONDS = 1.0
+# Characters of lines waiting to be stored, at most: past it (printed faster than they can be stored,
+# or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
+MAX_PENDING_LOG_CHARS = 32 * 2**20
 
 # What an attempt came to: the status to record, and why. No status: nothing to record (lease lost).
 Outcome = tuple[AttemptStatus | None, str | None]
@@ -135,12 +144,63 @@ class Outbox:
     """What the attempt produced that the database has not stored yet."""
 
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
-    logs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (seq, rank, line)
+    logs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (seq, rank, line); add with add_line
+    log_chars: int = 0  # of the lines in `logs`
     checkpoints: Transfers = field(default_factory=Transfers)  # (directory, step, its folder in the store)
     outputs: Transfers = field(default_factory=Transfers)  # a script's (directory, name, step) to collect
 
     def empty(self) -> bool:
-        return not (self.metrics or self.logs or self.checkpoints.pending() or self.outputs.pending())
+        return not (self.backlog() or self.checkpoints.pending() or self.outputs.pending())
+
+    def backlog(self) -> bool:
+        """Metrics or lines wait to be stored."""
+        return bool(self.metrics or self.logs)
+
+    def add_line(self, seq: int, rank: int | None, line: str) -> None:
+        line = line[:MAX_LOG_LINE]
+        self.logs.append((seq, rank, line))
+        self.log_chars += len(line)
+
+    def next_lines(self, count: int) -> list[tuple[int, int | None, str]]:
+        return self.logs[:count]
+
+    def drop_lines(self, count: int) -> None:
+        """The first `count` lines are stored."""
+        self.log_chars -= sum(len(line) for _, _, line in self.logs[:count])
+        del self.logs[:count]
+
+
+class DroppedLines:
+    """Which output lines are stored: at most `budget` of an attempt (max_log_lines_per_attempt), and
+    none while MAX_PENDING_LOG_CHARS wait to be stored already. A dropped line is counted, and the
+    job's logs say when the budget is used up, and how many were dropped, where and why: never silently."""
+
+    def __init__(self, budget: int):
+        self.budget, self.kept, self.count, self.why = budget, 0, 0, ""
+
+    def take(self, pending_chars: int) -> tuple[bool, list[str]]:
+        """Whether to store the next line, with `pending_chars` waiting; and lines of the worker's to store before it."""
+        if self.kept < self.budget and pending_chars < MAX_PENDING_LOG_CHARS:
+            self.kept += 1
+            return True, self.resumed()
+        over_budget = self.kept >= self.budget
+        why = (f"over the attempt's log budget of {self.budget:,} lines (max_log_lines_per_attempt)" if over_budget
+               else f"printed faster than they could be stored ({MAX_PENDING_LOG_CHARS // 2**20} MiB of lines were waiting)")
+        notes = []
+        if why != self.why:
+            notes = self.resumed()  # those dropped for the other reason
+            if over_budget:
+                notes.append(f"trainyard: {self.budget:,} lines stored, the attempt's log budget: later lines are dropped and counted")
+            self.why = why
+        self.count += 1
+        return False, notes
+
+    def resumed(self) -> list[str]:
+        """The line saying how many were dropped since the last such line, if any were."""
+        if not self.count:
+            return []
+        line, self.count = f"trainyard: {self.count:,} lines of output dropped here: {self.why}", 0
+        return [line]
 
 
 class StallWatch:
@@ -261,7 +321,7 @@ class AttemptRunner:
         while True:
             done = wait_for([preparing], timeout=self.settings.heartbeat_seconds).done
             while not lines.empty():
-                outbox.logs.append((next(line_numbers), None, lines.get()[:MAX_LOG_LINE]))
+                outbox.add_line(next(line_numbers), None, lines.get())
             lease = self._sync(claimed, spec, outbox)
             if done:
                 break
@@ -390,19 +450,34 @@ class AttemptRunner:
                                    CorruptCheckpoint, wait)
         outbox.outputs.take_in(self.ingest, lambda source, name, step: self.store.ingest_output(source, job_id, name, step), OSError, wait)
         try:
+            # The lease first, in a transaction of its own: however much there is to store, it is on time.
             with self.sessions() as session:
-                if outbox.metrics:
-                    record_metrics(session, claimed.job_id, claimed.attempt_id, outbox.metrics)
-                    outbox.metrics = []
-                if outbox.logs:
-                    record_logs(session, claimed.job_id, claimed, outbox.logs)
-                    outbox.logs = []
-                self._record_checkpoints(session, claimed, spec, outbox)
-                self._record_outputs(session, claimed, outbox)
-                return renew_lease(session, claimed, self.settings.lease_seconds)
+                lease = renew_lease(session, claimed, self.settings.lease_seconds)
         except Exception:
             log.exception("could not reach the database for job %s; will retry", claimed.job_id)
             return None
+        try:
+            self._deliver(claimed, spec, outbox)
+        except Exception:
+            log.exception("could not store what job %s attempt %s reported; will retry", claimed.job_id, claimed.number)
+        return lease
+
+    def _deliver(self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> None:
+        """Store the outbox's metrics and lines in bounded batches for up to DELIVERY_SECONDS (a
+        batch stored is taken out of it; the rest waits for the next sync), and its checkpoints and outputs."""
+        deadline = time.monotonic() + DELIVERY_SECONDS
+        while True:
+            with self.sessions() as session:
+                if points := outbox.metrics[:POINTS_PER_BATCH]:
+                    record_metrics(session, claimed.job_id, claimed.attempt_id, points)
+                    del outbox.metrics[:len(points)]
+                if lines := outbox.next_lines(LINES_PER_BATCH):
+                    record_logs(session, claimed.job_id, claimed, lines)
+                    outbox.drop_lines(len(lines))
+                self._record_checkpoints(session, claimed, spec, outbox)
+                self._record_outputs(session, claimed, outbox)
+            if not outbox.backlog() or time.monotonic() >= deadline:
+                return
 
     def _record_checkpoints(self, session, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> None:
         """Record the checkpoints taken into the store, dropping the oldest past `keep_last`."""
@@ -457,6 +532,7 @@ class RunningAttempt:
         self.line_numbers = line_numbers or itertools.count()
         self.checkpoint_numbers = itertools.count(1)
         self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
+        self.dropped = DroppedLines(runner.settings.max_log_lines_per_attempt)
         self.stall = StallWatch(spec.training.stall_timeout_s)
         self.outputs_collected_at_end = False
         self.stalled = False
@@ -498,11 +574,21 @@ class RunningAttempt:
                 return
             if line is None:
                 self.output_done = True
+                for note in self.dropped.resumed():
+                    self._note(note)
                 return
             rank, line = split_rank(line, self.claimed.node_rank, self.spec)
             line = final_state(line)  # after the rank's prefix, which only the line's start has
-            self.outbox.logs.append((next(self.line_numbers), rank, line[:MAX_LOG_LINE]))
-            self.recent_lines.append(line[:MAX_LOG_LINE])
+            self.recent_lines.append(line[:MAX_LOG_LINE])  # the failure reason's, kept or not
+            keep, notes = self.dropped.take(self.outbox.log_chars)
+            for note in notes:
+                self._note(note)
+            if keep:
+                self.outbox.add_line(next(self.line_numbers), rank, line)
+
+    def _note(self, line: str) -> None:
+        """A line of the worker's own in the job's logs."""
+        self.outbox.add_line(next(self.line_numbers), None, line)
 
     def _take_events(self) -> None:
         """Move the metrics and checkpoints the training reported since the last round into the outbox."""
@@ -546,7 +632,7 @@ class RunningAttempt:
             else:
                 why = "a symbolic link" if source.resolve() != source else "no such directory"
                 line = f"trainyard: output {name!r} not collected: {why} in the working directory"
-                self.outbox.logs.append((next(self.line_numbers), None, line))
+                self.outbox.add_line(next(self.line_numbers), None, line)
 
     def _kill_if_stalled(self) -> None:
         # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through us, so
@@ -565,6 +651,8 @@ class RunningAttempt:
         if self.exit_code is None:
             self.outbox.metrics += self.system.sample(self.step)
         lease = self.runner._sync(self.claimed, self.spec, self.outbox)
+        if lease is not None and self.outbox.backlog():
+            self.next_sync = 0.0  # what is left of a burst goes on at the next round
         if lease is None:  # the database is out of reach: all is kept for the next sync
             return None
         if (gap := time.monotonic() - self.renewed_at) > self.runner.settings.lease_seconds / 2:

@@ -11,17 +11,26 @@ from service.db.doorbell import tell_followers
 from service.db.models import LogLine
 
 
+# Rows per INSERT: 6 parameters a row, and PostgreSQL takes at most 65,535 in one statement (a burst
+# of 11,000 lines in one INSERT failed, and was retried for ever).
+ROWS_PER_INSERT = 2000
+
+
 def record_logs(session: Session, job_id: int, attempt: ClaimedAttempt, lines: list[tuple[int, int | None, str]]) -> None:
-    """Store (seq, rank, line) triples of an attempt's output; re-sent lines are ignored."""
+    """Store (seq, rank, line) triples of an attempt's output, any number of them; re-sent lines are ignored."""
     if not lines:
         return
     lock_job_logs(session, job_id)
     insert = dialect_insert(session)
     rows = [
-        {"job_id": job_id, "attempt_id": attempt.attempt_id, "attempt_number": attempt.number, "seq": seq, "rank": rank, "line": line}
+        # PostgreSQL's text holds no NUL (a line with one would be refused, with the whole batch, every time).
+        {"job_id": job_id, "attempt_id": attempt.attempt_id, "attempt_number": attempt.number, "seq": seq, "rank": rank,
+         "line": line.replace("\0", "\ufffd")}
         for seq, rank, line in lines
     ]
-    session.execute(insert(LogLine).values(rows).on_conflict_do_nothing(index_elements=["attempt_id", "seq"]))
+    for start in range(0, len(rows), ROWS_PER_INSERT):
+        chunk = rows[start:start + ROWS_PER_INSERT]
+        session.execute(insert(LogLine).values(chunk).on_conflict_do_nothing(index_elements=["attempt_id", "seq"]))
     tell_followers(session, job_id)
     session.commit()
 

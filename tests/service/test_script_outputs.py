@@ -22,6 +22,7 @@ from service.artifacts import ArtifactStore
 from service.db.accounts import create_user
 from service.db.outputs import record_output
 from service.db.session import session_factory
+from service.settings import Settings
 from tests.helpers import auth, start_job, tiny_spec
 from workers.launch import EVENTS_FILE_NAME
 from workers.supervisor import RunningAttempt
@@ -89,7 +90,8 @@ def script_attempt(tmp_path: Path, **script) -> RunningAttempt:
     run_dir = tmp_path / "attempt-1"
     (run_dir / "code" / "out").mkdir(parents=True)
     claimed = SimpleNamespace(job_id=1, number=1, node_rank=0, resume_step=None, device_ids=None)
-    return RunningAttempt(None, claimed, spec, run_dir.resolve(), subprocess.Popen(["true"], stdout=subprocess.PIPE))
+    runner = SimpleNamespace(settings=Settings(data_dir=tmp_path))  # what of the worker's runner the attempt reads here
+    return RunningAttempt(runner, claimed, spec, run_dir.resolve(), subprocess.Popen(["true"], stdout=subprocess.PIPE))
 
 
 def test_a_checkpoint_is_progress_to_the_stall_watch_and_collects_the_outputs_when_asked(tmp_path):

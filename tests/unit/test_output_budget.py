@@ -1,0 +1,34 @@
+"""Which of an attempt's output lines the worker stores (workers/supervisor.py DroppedLines, Outbox):
+a budget per attempt and a bound on what waits to be stored, every dropped line counted and said."""
+
+from __future__ import annotations
+
+from workers.supervisor import MAX_LOG_LINE, MAX_PENDING_LOG_CHARS, DroppedLines, Outbox
+
+
+def test_past_the_budget_lines_are_dropped_with_a_line_saying_so_at_once_and_how_many_at_the_end():
+    dropped = DroppedLines(budget=3)
+    taken = [dropped.take(0) for _ in range(10)]
+    assert [keep for keep, _ in taken] == [True] * 3 + [False] * 7
+    assert [notes for _, notes in taken if notes] == [["trainyard: 3 lines stored, the attempt's log budget: later lines are dropped and counted"]]
+    assert dropped.resumed() == ["trainyard: 7 lines of output dropped here: over the attempt's log budget of 3 lines (max_log_lines_per_attempt)"]
+    assert dropped.resumed() == []  # said once
+
+
+def test_lines_printed_faster_than_they_are_stored_are_dropped_and_counted_where_they_were():
+    dropped = DroppedLines(budget=1000)
+    assert dropped.take(MAX_PENDING_LOG_CHARS) == (False, []) and dropped.take(MAX_PENDING_LOG_CHARS) == (False, [])
+    keep, notes = dropped.take(0)  # the backlog was stored meanwhile
+    assert keep and notes == ["trainyard: 2 lines of output dropped here: printed faster than they could be stored (32 MiB of lines were waiting)"]
+
+
+def test_the_outbox_counts_the_characters_waiting_and_cuts_overlong_lines():
+    outbox = Outbox()
+    outbox.add_line(0, 0, "x" * (MAX_LOG_LINE + 10))
+    outbox.add_line(1, None, "short")
+    assert outbox.log_chars == MAX_LOG_LINE + 5 and outbox.backlog()
+    assert [seq for seq, _, _ in outbox.next_lines(1)] == [0]
+    outbox.drop_lines(1)
+    assert outbox.log_chars == 5 and [line for _, _, line in outbox.logs] == ["short"]
+    outbox.drop_lines(1)
+    assert outbox.empty()
