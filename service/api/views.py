@@ -34,7 +34,8 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
         max_steps=job.planned_steps,
         priority=job.priority,
         effective_batch_size=spec.effective_batch_size,
-        restarts=job.restarts,
+        # Failures used count the last one too, after which the job was not started again.
+        restarts=min(job.restarts, spec.max_restarts),
         failure_reason=job.failure_reason,
         waiting_reason=job.waiting_reason if job.status == JobStatus.queued else None,
         created_at=job.created_at,

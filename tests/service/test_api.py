@@ -564,3 +564,15 @@ def test_a_stream_past_the_per_user_cap_gets_429(settings, tokens):
         finish_job(settings, start_job(settings, job_id))
         assert "event: end" in list(lines)
     assert api.get(f"/v1/jobs/{job_id}/events", headers=auth(tokens["alice"])).status_code == 200  # its slot is free again
+
+
+@pytest.mark.parametrize("max_restarts, failures, shown", [(0, 1, 0), (1, 1, 1), (1, 2, 1), (2, 2, 2)])
+def test_restarts_counts_the_times_a_job_was_started_again_not_its_failures(api, settings, tokens, max_restarts, failures, shown):
+    # A job with max_restarts 0 that failed once showed `restarts 1`: it was never restarted.
+    job_id = api.post("/v1/jobs", json=tiny_spec(max_restarts=max_restarts), headers=auth(tokens["alice"])).json()["id"]
+    for _ in range(failures):
+        claimed = start_job(settings, job_id)
+        with session_factory(settings.resolved_database_url)() as session:
+            finish_attempt(session, claimed, AttemptStatus.failed, "boom")
+    job = api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()
+    assert job["restarts"] == shown and job["status"] == ("failed" if failures > max_restarts else "queued"), job
