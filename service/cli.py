@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from service.embedded import embedded_stack
+from service.embedded import StackRefused, embedded_stack
 from service.settings import Settings
 from service.user_commands import add_user_commands
 from trainyard.cli import SERVER_COMMANDS
@@ -88,6 +88,14 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    try:
+        return _run_stack(args)
+    except StackRefused as refused:
+        print(f"trainyard up: {refused}", file=sys.stderr)
+        return 1
+
+
+def _run_stack(args: argparse.Namespace) -> int:
     with embedded_stack(
         Path(args.data_dir), args.port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox
     ) as stack:

@@ -5,8 +5,10 @@ given the URLs of others)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -71,6 +73,10 @@ def prepare_embedded(settings: Settings) -> str:
     return token
 
 
+class StackRefused(Exception):
+    """The stack can't start as asked; the message says why and what to do, for the user."""
+
+
 @contextlib.contextmanager
 def embedded_stack(
     data_dir: Path,
@@ -84,8 +90,49 @@ def embedded_stack(
     """API, scheduler and `workers` local worker hosts as child processes; stopped on exit.
 
     By default on SQLite and the SQLAlchemy broker transport in `data_dir`; given URLs, the same
-    processes run on PostgreSQL and Redis (the tests use this for the production backends)."""
+    processes run on PostgreSQL and Redis (the tests use this for the production backends).
+    Raises StackRefused, having started nothing, if another stack runs on `data_dir` or `port` is taken."""
     data_dir = data_dir.resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with _sole_stack_on(data_dir):
+        _refuse_taken_port(port)
+        with _running_stack(data_dir, port, workers, database_url, broker_url, devices, unsafe_no_sandbox) as info:
+            yield info
+
+
+@contextlib.contextmanager
+def _sole_stack_on(data_dir: Path) -> Iterator[None]:
+    """Hold the data directory's lock while the stack runs. A second stack on it would start a
+    second scheduler and worker under the same host names and, on exit, delete the first's hosts:
+    every job after would wait for ever, with nothing saying why."""
+    with open(data_dir / "stack.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            server = data_dir / "server"
+            where = f" at {server.read_text().strip()}" if server.exists() else ""
+            raise StackRefused(
+                f"Trainyard is already running on {data_dir}{where}: use it, or stop it first (Ctrl-C where it runs), "
+                "or start another with its own --data-dir and --port"
+            ) from None
+        yield  # the lock goes with the file's close, or with this process
+
+
+def _refuse_taken_port(port: int) -> None:
+    if port == 0:
+        return  # a free one is chosen
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise StackRefused(f"port {port} is taken (another Trainyard, or another program): choose another with --port") from None
+
+
+@contextlib.contextmanager
+def _running_stack(
+    data_dir: Path, port: int, workers: int, database_url: str | None, broker_url: str | None, devices: str | None,
+    unsafe_no_sandbox: bool,
+) -> Iterator[StackInfo]:
     overrides = {"TRAINYARD_DATA_DIR": str(data_dir)}
     if database_url:
         overrides["TRAINYARD_DATABASE_URL"] = database_url
