@@ -122,6 +122,7 @@ def _refuse_taken_port(port: int) -> None:
     if port == 0:
         return  # a free one is chosen
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a port a stack just left is free
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
