@@ -31,6 +31,8 @@ def check_spec_paths(spec: JobSpec, data_root: Path, plugin_dir: Path) -> None:
         except DatasetError as exc:
             exc.field = ("dataset", "path" if dataset.path is not None else "upload_id")
             raise
+        if dataset.kind == "text" and getattr(spec.model, "block_size", None):
+            check_fills_a_step(spec, path)
     if dataset is not None and dataset.tokenizer_file is not None:
         tokenizer_file = resolve_under_root(data_root, dataset.tokenizer_file)
         if not tokenizer_file.is_file():
@@ -39,6 +41,23 @@ def check_spec_paths(spec: JobSpec, data_root: Path, plugin_dir: Path) -> None:
         check_model_directory(data_root, spec.model.path)
     if spec.model.kind == "custom":
         check_entrypoint(plugin_dir, spec.model.entrypoint)
+
+
+def check_fills_a_step(spec: JobSpec, path: Path) -> None:
+    """The training split holds at least one optimizer step's windows. Known from the file's size
+    alone, without reading it: every tokenizer makes at most one token per byte, so size is an upper
+    bound (the worker, which tokenizes, would only fail the attempt, and each retry, saying the same)."""
+    if spec.effective_batch_size is None:
+        return
+    train_tokens = int(path.stat().st_size * (1 - spec.dataset.val_fraction))
+    windows = max(0, train_tokens - 1) // spec.model.block_size
+    if windows < spec.effective_batch_size:
+        raise DatasetError(
+            f"the dataset's training split ({train_tokens:,} bytes) makes at most {windows:,} windows of "
+            f"{spec.model.block_size} tokens, too few for one optimizer step of {spec.effective_batch_size:,} "
+            "(micro_batch_size × gradient_accumulation_steps × processes): lower it, or model.block_size",
+            ("training", "micro_batch_size"),
+        )
 
 
 def resolve_under_root(data_root: Path, relative: str) -> Path:
