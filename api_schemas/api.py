@@ -68,7 +68,10 @@ class JobOut(BaseModel):
     max_steps: int | None = Field(description="Optimizer steps the job runs; null for a script job that gave no training.max_steps.")
     priority: int
     effective_batch_size: int | None = Field(description="Samples per optimizer step, all processes; null for a script job.")
-    restarts: int = Field(description="Attempts that ended without success so far.")
+    restarts: int = Field(
+        description="Times the job was started again after an attempt failed or was lost (at most `max_restarts`); "
+        "preemptions and an attempt whose host vanished before it started are not counted."
+    )
     failure_reason: str | None
     waiting_reason: str | None = Field(None, description="While queued: what the scheduler waits for.")
     created_at: datetime
@@ -146,6 +149,10 @@ class JobEventType(str, Enum):
     status = "status"  # data: {"status", "reason"}
     metrics = "metrics"  # data: {"step", "values": {name: value}}, the points of one step as they were recorded
     checkpoint = "checkpoint"  # data: {"checkpoint_id", "step", "sha256", "size_bytes"}
+    # A checkpoint or script output the artifact store refused (a link in it, a missing manifest…):
+    # data: {"step", "what" (its folder, or the output's name), "reason"}. Not stored, so no resume from it.
+    checkpoint_refused = "checkpoint_refused"
+    output_refused = "output_refused"
 
 
 class JobEventOut(BaseModel):

@@ -350,6 +350,12 @@ class ResourcesConfig(_Config):
         description="Most host memory (RAM) the job's processes on one host may use together; past it the kernel kills "
         "them and the attempt fails saying so. None: no limit of its own.",
     )
+    max_runtime_hours: float | None = Field(
+        None, gt=0, le=8760,
+        description="Longest one attempt may run, wall clock from its start; past it the training is stopped (SIGTERM, "
+        "then SIGKILL 15 s later) and the job fails saying so, not retried. None: the service's TRAINYARD_MAX_RUNTIME_HOURS "
+        "(168 unless its operator says otherwise).",
+    )
 
     elastic: ElasticConfig | None = Field(None, description="May run on fewer processes when its full size isn't free (one node only).")
 

@@ -38,17 +38,26 @@ class CheckpointEvent(BaseModel):
     path: Path
 
 
-Event = Annotated[MetricsEvent | CheckpointEvent, Field(discriminator="type")]
+class InvalidSpecEvent(BaseModel):
+    """`{"type": "invalid_spec", "message": "training.micro_batch_size: …"}`: the training found that
+    the job's spec can't run (what admission could not see: the tokenized data, the model as built).
+    The attempt fails with this message, and the job is not retried: every attempt would fail the same."""
+
+    type: Literal["invalid_spec"] = "invalid_spec"
+    message: str
+
+
+Event = Annotated[MetricsEvent | CheckpointEvent | InvalidSpecEvent, Field(discriminator="type")]
 _EVENT = TypeAdapter(Event)
 
 
-def encode_event(event: MetricsEvent | CheckpointEvent) -> str:
+def encode_event(event: MetricsEvent | CheckpointEvent | InvalidSpecEvent) -> str:
     """One line of the events file, newline included. json.dumps, not pydantic's JSON, so a NaN
     metric is written as NaN (not null) and the line reads as it always has."""
     return json.dumps(event.model_dump(mode="json")) + "\n"
 
 
-def decode_events(data: bytes) -> tuple[list[MetricsEvent | CheckpointEvent], int]:
+def decode_events(data: bytes) -> tuple[list[MetricsEvent | CheckpointEvent | InvalidSpecEvent], int]:
     """The events in the complete lines of `data`, and how many bytes those lines take. A last line
     with no newline yet is being written: it is left for the next read. A line of a type this side
     doesn't know (a newer writer's) is skipped; a line that is no event raises ValueError."""

@@ -204,6 +204,7 @@ def stop_children(children: list[subprocess.Popen], grace_seconds: float = 20.0)
         try:
             child.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            print(f"trainyard: {' '.join(map(str, child.args[3:]))} (pid {child.pid}) did not stop within {grace_seconds:g} s; killed", file=sys.stderr)
             child.kill()
             child.wait()
 

@@ -118,6 +118,10 @@ class WorkerSettings(_FromEnvironment):
 
     heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
     lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
+    max_runtime_hours: float = Field(
+        168.0, gt=0, description="Longest an attempt runs (wall clock) when its spec doesn't say (resources.max_runtime_hours); "
+        "past it the training is stopped and the job fails saying so.",
+    )
     max_log_lines_per_attempt: int = Field(
         1_000_000, gt=0, description="Output lines stored of one attempt (on each node); past it lines are dropped, and a line "
         "in the job's logs says so and, at the end, how many. Lines of up to 4,000 characters each.",

@@ -34,14 +34,14 @@ from pathlib import Path
 
 from sqlalchemy.orm import sessionmaker
 
-from api_schemas import AttemptStatus, JobSpec
+from api_schemas import AttemptStatus, JobEventType, JobSpec
 from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
-from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, MetricsEvent, decode_events
+from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, decode_events
 from service.artifacts import ArtifactStore
 from service.uploads import UploadRefused, code_directory
 from service.db.attempts import ClaimedAttempt, Lease, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
-from service.db.checkpoints import record_checkpoint
+from service.db.checkpoints import record_checkpoint, record_refused
 from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
 from service.db.outputs import record_output
@@ -75,6 +75,11 @@ DELIVERY_SECONDS = 1.0
 # or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
 MAX_PENDING_LOG_CHARS = 32 * 2**20
 
+class FinalReason(str):
+    """Why an attempt failed, when no retry can mend it (the training found the job's spec can't
+    run): its job fails at once instead of being retried."""
+
+
 # What an attempt came to: the status to record, and why. No status: nothing to record (lease lost).
 Outcome = tuple[AttemptStatus | None, str | None]
 
@@ -91,7 +96,7 @@ class EventTail:
     def __init__(self, path: Path):
         self.path, self.offset = path, 0
 
-    def read(self) -> list[MetricsEvent | CheckpointEvent]:
+    def read(self) -> list[MetricsEvent | CheckpointEvent | InvalidSpecEvent]:
         try:  # not through a link: the file is the job's, and this process may read more than it
             with open(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
                 f.seek(self.offset)
@@ -115,6 +120,8 @@ class Transfers:
     items: list = field(default_factory=list)
     taking: Future | None = None  # the first item's take into the store
     taken: list[tuple] = field(default_factory=list)  # (item, what its take returned), not recorded yet
+    refused: list[tuple] = field(default_factory=list)  # (item, why the store refused it), not recorded yet
+    last_refused: str | None = None  # why the latest item was refused, if it was
 
     def take_in(self, pool: ThreadPoolExecutor, take: Callable, unfit: type[Exception], wait: bool) -> None:
         while self.items:
@@ -124,13 +131,16 @@ class Transfers:
                 return
             try:
                 self.taken.append((self.items[0], self.taking.result()))
-            except unfit:
-                log.exception("%s cannot be stored; skipped", self.items[0][0])
+                self.last_refused = None
+            except unfit as exc:
+                log.warning("%s cannot be stored: %s", self.items[0][0], exc)
+                self.refused.append((self.items[0], str(exc)))
+                self.last_refused = str(exc)
             self.taking = None
             self.items.pop(0)
 
     def pending(self) -> bool:
-        return bool(self.items or self.taken)
+        return bool(self.items or self.taken or self.refused)
 
     def record(self, record: Callable) -> None:
         while self.taken:
@@ -146,6 +156,7 @@ class Outbox:
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     logs: list[tuple[int, int | None, str]] = field(default_factory=list)  # (seq, rank, line); add with add_line
     log_chars: int = 0  # of the lines in `logs`
+    line_numbers: itertools.count = field(default_factory=itertools.count)  # each line's seq in the attempt
     checkpoints: Transfers = field(default_factory=Transfers)  # (directory, step, its folder in the store)
     outputs: Transfers = field(default_factory=Transfers)  # a script's (directory, name, step) to collect
 
@@ -156,9 +167,9 @@ class Outbox:
         """Metrics or lines wait to be stored."""
         return bool(self.metrics or self.logs)
 
-    def add_line(self, seq: int, rank: int | None, line: str) -> None:
+    def add_line(self, rank: int | None, line: str) -> None:
         line = line[:MAX_LOG_LINE]
-        self.logs.append((seq, rank, line))
+        self.logs.append((next(self.line_numbers), rank, line))
         self.log_chars += len(line)
 
     def next_lines(self, count: int) -> list[tuple[int, int | None, str]]:
@@ -279,13 +290,13 @@ class AttemptRunner:
 
     def _supervise(self, claimed: ClaimedAttempt) -> Outcome:
         spec = JobSpec.model_validate(claimed.spec)
-        outbox, line_numbers = Outbox(), itertools.count()  # the environment's install log comes first
+        outbox = Outbox()  # the environment's install log comes first
         environment = None
         try:
             try:
                 if refusal := self.sandbox.refusal(spec):  # before anything is installed for it
                     raise CannotStart(refusal)
-                environment = self._prepare_environment(claimed, spec, outbox, line_numbers)
+                environment = self._prepare_environment(claimed, spec, outbox)
                 run_dir, process, limits = self._start(claimed, spec, environment)
             except CannotStart as exc:
                 if not outbox.empty():
@@ -294,7 +305,7 @@ class AttemptRunner:
             except EndedBeforeStart as exc:
                 return exc.outcome
             try:
-                return RunningAttempt(self, claimed, spec, run_dir, process, limits, outbox, line_numbers).supervise()
+                return RunningAttempt(self, claimed, spec, run_dir, process, limits, outbox).supervise()
             finally:
                 if limits is not None:
                     limits.remove()
@@ -305,7 +316,7 @@ class AttemptRunner:
                 self.warm.fill()  # replace the interpreter this attempt may have used, now that it no longer needs the cores
 
     def _prepare_environment(
-        self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, line_numbers: itertools.count
+        self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox
     ) -> Environment | None:
         """The job's `environment.pip` environment, cached or built, held in use. It is made on a
         thread of its own while this one forwards its install log to the job's logs and renews the
@@ -321,7 +332,7 @@ class AttemptRunner:
         while True:
             done = wait_for([preparing], timeout=self.settings.heartbeat_seconds).done
             while not lines.empty():
-                outbox.add_line(next(line_numbers), None, lines.get())
+                outbox.add_line(None, lines.get())
             lease = self._sync(claimed, spec, outbox)
             if done:
                 break
@@ -476,6 +487,7 @@ class AttemptRunner:
                     outbox.drop_lines(len(lines))
                 self._record_checkpoints(session, claimed, spec, outbox)
                 self._record_outputs(session, claimed, outbox)
+                self._record_refused(session, claimed, outbox)
             if not outbox.backlog() or time.monotonic() >= deadline:
                 return
 
@@ -497,6 +509,18 @@ class AttemptRunner:
 
         outbox.outputs.record(record)
 
+    def _record_refused(self, session, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """What the store refused, as an event of the job and a line in its logs: never dropped silently."""
+        for transfers, kind in ((outbox.checkpoints, JobEventType.checkpoint_refused), (outbox.outputs, JobEventType.output_refused)):
+            while transfers.refused:
+                (source, *rest), reason = transfers.refused[0]
+                # A checkpoint is (directory, step, folder); an output (directory, name, step).
+                step, what = (rest[0], rest[1]) if kind is JobEventType.checkpoint_refused else (rest[1], rest[0])
+                record_refused(session, claimed.job_id, kind, step, what, reason)
+                noun = "checkpoint" if kind is JobEventType.checkpoint_refused else "output"
+                outbox.add_line(None, f"trainyard: {noun} {what!r} (step {step}) refused by the artifact store, not stored: {reason}")
+                transfers.refused.pop(0)
+
     def _finish(self, claimed: ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
         if outcome is None:
             log.warning("job %s attempt %s: %s", claimed.job_id, claimed.number, reason)
@@ -505,7 +529,7 @@ class AttemptRunner:
         while True:
             try:
                 with self.sessions() as session:
-                    ended = finish_attempt(session, claimed, outcome, reason)
+                    ended = finish_attempt(session, claimed, outcome, reason, retry=not isinstance(reason, FinalReason))
                 log.info("job %s attempt %s %s%s", claimed.job_id, claimed.number, outcome.value, "" if ended else " (too late: lease lost)")
                 return
             except Exception:
@@ -520,7 +544,7 @@ class RunningAttempt:
 
     def __init__(
         self, runner: AttemptRunner, claimed: ClaimedAttempt, spec: JobSpec, run_dir: Path, process: subprocess.Popen,
-        limits: AttemptLimits | None = None, outbox: Outbox | None = None, line_numbers: itertools.count | None = None,
+        limits: AttemptLimits | None = None, outbox: Outbox | None = None,
     ):
         self.runner, self.claimed, self.spec, self.run_dir, self.process = runner, claimed, spec, run_dir, process
         self.limits = limits
@@ -529,10 +553,13 @@ class RunningAttempt:
         threading.Thread(target=_pump_lines, args=(process.stdout, self.lines, self.output), daemon=True).start()
         self.events = EventTail(run_dir / EVENTS_FILE_NAME)
         self.outbox = outbox or Outbox()  # with what the attempt logged before its processes started
-        self.line_numbers = line_numbers or itertools.count()
         self.checkpoint_numbers = itertools.count(1)
         self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
         self.dropped = DroppedLines(runner.settings.max_log_lines_per_attempt)
+        self.invalid_spec: str | None = None  # what the training said is wrong with the spec, if it did
+        self.started_at = time.monotonic()
+        self.max_runtime_s = (spec.resources.max_runtime_hours or runner.settings.max_runtime_hours) * 3600
+        self.over_time: str | None = None  # why it was stopped for running too long, once it was
         self.stall = StallWatch(spec.training.stall_timeout_s)
         self.outputs_collected_at_end = False
         self.stalled = False
@@ -558,6 +585,7 @@ class RunningAttempt:
             self._take_output()
             self._take_events()
             self._kill_if_stalled()
+            self._stop_if_over_time()
             self._collect_outputs_at_end()
             if (ended := self._sync_if_due()) is not None:
                 return ended
@@ -584,15 +612,18 @@ class RunningAttempt:
             for note in notes:
                 self._note(note)
             if keep:
-                self.outbox.add_line(next(self.line_numbers), rank, line)
+                self.outbox.add_line(rank, line)
 
     def _note(self, line: str) -> None:
         """A line of the worker's own in the job's logs."""
-        self.outbox.add_line(next(self.line_numbers), None, line)
+        self.outbox.add_line(None, line)
 
     def _take_events(self) -> None:
         """Move the metrics and checkpoints the training reported since the last round into the outbox."""
         for event in self.events.read():
+            if isinstance(event, InvalidSpecEvent):
+                self.invalid_spec = event.message
+                continue
             self.stall.progressed()  # a script that never calls accelerator.log shows its progress by its checkpoints
             self.step = max(self.step, event.step)
             if isinstance(event, MetricsEvent):
@@ -632,7 +663,7 @@ class RunningAttempt:
             else:
                 why = "a symbolic link" if source.resolve() != source else "no such directory"
                 line = f"trainyard: output {name!r} not collected: {why} in the working directory"
-                self.outbox.add_line(next(self.line_numbers), None, line)
+                self.outbox.add_line(None, line)
 
     def _kill_if_stalled(self) -> None:
         # A hung rank (a dead collective peer, a stuck read) keeps the lease alive through us, so
@@ -641,6 +672,15 @@ class RunningAttempt:
             log.warning("job %s attempt %s: %s", self.claimed.job_id, self.claimed.number, self.stall.reason)
             _stop(self.process, grace_seconds=0)
             self.stalled = True
+
+    def _stop_if_over_time(self) -> None:
+        # Bounded by default: a job that never ends (a loop without max_steps, a hung script that
+        # still prints) would hold its devices for ever.
+        if self.exit_code is None and self.over_time is None and time.monotonic() - self.started_at > self.max_runtime_s:
+            hours = self.max_runtime_s / 3600
+            self.over_time = f"max runtime: ran {hours:g} h (resources.max_runtime_hours, or the service's TRAINYARD_MAX_RUNTIME_HOURS)"
+            log.warning("job %s attempt %s: %s; stopping it", self.claimed.job_id, self.claimed.number, self.over_time)
+            _stop(self.process)
 
     def _sync_if_due(self) -> Outcome | None:
         """Every heartbeat, and every round once the processes are done: deliver the outbox and
@@ -694,10 +734,16 @@ class RunningAttempt:
         time.sleep(max(0.0, woke + 0.1 - time.monotonic()))
 
     def _outcome(self) -> Outcome:
+        if self.exit_code == 0 and (refused := self.outbox.checkpoints.last_refused):
+            # Its work would be lost with it: no resume, no download of the end of the run. The job's own
+            # code made it so, and would again: not retried.
+            return AttemptStatus.failed, FinalReason(f"its last checkpoint was refused by the artifact store: {refused}")
         if self.exit_code == 0:
             return AttemptStatus.succeeded, None
         if self.stalled:
             return AttemptStatus.failed, self.stall.reason
+        if self.over_time is not None:
+            return AttemptStatus.failed, FinalReason(self.over_time)
         if self.limits is not None and self.limits.oom_kills():
             limit = self.spec.resources.memory_gb
             over = f"went over its limit of {limit:g} GB (resources.memory_gb)" if limit else "ran out of memory"
@@ -706,6 +752,8 @@ class RunningAttempt:
         # itself), so what counts is that we asked for the stop, not the code we got back.
         if self.preempted_because or self.exit_code == EXIT_PREEMPTED:
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
+        if self.invalid_spec is not None:
+            return AttemptStatus.failed, FinalReason(f"invalid job spec: {self.invalid_spec}")
         tail = "\n".join(self.recent_lines)
         return AttemptStatus.failed, f"training process exited with code {self.exit_code}; last output:\n{tail}"
 

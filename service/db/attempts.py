@@ -114,13 +114,16 @@ def renew_lease(session: Session, attempt: ClaimedAttempt, lease_seconds: float)
     return Lease(held=result.rowcount == 1, cancel_requested=cancel, preempt_requested=preempt)
 
 
-def finish_attempt(session: Session, claimed: ClaimedAttempt, outcome: AttemptStatus, reason: str | None = None) -> bool:
-    """Record the end of our attempt; False if we had already lost it."""
+def finish_attempt(
+    session: Session, claimed: ClaimedAttempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True
+) -> bool:
+    """Record the end of our attempt; False if we had already lost it. `retry=False`: a failure no
+    retry can mend, the job fails at once (see state.end_attempt)."""
     attempt = session.get(Attempt, claimed.attempt_id)
     if attempt is None or attempt.lease_owner != claimed.lease_owner or attempt.status != AttemptStatus.running:
         session.rollback()
         return False
-    ended = state.end_attempt(session, attempt.job, attempt, outcome, reason)
+    ended = state.end_attempt(session, attempt.job, attempt, outcome, reason, retry=retry)
     session.commit()
     return ended
 

@@ -40,6 +40,12 @@ def record_checkpoint(
     return [c.path for c in stale if c.path != path]
 
 
+def record_refused(session: Session, job_id: int, kind: JobEventType, step: int | None, what: str, reason: str) -> None:
+    """A checkpoint or output the artifact store refused, as an event of the job its owner sees."""
+    state.append_events(session, job_id, [(kind, {"step": step, "what": what, "reason": reason})])
+    session.commit()
+
+
 def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
     return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id)))
 

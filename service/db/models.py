@@ -31,9 +31,9 @@ class UTCDateTime(TypeDecorator):
         return value
 
 
-def _enum_column(enum_type):
+def _enum_column(enum_type, length: int = 16):
     # Stored as the plain value string (no native enum type to migrate), loaded back as the enum.
-    return Enum(enum_type, native_enum=False, length=16, values_callable=lambda e: [m.value for m in e])
+    return Enum(enum_type, native_enum=False, length=length, values_callable=lambda e: [m.value for m in e])
 
 
 # SQLite has no BIGSERIAL; BigInteger primary keys only autoincrement there as INTEGER.
@@ -300,7 +300,7 @@ class JobEvent(Base):
     __tablename__ = "job_events"
     job_id: Mapped[int] = mapped_column(BigId, primary_key=True, doc="No foreign key: every write updates the job row first (migration 0006).")
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
-    type: Mapped[JobEventType] = mapped_column(_enum_column(JobEventType))
+    type: Mapped[JobEventType] = mapped_column(_enum_column(JobEventType, length=32))  # 32 since migration 0017
     data: Mapped[dict] = mapped_column(JSON)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 

@@ -195,7 +195,9 @@ def move_attempt(
     return True
 
 
-def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptStatus, reason: str | None = None) -> bool:
+def end_attempt(
+    session: Session, job: Job, attempt: Attempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True
+) -> bool:
     """Record how an attempt ended and decide what its job does next.
 
     succeeded → job succeeded (a multi-node gang: once every node has). Any other end of one node
@@ -204,8 +206,9 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
     stop. cancelled, or any end of a job whose cancel was requested → job cancelled. Any other end
     of a job its sweep pruned (see request_prune) → job pruned. preempted →
     queued again, using no restart (the job did nothing wrong). failed or lost → queued again
-    while restarts remain, else failed with the attempt's reason. A queued job resumes from its
-    latest complete checkpoint.
+    while restarts remain, else failed with the attempt's reason; failed with `retry=False` (the
+    job's own spec can't run: every attempt would fail the same) → failed at once, using no restart.
+    A queued job resumes from its latest complete checkpoint.
     """
     if not move_attempt(session, attempt, outcome, reason=reason):
         return False
@@ -230,10 +233,12 @@ def end_attempt(session: Session, job: Job, attempt: Attempt, outcome: AttemptSt
         return move_job(session, job, JobStatus.pruned, reason=job.prune_reason)
     if outcome == AttemptStatus.preempted:
         return move_job(session, job, JobStatus.queued, reason=f"attempt {attempt.number} preempted: {reason}")
+    which = f"attempt {attempt.number}" + (f" node {attempt.node_rank}" if gang else "")
+    if not retry:
+        return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}, not retried: {reason}")
     # An attempt that never started used no restart: its host vanished before it claimed it.
     if attempt.started_at is not None:
         job.restarts += 1
-    which = f"attempt {attempt.number}" + (f" node {attempt.node_rank}" if gang else "")
     if job.restarts <= job.spec.get("max_restarts", 0):
         return move_job(session, job, JobStatus.queued, reason=f"retrying after {which}: {reason}")
     return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}: {reason}")

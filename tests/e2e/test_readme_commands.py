@@ -162,7 +162,12 @@ def test_every_readme_command_runs_as_written(clone: Path, tmp_path: Path):
         assert (clone / "model.safetensors").stat().st_size > 0 and (clone / "model-2.safetensors").stat().st_size > 0
 
         os.killpg(up.pid, signal.SIGINT)  # "Ctrl-C stops everything": to the terminal's whole foreground group
-        assert up.wait(60) == 0, up_log.read_text()
+        try:
+            assert up.wait(60) == 0, up_log.read_text()
+        except subprocess.TimeoutExpired:  # which process holds it up, and what each said last
+            left = subprocess.run(["ps", "-o", "pid,stat,etime,args", "-g", str(up.pid)], capture_output=True, text=True).stdout
+            logs = {log.name: log.read_text()[-1500:] for log in (clone / ".trainyard" / "logs").glob("*.log")}
+            raise AssertionError(f"`trainyard up` still running 60 s after Ctrl-C:\n{left}\n{up_log.read_text()}\n{logs}") from None
         assert port_is_free(8000), "`trainyard up` left its API running"
     finally:
         if up is not None and up.poll() is None:

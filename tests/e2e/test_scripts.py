@@ -214,3 +214,31 @@ def test_a_script_runs_across_two_worker_hosts(tmp_path, monkeypatch):
             assert len({a["host_name"] for a in job["attempts"]}) == 2
             assert client.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]["train_loss"]["steps"] == [1, 2, 3, 4, 5, 6]
             assert [c["step"] for c in client.get(f"/v1/jobs/{job['id']}/checkpoints").json()] == [3, 6]
+
+
+REFUSED_CHECKPOINT = '''
+import json, os, pathlib
+checkpoint = pathlib.Path("ckpt").resolve()
+checkpoint.mkdir()
+(checkpoint / "weights.bin").write_bytes(b"x" * 10)
+os.symlink("/etc/passwd", checkpoint / "passwd")  # no manifest, and a link: the store takes neither
+with open(os.environ["TRAINYARD_EVENTS_FILE"], "a") as events:
+    events.write(json.dumps({"type": "checkpoint", "step": 5, "path": str(checkpoint)}) + "\\n")
+print("saved")
+'''
+
+
+def test_a_checkpoint_the_store_refuses_is_an_event_and_a_log_line_and_the_job_does_not_claim_success(stack, tmp_path):
+    client, _ = stack
+    script = tmp_path / "refused.py"
+    script.write_text(REFUSED_CHECKPOINT)
+    spec = {"name": "refused", "script": {"entrypoint": script.name, "code": {"upload_id": upload_code(client, script)}}, "max_restarts": 2}
+    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "failed" and "not retried: its last checkpoint was refused by the artifact store" in job["failure_reason"], job
+    assert len(job["attempts"]) == 1  # its own code made it so, and would again
+    events = [json.loads(line.removeprefix("data: ")) for line in client.get(f"/v1/jobs/{job['id']}/events", params={"follow": False}).text.splitlines()
+              if line.startswith("data: ") and "checkpoint_refused" in line]
+    assert [(event["data"]["step"], event["data"]["what"]) for event in events] == [(5, "attempt-1.1/ckpt")], events
+    lines = [line["line"] for line in client.get(f"/v1/jobs/{job['id']}/logs").json()["lines"]]
+    assert any(line.startswith("trainyard: checkpoint 'attempt-1.1/ckpt' (step 5) refused by the artifact store") for line in lines), lines
+    assert client.get(f"/v1/jobs/{job['id']}/checkpoints").json() == []

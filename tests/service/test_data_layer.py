@@ -142,6 +142,16 @@ def test_restarts_exhausted_fail_the_job_with_the_attempt_reason(sessions, setti
         assert "boom" in job.failure_reason
 
 
+def test_a_failure_no_retry_can_mend_fails_the_job_at_once_with_restarts_left(sessions, settings):
+    job_id = queue_job(sessions, max_restarts=3)
+    claimed = place_and_claim(sessions, settings)
+    with sessions() as session:
+        assert finish_attempt(session, claimed, AttemptStatus.failed, "invalid job spec: too few windows", retry=False)
+        job = session.get(Job, job_id)
+        assert job.status == JobStatus.failed and job.restarts == 0
+        assert job.failure_reason == "attempt 1 failed, not retried: invalid job spec: too few windows"
+
+
 def test_cancel_reaches_a_running_attempt_through_its_lease(sessions, settings):
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)

@@ -4,9 +4,10 @@ retry shows no failure."""
 
 from __future__ import annotations
 
-from api_schemas import AttemptStatus, JobStatus
+from api_schemas import AttemptStatus, JobEventType, JobStatus
 from service.db.attempts import claim_attempt, finish_attempt
-from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.checkpoints import list_checkpoints, record_checkpoint, record_refused
+from service.db.jobs import job_events_after
 from service.db.models import Job
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
@@ -66,3 +67,14 @@ def test_a_progress_bar_line_keeps_only_what_a_terminal_would_show_last():
     assert final_state(" 10%|#  | 1/10\r 50%|#####  | 5/10\r100%|#########| 10/10") == "100%|#########| 10/10"
     assert final_state("done 100%\r") == "done 100%"  # a bar that ends with its carriage return
     assert final_state("plain line") == "plain line"
+
+
+def test_a_refused_checkpoint_is_an_event_of_the_job_and_resumes_nothing(settings):
+    sessions = session_factory(settings.resolved_database_url)
+    claimed = start_job(settings, queue_job(sessions))
+    with sessions() as session:
+        record_refused(session, claimed.job_id, JobEventType.checkpoint_refused, 50, "a1.1/step_50", "unreadable manifest")
+        events = job_events_after(session, claimed.job_id, 0, 100)
+        assert list_checkpoints(session, claimed.job_id) == []
+    refused = [(event.type, event.data) for event in events if event.type is not JobEventType.status]
+    assert refused == [(JobEventType.checkpoint_refused, {"step": 50, "what": "a1.1/step_50", "reason": "unreadable manifest"})]

@@ -15,9 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from api_schemas import JobSpec
+from api_schemas import AttemptStatus, JobSpec
 from api_schemas.manifest import MANIFEST_FILE, verify_manifest
-from api_schemas.worker_protocol import CheckpointEvent, encode_event
+from api_schemas.worker_protocol import CheckpointEvent, InvalidSpecEvent, encode_event
 from service.artifacts import ArtifactStore
 from service.db.accounts import create_user
 from service.db.outputs import record_output
@@ -25,7 +25,7 @@ from service.db.session import session_factory
 from service.settings import Settings
 from tests.helpers import auth, start_job, tiny_spec
 from workers.launch import EVENTS_FILE_NAME
-from workers.supervisor import RunningAttempt
+from workers.supervisor import FinalReason, RunningAttempt
 
 
 @pytest.fixture
@@ -82,16 +82,17 @@ def test_the_latest_collection_replaces_the_one_before_and_downloads_whole_to_it
     assert api.get(f"/v1/jobs/{job_id}/outputs/elsewhere", headers=auth(tokens["alice"])).status_code == 404
 
 
-def script_attempt(tmp_path: Path, **script) -> RunningAttempt:
+def script_attempt(tmp_path: Path, command: tuple[str, ...] = ("true",), resources: dict | None = None, **script) -> RunningAttempt:
     spec = JobSpec.model_validate({
-        "name": "saves-only", "training": {"stall_timeout_s": 60},
+        "name": "saves-only", "training": {"stall_timeout_s": 60}, "resources": resources or {},
         "script": {"entrypoint": "train.py", "code": {"path": "code"}, **script},
     })
     run_dir = tmp_path / "attempt-1"
     (run_dir / "code" / "out").mkdir(parents=True)
     claimed = SimpleNamespace(job_id=1, number=1, node_rank=0, resume_step=None, device_ids=None)
     runner = SimpleNamespace(settings=Settings(data_dir=tmp_path))  # what of the worker's runner the attempt reads here
-    return RunningAttempt(runner, claimed, spec, run_dir.resolve(), subprocess.Popen(["true"], stdout=subprocess.PIPE))
+    process = subprocess.Popen(list(command), stdout=subprocess.PIPE, start_new_session=True)
+    return RunningAttempt(runner, claimed, spec, run_dir.resolve(), process)
 
 
 def test_a_checkpoint_is_progress_to_the_stall_watch_and_collects_the_outputs_when_asked(tmp_path):
@@ -106,3 +107,23 @@ def test_a_checkpoint_is_progress_to_the_stall_watch_and_collects_the_outputs_wh
     assert attempt.outbox.outputs.items == [(attempt.run_dir / "code" / "out", "out", 50)]
     [(_, rank, line)] = attempt.outbox.logs
     assert rank is None and line == "trainyard: output 'never-written' not collected: no such directory in the working directory"
+
+
+def test_a_spec_the_training_found_it_cannot_run_fails_the_attempt_for_good(tmp_path):
+    attempt = script_attempt(tmp_path)
+    (attempt.run_dir / EVENTS_FILE_NAME).write_text(encode_event(InvalidSpecEvent(message="training.micro_batch_size: too few")))
+    attempt._take_events()
+    attempt.exit_code = 2
+    status, reason = attempt._outcome()
+    assert status == AttemptStatus.failed and isinstance(reason, FinalReason)  # finished with retry=False
+    assert reason == "invalid job spec: training.micro_batch_size: too few"
+
+
+def test_an_attempt_past_its_max_runtime_is_stopped_and_fails_for_good(tmp_path):
+    attempt = script_attempt(tmp_path, ("sleep", "600"), resources={"max_runtime_hours": 0.0001})  # 0.36 s
+    time.sleep(0.5)
+    attempt._stop_if_over_time()
+    attempt.exit_code = attempt.process.wait(5)
+    status, reason = attempt._outcome()
+    assert status == AttemptStatus.failed and isinstance(reason, FinalReason)
+    assert reason.startswith("max runtime: ran 0.0001 h (resources.max_runtime_hours"), reason

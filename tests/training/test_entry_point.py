@@ -1,4 +1,5 @@
-"""`python -m workers.training`: JSONL events under TRAINYARD_EVENTS_FILE, exit 2 with one line on a spec that cannot run."""
+"""`python -m workers.training`: JSONL events under TRAINYARD_EVENTS_FILE, exit 2 with one line (and an
+`invalid_spec` event, for what only the training can find) on a spec that cannot run."""
 
 from __future__ import annotations
 
@@ -75,4 +76,8 @@ def test_a_spec_that_cannot_run_exits_2_with_one_line_naming_the_field(data_root
     assert done.returncode == 2, done.stderr[-3000:]
     assert len(done.stderr.strip().splitlines()) == 1 and field in done.stderr, done.stderr
     assert "Traceback" not in done.stderr + done.stdout
-    assert read_events(events_file) == []  # no step, no checkpoint
+    # No step, no checkpoint. What only the training could find (the corpus) it also tells the worker, which then
+    # fails the job without retrying it; a spec the schema refuses never got past submit.
+    events = read_events(events_file)
+    assert all(event["type"] == "invalid_spec" and field in event["message"] for event in events), events
+    assert len(events) == (1 if overrides.get("dataset.path") else 0), events

@@ -24,8 +24,8 @@ def test_lines_printed_faster_than_they_are_stored_are_dropped_and_counted_where
 
 def test_the_outbox_counts_the_characters_waiting_and_cuts_overlong_lines():
     outbox = Outbox()
-    outbox.add_line(0, 0, "x" * (MAX_LOG_LINE + 10))
-    outbox.add_line(1, None, "short")
+    outbox.add_line(0, "x" * (MAX_LOG_LINE + 10))
+    outbox.add_line(None, "short")
     assert outbox.log_chars == MAX_LOG_LINE + 5 and outbox.backlog()
     assert [seq for seq, _, _ in outbox.next_lines(1)] == [0]
     outbox.drop_lines(1)

@@ -18,7 +18,7 @@ from workers.process_group_exit import guard_process_group_exit
 from workers.training.custom import run_custom
 from workers.training.data import SpecError
 from workers.training.loop import train
-from workers.training.reporter import reporter_from_env
+from workers.training.reporter import Reporter, reporter_from_env
 
 EXIT_BAD_SPEC = 2
 
@@ -47,7 +47,7 @@ def main() -> int:
         else:
             result = train(spec, args.data_root, args.run_dir, reporter, args.resume_from)
     except SpecError as exc:
-        return bad_spec(str(exc))
+        return bad_spec(str(exc), reporter)
     finally:
         reporter.close()
     return EXIT_PREEMPTED if result.preempted else 0
@@ -59,8 +59,11 @@ def describe(error: dict) -> str:
     return f"{field}: {error['msg']}" if field else error["msg"].removeprefix("Value error, ")
 
 
-def bad_spec(message: str) -> int:
+def bad_spec(message: str, reporter: Reporter | None = None) -> int:
+    """Say so on stderr, and to the worker (which then fails the job without retrying it)."""
     print(f"error: invalid job spec: {message}", file=sys.stderr)
+    if reporter is not None:
+        reporter.invalid_spec(message)
     return EXIT_BAD_SPEC
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from api_schemas.worker_protocol import EVENTS_FILE_ENV, CheckpointEvent, MetricsEvent, encode_event
+from api_schemas.worker_protocol import EVENTS_FILE_ENV, CheckpointEvent, InvalidSpecEvent, MetricsEvent, encode_event
 
 
 class Reporter(Protocol):
@@ -22,6 +22,8 @@ class Reporter(Protocol):
     def metrics(self, step: int, values: dict[str, float]) -> None: ...
 
     def checkpoint(self, step: int, path: Path) -> None: ...
+
+    def invalid_spec(self, message: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -56,6 +58,9 @@ class JsonlReporter:
     def checkpoint(self, step: int, path: Path) -> None:
         self._write(CheckpointEvent(step=step, path=path.resolve()))
 
+    def invalid_spec(self, message: str) -> None:
+        self._write(InvalidSpecEvent(message=message))
+
     def close(self) -> None:
         self._file.close()
 
@@ -83,6 +88,9 @@ class ConsoleReporter:
 
     def checkpoint(self, step: int, path: Path) -> None:
         print(f"step {step}: checkpoint saved to {path}", flush=True)
+
+    def invalid_spec(self, message: str) -> None:
+        pass  # bad_spec prints it
 
     def close(self) -> None:
         pass
