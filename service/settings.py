@@ -122,6 +122,10 @@ class WorkerSettings(_FromEnvironment):
         168.0, gt=0, description="Longest an attempt runs (wall clock) when its spec doesn't say (resources.max_runtime_hours); "
         "past it the training is stopped and the job fails saying so.",
     )
+    failed_attempt_retention_hours: float = Field(
+        24.0, ge=0, description="How long a worker keeps the directory of a failed or lost attempt for someone to look into; "
+        "others' are removed 10 minutes after they end (workers/attempt_dirs.py).",
+    )
     max_log_lines_per_attempt: int = Field(
         1_000_000, gt=0, description="Output lines stored of one attempt (on each node); past it lines are dropped, and a line "
         "in the job's logs says so and, at the end, how many. Lines of up to 4,000 characters each.",

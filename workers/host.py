@@ -75,12 +75,12 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
                     record_heartbeat(session, host_name)
             except Exception:
                 log.exception("heartbeat failed; retrying")
-
-    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()
+            runner.ended_attempts.sweep()
 
     warm = WarmPool(settings, sandbox, settings.warm_interpreters)
     warm.fill()
     runner = AttemptRunner(settings, sessions, host_name, address, sandbox, warm, cpu_threads_per_slot(device, slots))
+    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()  # also sweeps ended attempts' directories
 
     @app.task(name=RUN_ATTEMPT_TASK)
     def run_attempt(attempt_id: int) -> None:

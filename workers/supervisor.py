@@ -46,6 +46,7 @@ from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
 from service.db.outputs import record_output
 from service.settings import Settings
+from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
 from workers.launch import (
     EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
@@ -254,6 +255,7 @@ class AttemptRunner:
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
         self.store = ArtifactStore(settings.resolved_artifact_root)
+        self.ended_attempts = EndedAttempts(settings.failed_attempt_retention_hours)  # their directories, removed in time
         # Checkpoints are taken into the store off the supervising thread: one copied to another
         # filesystem and hashed can take longer than a lease lasts, and must not keep it from renewal.
         self.ingest = ThreadPoolExecutor(max_workers=4, thread_name_prefix="checkpoint-ingest")
@@ -285,6 +287,12 @@ class AttemptRunner:
         log.info("running job %s attempt %s (resume from step %s)", claimed.job_id, claimed.number, claimed.resume_step)
         outcome, reason = self._supervise(claimed)
         self._finish(claimed, outcome, reason)
+        self.ended_attempts.ended(self._run_dir(claimed), outcome)
+        self.ended_attempts.sweep()
+
+    def _run_dir(self, claimed: ClaimedAttempt) -> Path:
+        node_rank = claimed.node_rank if claimed.spec["resources"].get("nodes", 1) > 1 else None
+        return attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
 
     # -- the attempt's life ----------------------------------------------------------------------
 
@@ -351,8 +359,7 @@ class AttemptRunner:
         """The attempt's directory, and its processes launched in it once node 0 of the job has
         started (in the job's own Python `environment` if it has one), with their cgroups if this
         host has them. Raises CannotStart if they can't be launched here."""
-        node_rank = claimed.node_rank if spec.resources.nodes > 1 else None
-        run_dir = attempt_dir(self.settings.resolved_work_root, claimed.job_id, claimed.number, node_rank)
+        run_dir = self._run_dir(claimed)
         resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
         rendezvous = self._wait_for_node_0(claimed)
         if rendezvous is None:
