@@ -25,10 +25,12 @@ demo: $(VENV)/.demo-stamp
 
 # Real programs some tests drive, from Debian's packages: Chromium for the dashboard page (never
 # `playwright install`'s download), nginx for downloads behind the shipped proxy config, bubblewrap
-# for the sandbox every attempt runs in (workers/sandbox.py).
+# for the sandbox every attempt runs in (workers/sandbox.py), nftables for the control plane's ports
+# closed to multi-node jobs (workers/egress.py).
 CHROMIUM := /usr/bin/chromium
 NGINX    := /usr/sbin/nginx
 BWRAP    := /usr/bin/bwrap
+NFT      := /usr/sbin/nft
 
 # The tests use PostgreSQL at 127.0.0.1:5432 and Redis at :6379 (TRAINYARD_TEST_POSTGRES_URL and _REDIS_URL
 # name others) when they answer; else tests/private_services.py starts private ones for the run and stops them
@@ -38,7 +40,7 @@ BWRAP    := /usr/bin/bwrap
 PYTEST_ARGS  ?=
 TEST_WORKERS ?= 2
 
-test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) server-binaries
+test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) $(NFT) server-binaries
 	$(PYTHON) -m tests.private_services -- $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The inner loop's tier: unit, service and client tests on SQLite alone (no PostgreSQL, Redis or browser
@@ -64,6 +66,9 @@ $(NGINX):
 
 $(BWRAP):
 	$(call apt_install,bubblewrap)
+
+$(NFT):
+	$(call apt_install,nftables)
 
 # PostgreSQL's and Redis's server programs: for the private servers above and the restart tests' own.
 # Debian keeps initdb off PATH, in /usr/lib/postgresql/<version>/bin.

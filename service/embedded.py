@@ -5,6 +5,7 @@ given the URLs of others)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import fcntl
 import os
 import shutil
@@ -140,6 +141,8 @@ def _running_stack(
     if broker_url:
         overrides["TRAINYARD_BROKER_URL"] = broker_url
     token = prepare_embedded(Settings(data_dir=data_dir, database_url=database_url, broker_url=broker_url))
+    # The workers close the API's port to multi-node jobs, as the database's and broker's (workers/egress.py).
+    overrides["TRAINYARD_CONTROL_PLANE_PORTS"] = json.dumps([port] if port else [])
     child_env = {**os.environ, **overrides}
     log_dir = data_dir / "logs"
     log_dir.mkdir(exist_ok=True)

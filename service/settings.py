@@ -118,6 +118,10 @@ class WorkerSettings(_FromEnvironment):
 
     heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
     lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
+    control_plane_ports: list[int] = Field(
+        [8000], description="Ports of the service's own (its API's; the database's and broker's are read from their URLs) "
+        "that a root worker closes to jobs keeping the host's network (multi-node gangs), on any address (workers/egress.py).",
+    )
     max_runtime_hours: float = Field(
         168.0, gt=0, description="Longest an attempt runs (wall clock) when its spec doesn't say (resources.max_runtime_hours); "
         "past it the training is stopped and the job fails saying so.",

@@ -14,6 +14,7 @@ from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make
 from service.settings import Settings
 from workers.sandbox import HostSandbox
 from workers.supervisor import AttemptRunner
+from workers.egress import close_control_plane, open_control_plane
 from workers.warm_pool import WarmPool
 
 log = logging.getLogger("trainyard.worker")
@@ -58,7 +59,10 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     device, slots, info = parse_devices(devices)
     sandbox = HostSandbox.detect(unsafe_no_sandbox)
     info["sandbox"] = sandbox.describe()
-    (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, sandbox.describe())
+    # A gang keeps the host's network: only a root worker can close the service's ports to its jobs' user.
+    if sandbox.enabled and os.geteuid() == 0 and (closed := close_control_plane(settings, host_name)):
+        info["sandbox"] += f"; a multi-node job's network: {closed}"
+    (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, info["sandbox"])
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
     sessions = session_factory(settings.resolved_database_url)
@@ -113,3 +117,4 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     )
     stop.set()
     warm.close()
+    open_control_plane(host_name)

@@ -23,7 +23,8 @@ What one attempt gets (`sandbox_command`, a pure function of its `AttemptView`):
     checkpoint it resumes from); one the job's user id can't read is copied into the attempt first;
     the job's `environment.pip` virtualenv, if it has one (workers/environments.py);
   - single-node jobs: a network namespace with loopback only; multi-node jobs keep the host's network
-    to meet their other nodes, and hold no credential either way (workers/launch.py);
+    to meet their other nodes, the service's ports closed to them (workers/egress.py), and hold no
+    credential either way (workers/launch.py);
   - its own GPUs' device nodes only, renumbered from 0 in CUDA_VISIBLE_DEVICES as CUDA numbers the
     GPUs it can open.
 The job's environment (a script's `env`: LD_PRELOAD, PATH...) is applied by the sandbox's last step,

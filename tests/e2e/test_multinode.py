@@ -1,12 +1,15 @@
 """A 2-node job across two worker hosts of the running stack (separate worker processes, each its
 own host, meeting over gloo at node 0's address) trains like the same job as 1 node × 2 processes,
 a cancel stops every rank of it on every host, and preempting one of its nodes stops both at one
-checkpoint and resumes them there."""
+checkpoint and resumes them there; its processes meet, but can't reach the service's database,
+broker or API (workers/egress.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sqlite3
 import time
 from pathlib import Path
@@ -19,6 +22,7 @@ import torch
 from service.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.e2e.test_faults import FAULT_SPEC, final_weights, stack_pids_matching, wait_until_training
+from tests.e2e.test_scripts import upload_code
 from tests.helpers import spec_dict, tiny_spec
 from workers.supervisor import free_port
 
@@ -210,3 +214,40 @@ def alive(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return running
+
+
+GANG_PROBE = '''
+import json, os, socket, sys
+for name, port in json.loads(sys.argv[1]).items():
+    probe = socket.socket()
+    probe.settimeout(3)
+    try:
+        probe.connect(("127.0.0.1", port))
+        print(f"REACHED {name} from rank {os.environ.get('RANK')}")
+    except OSError as exc:
+        print(f"BLOCKED {name} from rank {os.environ.get('RANK')}: {exc}")
+'''
+
+
+def test_a_two_node_jobs_processes_meet_but_cannot_reach_the_control_plane(tmp_path, postgres_url, redis_url):
+    # A gang keeps the host's network to meet its other node: before, its processes logged in to
+    # PostgreSQL as superuser and shut both workers down through Redis. Its launchers still meet
+    # (torchrun's rendezvous between the nodes), and a port of no service stays reachable.
+    script = tmp_path / "gang_probe.py"
+    script.write_text(GANG_PROBE)
+    with socket.socket() as elsewhere:
+        elsewhere.bind(("127.0.0.1", 0))
+        elsewhere.listen(8)
+        with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1", database_url=postgres_url, broker_url=redis_url) as info:
+            with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+                targets = {"PostgreSQL": 5432, "Redis": 6379, "the API": int(info.url.rpartition(":")[2]), "a port of no service": elsewhere.getsockname()[1]}
+                spec = {"name": "gang-probe", "resources": {"nodes": 2}, "max_restarts": 0,
+                        "script": {"entrypoint": script.name, "args": [json.dumps(targets)], "code": {"upload_id": upload_code(client, script)}}}
+                job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+                lines = [line["line"] for line in client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 1000}).json()["lines"]]
+                assert job["status"] == "succeeded", (job["failure_reason"], lines)
+                said = {line.partition(":")[0] for line in lines if line.startswith(("REACHED", "BLOCKED"))}
+                expected = {f"BLOCKED {name} from rank {rank}" for name in ("PostgreSQL", "Redis", "the API") for rank in (0, 1)}
+                expected |= {f"REACHED a port of no service from rank {rank}" for rank in (0, 1)}
+                assert said == expected, lines
+                assert all("closed to jobs" in host["sandbox"] for host in client.get("/v1/workers").json())
