@@ -82,3 +82,18 @@ def test_dockerfile_copies_every_package_the_project_installs():
     dockerfile = (REPO / "Dockerfile").read_text()
     for package in ("api_schemas", "service", "workers", "trainyard", "data"):
         assert f"COPY {package} {package}" in dockerfile
+
+
+def test_the_shipped_deployments_give_the_service_no_superuser_and_a_redis_that_asks_for_a_password():
+    # A job that reached the database logged in as superuser (compose's POSTGRES_USER is one) and made itself admin.
+    services = compose()["services"]
+    postgres, redis = services["postgres"], services["redis"]
+    assert "POSTGRES_USER" not in postgres["environment"]  # the image's own `postgres` superuser, not the service's role
+    database_url = services["api"]["environment"]["TRAINYARD_DATABASE_URL"]
+    assert database_url.startswith("postgresql+psycopg://trainyard:${TRAINYARD_DB_PASSWORD:?")
+    init = REPO / postgres["volumes"][1].split(":")[0]
+    assert "NOSUPERUSER" in init.read_text() and "OWNER trainyard" in init.read_text()
+    assert "--requirepass" in redis["command"] and "redis://:${TRAINYARD_REDIS_PASSWORD:?" in services["api"]["environment"]["TRAINYARD_BROKER_URL"]
+    [secret] = [doc for doc in kubernetes() if doc["kind"] == "Secret"]
+    assert secret["stringData"]["TRAINYARD_BROKER_URL"].startswith("redis://:")
+    assert "NOSUPERUSER" in (REPO / "deploy/kubernetes/trainyard.yaml").read_text()
