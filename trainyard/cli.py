@@ -12,7 +12,7 @@ import os
 import sys
 
 from trainyard.account_cli import add_account_commands
-from trainyard.client_cli import EXIT_FAILED, add_client_commands
+from trainyard.client_cli import EXIT_FAILED, add_client_commands, add_connection_options
 from trainyard.compare_cli import add_compare_command
 from trainyard.sweep_cli import add_sweep_commands
 
@@ -30,6 +30,7 @@ SERVER_CLI = "service.cli"  # named, not imported: importing the client must not
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainyard", description="Run distributed PyTorch training jobs.")
+    add_connection_options(parser)  # before the command too: `trainyard --server URL ls`
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, help in SERVER_COMMANDS.items():
         subparsers.add_parser(name, help=help, add_help=False)  # listed; main() hands their arguments to SERVER_CLI
@@ -44,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SERVER_COMMANDS:
         return run_server_command(argv)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in SERVER_COMMANDS:  # reached only with options before it
+        parser.error(f"`trainyard {args.command}` is a server command: give its options after it, and no --server or --token")
     try:
         return args.func(args)
     except BrokenPipeError:  # `trainyard ls | head`: the reader has gone, which is no error of ours

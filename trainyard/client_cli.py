@@ -223,6 +223,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     with connect(args) as client:
         checkpoints = client.checkpoints(args.id)
+        if not checkpoints:
+            job = client.job(args.id)
+            why = "yet" if not job.status.is_final else f"(it ended {job.status.value} without one)"
+            print(f"job {args.id} has no checkpoints {why}")
+            return 0
     print_table(
         ["ID", "STEP", "SIZE", "SHA256", "CREATED"],
         [[c.id, c.step, human_bytes(c.size_bytes), c.sha256[:16], local_time(c.created_at)] for c in checkpoints],
@@ -230,8 +235,20 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spec(args: argparse.Namespace) -> int:
+    """The job's spec as stored, as YAML (or JSON): what to edit and submit again."""
+    with connect(args) as client:
+        spec = client.job(args.id).spec.model_dump(mode="json", exclude_none=True)
+    print(json.dumps(spec, indent=2) if args.json else yaml.safe_dump(spec, sort_keys=False), end="" if not args.json else "\n")
+    return 0
+
+
 def cmd_download(args: argparse.Namespace) -> int:
     if args.state:
+        if args.output and Path(args.output).suffix in (".tar", ".gz", ".tgz", ".zip", ".safetensors"):
+            print(f"error: --state unpacks the checkpoint's folder, verified, into a directory: -o names that directory, "
+                  f"and {args.output!r} looks like a file's name", file=sys.stderr)
+            return EXIT_BAD_INPUT
         with connect(args) as client:
             directory = client.download_state(args.checkpoint_id, Path(args.output or "."))
         print(f"saved {directory}/ (every file verified against its manifest)")
@@ -321,14 +338,22 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
     return run
 
 
+def add_connection_options(parser: argparse.ArgumentParser, default=None) -> None:
+    parser.add_argument(
+        "--server", default=default, help="API URL (default: $TRAINYARD_SERVER, the config file's server:, or http://127.0.0.1:8000)"
+    )
+    parser.add_argument(
+        "--token", default=default,
+        help="bearer token (default: $TRAINYARD_TOKEN, the config file's token:, or the token file of `trainyard up`)",
+    )
+
+
 def add_client_commands(subparsers) -> argparse.ArgumentParser:
     """The client's commands; returns the parser of the connection options they all take."""
-    # Every client command takes the connection options, so they work after the command name.
+    # Every client command takes the connection options, so they work after the command name as
+    # before it (`trainyard --token X ls`): unset here they keep what the top level read.
     connection = argparse.ArgumentParser(add_help=False)
-    connection.add_argument("--server", help="API URL (default: $TRAINYARD_SERVER, the config file's server:, or http://127.0.0.1:8000)")
-    connection.add_argument(
-        "--token", help="bearer token (default: $TRAINYARD_TOKEN, the config file's token:, or the token file of `trainyard up`)"
-    )
+    add_connection_options(connection, default=argparse.SUPPRESS)
 
     def command(name: str, handler: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
         parser = subparsers.add_parser(name, help=help, parents=[connection])
@@ -380,6 +405,10 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
 
     command("cancel", cmd_cancel, "cancel a job").add_argument("id", type=int)
     command("checkpoints", cmd_checkpoints, "list a job's checkpoints").add_argument("id", type=int)
+
+    spec = command("spec", cmd_spec, "print a job's spec, to edit and submit again")
+    spec.add_argument("id", type=int)
+    spec.add_argument("--json", action="store_true", help="JSON instead of YAML")
 
     download = command("download", cmd_download, "download a checkpoint's model.safetensors, verified by sha256")
     download.add_argument("checkpoint_id", type=int)

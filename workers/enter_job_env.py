@@ -1,6 +1,6 @@
-"""The last step into an attempt: give its command the job's environment, then become it.
+"""The last step into an attempt: give its command the job's environment, then run it.
 
-    python -I -S enter_job_env.py ENV_FILE -- COMMAND...
+    python -I -S enter_job_env.py [--init] ENV_FILE -- COMMAND...
 
 Why a step of its own: a job's environment is the user's (`script.env` may name LD_PRELOAD, PATH,
 PYTHONPATH...), so nothing that runs before the sandbox has dropped to the job's user may see it:
@@ -8,27 +8,50 @@ not the shell that enters the cgroups, not bwrap, not setpriv (they run as the w
 root on most hosts, and LD_PRELOAD would run the user's library in each). The worker starts them
 with an empty environment and writes the job's to ENV_FILE in the attempt's directory (not on a
 command line, where every user of the host could read its tokens in `ps`); this program runs last,
-as the job's user inside the sandbox, reads the file, removes it and execs COMMAND with that
+as the job's user inside the sandbox, reads the file, removes it and runs COMMAND with that
 environment, plus what the sandbox itself set (HOME, TMPDIR, its GPUs, its network interface),
 which the job can't override.
+
+`--init`: this process is PID 1 of the attempt's PID namespace (bwrap --as-pid-1). It runs COMMAND
+as its child, reaps whatever is left to it, and exits with COMMAND's status as soon as COMMAND
+ends: the kernel then kills every other process of the namespace. Bubblewrap's own PID 1 would
+wait for all of them: a script's daemonised helper kept a finished job `running` for minutes, and
+its worker from stopping. Signals are the training's: SIGTERM reaches COMMAND through the process
+group, and this process only outlives it (as PID 1 it would otherwise ignore them). Without
+`--init` it becomes COMMAND (exec).
 
 Standard library only and run with -I -S: it must not import anything of the job's environment.
 """
 
 import json
 import os
+import signal
 import sys
 
 
 def main(argv: list[str]) -> None:
-    env_file, separator, *command = argv
+    init = argv[:1] == ["--init"]
+    env_file, separator, *command = argv[1:] if init else argv
     if separator != "--" or not command:
-        sys.exit("usage: enter_job_env.py ENV_FILE -- COMMAND...")
+        sys.exit("usage: enter_job_env.py [--init] ENV_FILE -- COMMAND...")
     with open(env_file) as file:
         env = json.load(file)
     os.unlink(env_file)  # read once: it must not stay among the attempt's files (outputs, checkpoints)
     env.update(os.environ)  # the sandbox's own (bwrap --setenv): the job doesn't override those
-    os.execvpe(command[0], command, env)
+    if not init:
+        os.execvpe(command[0], command, env)
+    for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(stop, lambda *_: None)  # a handler, not SIG_IGN, which the command would inherit
+    child = os.fork()
+    if child == 0:
+        try:
+            os.execvpe(command[0], command, env)
+        finally:
+            os._exit(127)  # only if the exec failed
+    while True:
+        pid, status = os.wait()  # orphans of the namespace are reaped here too
+        if pid == child:
+            sys.exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
 
 
 if __name__ == "__main__":

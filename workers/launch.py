@@ -73,15 +73,16 @@ def launch_command(
     return command
 
 
-def enter_job_env(command: Sequence[str], run_dir: Path, env: dict[str, str]) -> list[str]:
+def enter_job_env(command: Sequence[str], run_dir: Path, env: dict[str, str], init: bool = False) -> list[str]:
     """`command` started by workers/enter_job_env.py with the processes' environment `env`, written
     for it to the attempt's directory (readable by its owner only: the job's user once the sandbox
-    has the directory). Whatever runs before it gets none of `env`."""
+    has the directory). Whatever runs before it gets none of `env`. `init`: it is the PID namespace's
+    first process, and the namespace ends with `command` (see there)."""
     env_file = run_dir / JOB_ENV_FILE_NAME
     env_file.unlink(missing_ok=True)
     with open(os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
         json.dump(env, file)
-    return [sys.executable, "-I", "-S", str(ENTER_JOB_ENV), str(env_file), "--", *command]
+    return [sys.executable, "-I", "-S", str(ENTER_JOB_ENV), *(["--init"] if init else []), str(env_file), "--", *command]
 
 
 def resume_arg(arg: str, checkpoint: Path, step: int | None) -> str:

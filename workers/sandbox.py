@@ -99,6 +99,7 @@ class AttemptView:
     hidden: tuple[Path, ...]
     host_network: bool
     gpus: tuple[int, ...] = ()
+    command_is_init: bool = False  # the command is the PID namespace's first process (workers/enter_job_env.py --init)
 
 
 def job_inputs(spec: JobSpec, settings: Settings, resume_from: Path | None) -> list[Path]:
@@ -164,6 +165,8 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
     all inside), and bwrap dies of it at once; with that flag its death would SIGKILL the training
     before it could save its checkpoint. The group's SIGKILL ends the PID namespace, and with it all."""
     args = [tool, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if view.command_is_init:
+        args.append("--as-pid-1")  # not bwrap's own PID 1, which would wait for every process left, daemons too
     if not view.host_network:
         # Loopback only: the processes meet there, whatever interface the host told them to use.
         args += ["--unshare-net", "--setenv", "GLOO_SOCKET_IFNAME", "lo", "--setenv", "NCCL_SOCKET_IFNAME", "lo"]

@@ -392,14 +392,15 @@ class AttemptRunner:
         )
         # The job's environment is applied by the last step in, as the job's user (workers/enter_job_env.py):
         # the shell, bwrap and setpriv before it run as the worker's user with an empty one.
-        command = enter_job_env(command, run_dir, training_environment(spec, run_dir, resume_from, claimed.device_ids))
+        env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
+        command = enter_job_env(command, run_dir, env, init=self.sandbox.enabled)
         if self.sandbox.enabled:
             inputs = prepare_attempt(run_dir, job_inputs(spec, self.settings, resume_from))
             if environment is not None:  # read-only, at its own path (made readable by all when built)
                 inputs += ((environment.path, environment.path),)
             view = AttemptView(
                 run_dir, inputs, service_state(self.settings),
-                host_network=spec.resources.nodes > 1, gpus=tuple(claimed.device_ids or ()),
+                host_network=spec.resources.nodes > 1, gpus=tuple(claimed.device_ids or ()), command_is_init=True,
             )
             command = sandbox_command(command, cwd, view, self.sandbox.tool)
         limits = None

@@ -106,6 +106,10 @@ def test_server_errors_exit_1_with_the_reason(trainyard):
     assert trainyard("status", "7") == (1, "", "error: job not found (HTTP 404)\n")
     code, _, err = trainyard("ls", "--server", "http://127.0.0.1:9", "--token", "x")  # the options override the env
     assert (code, err) == (1, "error: cannot reach Trainyard at http://127.0.0.1:9 — is `trainyard up` running?\n")
+    # Before the command too (`trainyard --token X ls` was "invalid choice: 'X'"); after it, it wins.
+    code, _, err = trainyard("--server", "http://127.0.0.1:9", "--token", "x", "ls")
+    assert (code, err) == (1, "error: cannot reach Trainyard at http://127.0.0.1:9 — is `trainyard up` running?\n")
+    assert trainyard("--server", "http://127.0.0.1:9", "status", "7", "--server", "http://127.0.0.1:10")[2].endswith("127.0.0.1:10 — is `trainyard up` running?\n")
 
 
 def test_ls_lists_the_newest_jobs(trainyard, tmp_path):
@@ -169,3 +173,20 @@ def test_compare_prints_the_spec_fields_that_differ_and_the_final_metrics_side_b
     assert lines[1].split("  ")[0] == "SPEC FIELD" and first in lines[1] and second in lines[1]
     assert lines[2].split() == ["optimizer.lr", "0.001", "0.003"] and not lines[3]  # the one field that differs
     assert [line.split() for line in lines[5:]] == [["eval_loss", "2.75", "2"], ["train_loss", "2.5", "1.75"]]
+
+
+def test_download_state_into_a_file_name_is_refused_saying_what_o_names(trainyard, tmp_path):
+    # `download --state -o x.tar` made a directory named x.tar.
+    code, _, err = trainyard("download", "1", "--state", "-o", str(tmp_path / "x.tar"))
+    assert code == 2 and "-o names that directory" in err and not (tmp_path / "x.tar").exists()
+
+
+def test_spec_prints_a_jobs_spec_that_submits_again_and_checkpoints_says_when_there_are_none(trainyard, tmp_path):
+    (tmp_path / "job.json").write_text(json.dumps(tiny_spec(**{"optimizer.lr": 0.003})))
+    job_id = trainyard("submit", str(tmp_path / "job.json"))[1].split()[2]
+    code, out, _ = trainyard("spec", job_id)
+    assert code == 0 and yaml.safe_load(out)["optimizer"]["lr"] == 0.003
+    (tmp_path / "again.yaml").write_text(out)
+    assert trainyard("submit", str(tmp_path / "again.yaml"))[0] == 0  # the printed spec is one the server takes
+    assert json.loads(trainyard("spec", job_id, "--json")[1])["optimizer"]["lr"] == 0.003
+    assert trainyard("checkpoints", job_id) == (0, f"job {job_id} has no checkpoints yet\n", "")

@@ -15,6 +15,7 @@ import tarfile
 from pathlib import Path
 
 import httpx
+import psutil
 import torch
 import pytest
 from safetensors.torch import load
@@ -242,3 +243,25 @@ def test_a_checkpoint_the_store_refuses_is_an_event_and_a_log_line_and_the_job_d
     lines = [line["line"] for line in client.get(f"/v1/jobs/{job['id']}/logs").json()["lines"]]
     assert any(line.startswith("trainyard: checkpoint 'attempt-1.1/ckpt' (step 5) refused by the artifact store") for line in lines), lines
     assert client.get(f"/v1/jobs/{job['id']}/checkpoints").json() == []
+
+
+LEAVES_A_DAEMON = '''
+import os, subprocess, time
+subprocess.Popen(["sleep", "600"], start_new_session=True)  # a helper never waited for, holding our output
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(600)
+    os._exit(0)
+print("main done")
+'''
+
+
+def test_a_script_that_leaves_a_daemon_behind_ends_with_its_main_process_and_takes_the_daemon_with_it(stack, tmp_path):
+    # Bubblewrap's own PID 1 waited for every process of the sandbox: a 1 s job stayed `running` for minutes.
+    client, _ = stack
+    script = tmp_path / "daemon.py"
+    script.write_text(LEAVES_A_DAEMON)
+    spec = {"name": "daemon", "script": {"entrypoint": script.name, "code": {"upload_id": upload_code(client, script)}}, "max_restarts": 0}
+    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"}, timeout=90)
+    assert job["status"] == "succeeded", job
+    assert not [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "600"]]

@@ -142,3 +142,11 @@ def test_the_jobs_environment_reaches_only_the_command_after_the_last_step_in(tm
     assert seen["HF_TOKEN"] == "hf_secret" and seen["PATH"] == "./bin:/usr/bin"
     assert seen["HOME"] == "/tmp"  # what the sandbox sets itself is kept
     assert not env_file.exists()
+
+
+def test_as_init_the_last_step_outlives_its_command_only_to_exit_with_its_status(tmp_path: Path):
+    # In the sandbox it is PID 1, and the namespace (daemons and all) ends when it exits; here, its status.
+    command = enter_job_env([sys.executable, "-c", "import os, sys; print(os.environ['SEEN']); sys.exit(3)"], tmp_path, {"SEEN": "yes"}, init=True)
+    assert "--init" in command
+    done = subprocess.run(command, env={}, capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stdout.strip()) == (3, "yes"), done.stderr
