@@ -61,6 +61,7 @@ def run_scheduler_command(args: argparse.Namespace) -> int:
     settings = _settings()
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored (see run_up)
     try:
         run_scheduler(session_factory(settings.resolved_database_url), make_celery(settings), settings, stop=lambda: bool(stopping))
     except KeyboardInterrupt:
@@ -88,6 +89,9 @@ def run_worker_command(args: argparse.Namespace) -> int:
 
 
 def run_up(args: argparse.Namespace) -> int:
+    # Ctrl-C stops it, whatever it inherited: a shell starts a background command (`make test &`) with
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt of its own (its children exited, it didn't).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _run_stack(args)
     except StackRefused as refused:

@@ -145,7 +145,9 @@ def test_an_entrypoint_outside_the_plugin_directory_never_runs(tmp_path, plugin_
             "kind": "custom", "entrypoint": entrypoint}}, directory)
         _, stderr = process.communicate(timeout=120)
         assert process.returncode == 2 and "model.entrypoint" in stderr and len(stderr.strip().splitlines()) == 1, stderr
-        assert read_events(events_file) == [] and not marker.exists()
+        # No step, no checkpoint: only the refusal, told to the worker, which fails the job without retrying it.
+        assert [(e["type"], "model.entrypoint" in e["message"]) for e in read_events(events_file)] == [("invalid_spec", True)]
+        assert not marker.exists()
 
 
 def test_the_gan_on_two_processes_reports_each_step_once_and_checkpoints_together(tmp_path, plugin_dir):
