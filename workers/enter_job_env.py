@@ -23,10 +23,13 @@ group, and this process only outlives it (as PID 1 it would otherwise ignore the
 Standard library only and run with -I -S: it must not import anything of the job's environment.
 """
 
+import ctypes
 import json
 import os
 import signal
 import sys
+
+PR_SET_DUMPABLE = 4  # <linux/prctl.h>
 
 
 def main(argv: list[str]) -> None:
@@ -48,6 +51,8 @@ def main(argv: list[str]) -> None:
             os.execvpe(command[0], command, env)
         finally:
             os._exit(127)  # only if the exec failed
+    # Not dumpable: the job's processes (the same user) can't read this one's memory or /proc/1/environ.
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     while True:
         pid, status = os.wait()  # orphans of the namespace are reaped here too
         if pid == child:
