@@ -128,10 +128,14 @@ def preemption_plan(resources: ResourcesConfig, priority: int, rooms: dict[str, 
 
 
 def waiting_reason(resources: ResourcesConfig, fitting_now: int) -> str:
-    what = "GPUs" if resources.device == "cuda" else "CPU slots"
+    """`waiting for a host with 2 free CPU slots; 0 hosts have that free now` (the count of hosts
+    that could take it, not of free slots: "(0 now)" read as no free slot while one of two was)."""
+    count = resources.processes_per_node
+    what = ("GPU" if resources.device == "cuda" else "CPU slot") + ("s" if count != 1 else "")
     memory = f" of at least {resources.min_gpu_memory_gb:g} GB" if resources.min_gpu_memory_gb else ""
     hosts = "a host" if resources.nodes == 1 else f"{resources.nodes} hosts"
-    return f"waiting for {hosts} with {resources.processes_per_node} free {what}{memory} ({fitting_now} now)"
+    have = f"{fitting_now} host{'s have' if fitting_now != 1 else ' has'} that free now"
+    return f"waiting for {hosts} with {count} free {what}{memory}; {have}"
 
 
 def never_fits(resources: ResourcesConfig, hosts: list[WorkerHost]) -> str | None:

@@ -130,7 +130,9 @@ class ProgressBar:
         train_loss: float | None = None,
         tokens_per_step: int | None = None,
         restarts: int = 0,
+        waiting_reason: str | None = None,
     ) -> None:
+        """`waiting_reason`: why a queued job waits, shown instead of its (empty) speed and loss."""
         now = self.clock()
         if status == "running" and step > 0:  # the time spent queued and starting up is no training speed
             self.rate.add(now, step)
@@ -138,7 +140,7 @@ class ProgressBar:
         tokens_per_sec = speed * tokens_per_step if speed and tokens_per_step else None
         eta_seconds = (max_steps - step) / speed if speed and max_steps and status == "running" else None
         if self.interactive:
-            details = format_details(train_loss, tokens_per_sec, eta_seconds, restarts)
+            details = waiting_reason or format_details(train_loss, tokens_per_sec, eta_seconds, restarts)
             self._draw(status, step, max_steps, details)
             return
         decile = int(10 * step / max_steps) if max_steps else 0
@@ -146,7 +148,7 @@ class ProgressBar:
             line = format_progress(
                 step, max_steps, status=status, train_loss=train_loss, tokens_per_sec=tokens_per_sec,
                 eta_seconds=eta_seconds, restarts=restarts,
-            )
+            ) + (f"  {waiting_reason}" if waiting_reason else "")
             self.stream.write(line + "\n")
             self.stream.flush()
             self._printed_decile, self._printed_status, self._printed_at = decile, status, now
@@ -197,7 +199,7 @@ def follow_job(client: Client, job_id: int, stream: TextIO | None = None, poll: 
         model = job.spec.model
         tokens_per_sample = {"gpt": "block_size", "mlp": "max_length", "hf": "max_length"}.get(model.kind) if model else None
         tokens_per_step = job.effective_batch_size * getattr(model, tokens_per_sample) if tokens_per_sample else None
-        bar.update(job.status.value, job.step, job.max_steps, train_loss.at(job.step), tokens_per_step, job.restarts)
+        bar.update(job.status.value, job.step, job.max_steps, train_loss.at(job.step), tokens_per_step, job.restarts, job.waiting_reason)
 
     try:
         return client.wait(job_id, poll=poll, on_update=show)

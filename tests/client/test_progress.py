@@ -70,6 +70,17 @@ def test_a_log_gets_a_line_every_so_many_seconds_of_a_slow_job():
     assert lines[-1].endswith("ETA 59m32s")  # 893 steps at a quarter step a second
 
 
+def test_a_queued_jobs_lines_say_why_it_waits():
+    # `--follow` on a queued job printed `queued step 0` every 10 s and nothing more.
+    out = io.StringIO()
+    bar = ProgressBar(out, clock=iter(range(0, 1000, 5)).__next__, every_s=10)
+    reason = "waiting for a host with 2 free CPU slots; 0 hosts have that free now"
+    for _ in range(4):
+        bar.update("queued", 0, 100, waiting_reason=reason)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and all(line.startswith("queued") and line.endswith(reason) for line in lines), lines
+
+
 def test_a_terminal_gets_a_rich_bar_redrawn_in_place(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # wide enough for the whole line
     out = FakeTerminal()

@@ -410,7 +410,7 @@ def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api
         register_host(session, "cpu-box", "cpu", 2, {})
         schedule_pass(session, settings)
     assert api.get(f"/v1/jobs/{queued['id']}", headers=auth(tokens["alice"])).json()["waiting_reason"] == (
-        "waiting for a host with 1 free GPUs (0 now)"
+        "waiting for a host with 1 free GPU; 0 hosts have that free now"
     )
     response = api.post("/v1/jobs", json=cuda_job, headers=auth(tokens["alice"]))
     assert response.status_code == 422

@@ -538,7 +538,7 @@ def test_jobs_sharing_a_gpu_host_get_disjoint_gpus_and_a_job_that_must_wait_says
         assert placed == [("small", [0, 1]), ("big", [0, 1]), ("big", [2, 3])]
         waiting = session.get(Job, roomy)
         assert waiting.status == JobStatus.queued and not waiting.attempts
-        assert waiting.waiting_reason == "waiting for a host with 1 free GPUs of at least 40 GB (0 now); big held for it"
+        assert waiting.waiting_reason == "waiting for a host with 1 free GPU of at least 40 GB; 0 hosts have that free now; big held for it"
         claimed = claim_attempt(session, session.get(Job, jobs[2]).attempts[0].id, "w", 30)
         assert claimed.device_ids == [2, 3]  # what the worker puts in CUDA_VISIBLE_DEVICES
         finish_attempt(session, claimed, AttemptStatus.succeeded)
