@@ -22,6 +22,7 @@ import importlib.util
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from api_schemas.worker_protocol import CHECKPOINT_DIR_ENV
@@ -72,7 +73,11 @@ def patch(accelerator_class) -> None:
                 project_dir = checkpoint_dir
             elif project_config.project_dir is None:
                 project_config.set_directories(checkpoint_dir)
-        original_init(self, *args, project_dir=project_dir, project_config=project_config, **kwargs)
+        with warnings.catch_warnings():
+            # Trainyard's tracker takes what is logged whatever `log_with` found: "no supported trackers
+            # are currently installed" (a script's `log_with="all"`) read as an error in every job's log.
+            warnings.filterwarnings("ignore", message=r"`log_with=.*` was passed but no supported trackers")
+            original_init(self, *args, project_dir=project_dir, project_config=project_config, **kwargs)
         self._trainyard_tracker = None
         if self.is_main_process:
             from workers.tracker import TrainyardTracker

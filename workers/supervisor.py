@@ -762,8 +762,18 @@ class RunningAttempt:
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         if self.invalid_spec is not None:
             return AttemptStatus.failed, FinalReason(f"invalid job spec: {self.invalid_spec}")
-        tail = "\n".join(self.recent_lines)
+        tail = "\n".join(without_launcher_traceback(list(self.recent_lines)))
         return AttemptStatus.failed, f"training process exited with code {self.exit_code}; last output:\n{tail}"
+
+
+def without_launcher_traceback(lines: list[str]) -> list[str]:
+    """The output's last lines without the launcher's own traceback at their end: Accelerate's
+    launcher answers a failed training process with `subprocess.CalledProcessError`, which said
+    nothing the user's own error above it hadn't, and buried it."""
+    if not lines or not lines[-1].startswith("subprocess.CalledProcessError:"):
+        return lines
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    return lines[: starts[-1]] if starts and starts[-1] > 0 else lines
 
 
 def final_state(line: str) -> str:

@@ -16,14 +16,17 @@ from workers.launch import script_environment
 SPEC = JobSpec.model_validate({"name": "s", "script": {"entrypoint": "train.py", "code": {"path": "p"}}})
 
 
-def run_script(tmp_path: Path, body: str) -> list[dict]:
-    """Run `body` as a script in tmp_path/code with a script job's environment; returns its events."""
+def run_script(tmp_path: Path, body: str, stderr: list[str] | None = None) -> list[dict]:
+    """Run `body` as a script in tmp_path/code with a script job's environment; returns its events
+    (and appends its stderr to `stderr`, if given)."""
     code = tmp_path / "code"
     code.mkdir()
     (code / "train.py").write_text(textwrap.dedent(body))
     env = {**script_environment(SPEC, tmp_path, None), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "train.py"], cwd=code, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    if stderr is not None:
+        stderr.append(done.stderr)
     events = tmp_path / "events.jsonl"
     return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
 
@@ -82,3 +85,16 @@ def test_automatic_checkpoint_naming_saves_under_the_jobs_checkpoint_dir(tmp_pat
     handed_over = tmp_path / "checkpoints" / ".handed-over"
     # Numbered by the folder's name (Accelerate's save iteration), as every named checkpoint is.
     assert checkpoints == [(0, str(handed_over / "0" / "checkpoint_0")), (1, str(handed_over / "1" / "checkpoint_1"))]
+
+
+def test_log_with_all_and_no_tracker_installed_is_no_warning_under_trainyard(tmp_path):
+    # Every such job's log said "`log_with=all` was passed but no supported trackers are currently installed".
+    stderr: list[str] = []
+    events = run_script(tmp_path, """
+        from accelerate import Accelerator
+        accelerator = Accelerator(cpu=True, log_with="all")
+        accelerator.init_trackers("project")
+        accelerator.log({"loss": 2.5}, step=1)
+    """, stderr)
+    assert events == [{"type": "metrics", "step": 1, "values": {"loss": 2.5}}]
+    assert "no supported trackers" not in stderr[0], stderr[0]

@@ -1,9 +1,10 @@
-"""Which of an attempt's output lines the worker stores (workers/supervisor.py DroppedLines, Outbox):
-a budget per attempt and a bound on what waits to be stored, every dropped line counted and said."""
+"""An attempt's output as the worker keeps it (workers/supervisor.py): a budget of lines per attempt and a
+bound on what waits to be stored, every dropped line counted and said; a failure reason that ends with
+the user's error, not the launcher's traceback."""
 
 from __future__ import annotations
 
-from workers.supervisor import MAX_LOG_LINE, MAX_PENDING_LOG_CHARS, DroppedLines, Outbox
+from workers.supervisor import MAX_LOG_LINE, MAX_PENDING_LOG_CHARS, DroppedLines, Outbox, without_launcher_traceback
 
 
 def test_past_the_budget_lines_are_dropped_with_a_line_saying_so_at_once_and_how_many_at_the_end():
@@ -32,3 +33,12 @@ def test_the_outbox_counts_the_characters_waiting_and_cuts_overlong_lines():
     assert outbox.log_chars == 5 and [line for _, _, line in outbox.logs] == ["short"]
     outbox.drop_lines(1)
     assert outbox.empty()
+
+
+def test_a_failure_reason_ends_with_the_users_error_not_the_launchers_traceback():
+    user = ["Traceback (most recent call last):", '  File "train.py", line 3, in <module>', "ValueError: bad learning rate"]
+    launcher = ["Traceback (most recent call last):", '  File ".../accelerate/commands/launch.py", line 1, in simple_launcher',
+                "subprocess.CalledProcessError: Command '['python', 'train.py']' returned non-zero exit status 1."]
+    assert without_launcher_traceback(user + launcher) == user
+    assert without_launcher_traceback(user) == user  # nothing of the launcher's: as it was
+    assert without_launcher_traceback(launcher) == launcher  # nothing else to show: kept
