@@ -42,7 +42,7 @@ SKIPPED_COMMANDS = {
 # A whole block by its first command: what it shows needs what this machine hasn't.
 SKIPPED_BLOCKS = {
     ".venv/bin/trainyard up &": "train.py stands for the reader's own script (examples/'s scripts run as jobs in tests/e2e/test_scripts.py)",
-    "export TRAINYARD_DATABASE_URL=postgresql+psycopg://user:pass@db:5432/trainyard":
+    "export TRAINYARD_DATABASE_URL=postgresql+psycopg://trainyard:pass@db:5432/trainyard":
         "production mode: PostgreSQL and Redis at docker-compose.yml's hosts `db` and `redis`, /shared volumes, a GPU",
 }
 
