@@ -217,6 +217,14 @@ def test_a_script_runs_across_two_worker_hosts(tmp_path, monkeypatch):
             assert [c["step"] for c in client.get(f"/v1/jobs/{job['id']}/checkpoints").json()] == [3, 6]
 
 
+def run_snippet(client: httpx.Client, tmp_path: Path, name: str, code: str, max_restarts: int = 0, timeout: float = 240) -> dict:
+    """`code` as a one-file script job, run to its end; returns the job."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(code)
+    spec = {"name": name, "script": {"entrypoint": script.name, "code": {"upload_id": upload_code(client, script)}}, "max_restarts": max_restarts}
+    return wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"}, timeout=timeout)
+
+
 REFUSED_CHECKPOINT = '''
 import json, os, pathlib
 checkpoint = pathlib.Path("ckpt").resolve()
@@ -231,10 +239,7 @@ print("saved")
 
 def test_a_checkpoint_the_store_refuses_is_an_event_and_a_log_line_and_the_job_does_not_claim_success(stack, tmp_path):
     client, _ = stack
-    script = tmp_path / "refused.py"
-    script.write_text(REFUSED_CHECKPOINT)
-    spec = {"name": "refused", "script": {"entrypoint": script.name, "code": {"upload_id": upload_code(client, script)}}, "max_restarts": 2}
-    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+    job = run_snippet(client, tmp_path, "refused", REFUSED_CHECKPOINT, max_restarts=2)
     assert job["status"] == "failed" and "not retried: its last checkpoint was refused by the artifact store" in job["failure_reason"], job
     assert len(job["attempts"]) == 1  # its own code made it so, and would again
     events = [json.loads(line.removeprefix("data: ")) for line in client.get(f"/v1/jobs/{job['id']}/events", params={"follow": False}).text.splitlines()
@@ -259,9 +264,6 @@ print("main done")
 def test_a_script_that_leaves_a_daemon_behind_ends_with_its_main_process_and_takes_the_daemon_with_it(stack, tmp_path):
     # Bubblewrap's own PID 1 waited for every process of the sandbox: a 1 s job stayed `running` for minutes.
     client, _ = stack
-    script = tmp_path / "daemon.py"
-    script.write_text(LEAVES_A_DAEMON)
-    spec = {"name": "daemon", "script": {"entrypoint": script.name, "code": {"upload_id": upload_code(client, script)}}, "max_restarts": 0}
-    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"}, timeout=90)
+    job = run_snippet(client, tmp_path, "daemon", LEAVES_A_DAEMON, timeout=90)
     assert job["status"] == "succeeded", job
     assert not [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "600"]]
