@@ -5,8 +5,8 @@ given the URLs of others)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import fcntl
+import json
 import os
 import shutil
 import socket

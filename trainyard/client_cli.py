@@ -239,7 +239,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     """The job's spec as stored, as YAML (or JSON): what to edit and submit again."""
     with connect(args) as client:
         spec = client.job(args.id).spec.model_dump(mode="json", exclude_none=True)
-    print(json.dumps(spec, indent=2) if args.json else yaml.safe_dump(spec, sort_keys=False), end="" if not args.json else "\n")
+    sys.stdout.write(json.dumps(spec, indent=2) + "\n" if args.json else yaml.safe_dump(spec, sort_keys=False))
     return 0
 
 

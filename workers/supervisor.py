@@ -519,13 +519,15 @@ class AttemptRunner:
 
     def _record_refused(self, session, claimed: ClaimedAttempt, outbox: Outbox) -> None:
         """What the store refused, as an event of the job and a line in its logs: never dropped silently."""
-        for transfers, kind in ((outbox.checkpoints, JobEventType.checkpoint_refused), (outbox.outputs, JobEventType.output_refused)):
+        kinds = (  # (the transfers, its event, its noun, (step, what) of one of its items)
+            (outbox.checkpoints, JobEventType.checkpoint_refused, "checkpoint", lambda _source, step, folder: (step, folder)),
+            (outbox.outputs, JobEventType.output_refused, "output", lambda _source, name, step: (step, name)),
+        )
+        for transfers, kind, noun, describe in kinds:
             while transfers.refused:
-                (source, *rest), reason = transfers.refused[0]
-                # A checkpoint is (directory, step, folder); an output (directory, name, step).
-                step, what = (rest[0], rest[1]) if kind is JobEventType.checkpoint_refused else (rest[1], rest[0])
+                item, reason = transfers.refused[0]
+                step, what = describe(*item)
                 record_refused(session, claimed.job_id, kind, step, what, reason)
-                noun = "checkpoint" if kind is JobEventType.checkpoint_refused else "output"
                 outbox.add_line(None, f"trainyard: {noun} {what!r} (step {step}) refused by the artifact store, not stored: {reason}")
                 transfers.refused.pop(0)
 
