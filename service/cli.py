@@ -1,5 +1,5 @@
-"""The server's commands: `up` (the embedded stack), `api`, `scheduler`, `worker`, `db upgrade`, and
-`user create|set|revoke|rotate` (service/user_commands.py).
+"""The server's commands: `up` (the embedded stack), `api`, `scheduler`, `worker`, `db upgrade`,
+`user create|set|revoke|rotate` and `host token|revoke` (service/user_commands.py).
 
 Users run them as `trainyard <command>`: the client's `trainyard.cli` lists them and hands them here."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from service.embedded import StackRefused, embedded_stack
 from service.settings import Settings
-from service.user_commands import add_user_commands
+from service.user_commands import add_host_commands, add_user_commands
 from trainyard.cli import SERVER_COMMANDS
 from trainyard.client import token_file
 
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     db_commands.add_parser("upgrade", help="migrate the schema to the latest version").set_defaults(func=db_upgrade)
 
     add_user_commands(command("user"), _settings)
+    add_host_commands(command("host"), _settings)
     return parser
 
 

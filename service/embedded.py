@@ -74,6 +74,23 @@ def prepare_embedded(settings: Settings) -> str:
     return token
 
 
+def host_token_files(settings: Settings, host_names: list[str]) -> list[Path]:
+    """A fresh token for each local worker host, in a file of its own (0600) under the data dir."""
+    from service.db.host_tokens import issue_host_token
+    from service.db.session import session_factory
+
+    folder = settings.data_dir / "hosts"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    files = []
+    with session_factory(settings.resolved_database_url)() as session:
+        for name in host_names:
+            path = folder / f"{name}.token"
+            path.touch(mode=0o600)
+            path.write_text(issue_host_token(session, name) + "\n")
+            files.append(path)
+    return files
+
+
 class StackRefused(Exception):
     """The stack can't start as asked; the message says why and what to do, for the user."""
 
@@ -144,10 +161,15 @@ def _running_stack(
     # The workers close the API's port to multi-node jobs, as the database's and broker's (workers/egress.py).
     overrides["TRAINYARD_CONTROL_PLANE_PORTS"] = json.dumps([port] if port else [])
     child_env = {**os.environ, **overrides}
+    host_names = [f"local-{i}" for i in range(workers)]
+    # The workers get the API's address and each its own token, and no database URL: they speak the
+    # worker protocol over HTTP, as hosts elsewhere do (api_schemas/host_api.py).
+    worker_env = {name: value for name, value in child_env.items() if name != "TRAINYARD_DATABASE_URL"}
+    worker_env["TRAINYARD_API_URL"] = f"http://127.0.0.1:{port}"
+    token_files = host_token_files(Settings(data_dir=data_dir, database_url=database_url), host_names)
     log_dir = data_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     devices = devices or f"cpu:{os.cpu_count() or 1}"
-    host_names = [f"local-{i}" for i in range(workers)]
     commands = {
         "api": ["api", "--port", str(port)],
         "scheduler": ["scheduler"],
@@ -162,9 +184,12 @@ def _running_stack(
     cores = host_cores(workers)
 
     def start(name: str) -> None:
+        env = child_env
+        if name.startswith("worker-"):
+            env = {**worker_env, "TRAINYARD_HOST_TOKEN_FILE": str(token_files[int(name.removeprefix("worker-"))])}
         with open(log_dir / f"{name}.log", "ab") as out:
             children[name] = subprocess.Popen(
-                [sys.executable, "-m", "trainyard", *commands[name]], env=child_env, stdout=out, stderr=subprocess.STDOUT
+                [sys.executable, "-m", "trainyard", *commands[name]], env=env, stdout=out, stderr=subprocess.STDOUT
             )
         if name.startswith("worker-") and cores:  # before it starts any process of its own: they inherit it
             os.sched_setaffinity(children[name].pid, cores[int(name.removeprefix("worker-"))])

@@ -114,7 +114,13 @@ class SchedulerSettings(_FromEnvironment):
 
 
 class WorkerSettings(_FromEnvironment):
-    """The workers: how often they show they are alive, and how long an attempt is theirs without it."""
+    """The workers: how they reach the service, how often they show they are alive, and how long an
+    attempt is theirs without it (a worker follows the service's heartbeat, lease, runtime and log
+    settings, which it learns as it registers)."""
+
+    api_url: str = Field("http://127.0.0.1:8000", description="Workers: the service's API, which they speak the worker protocol to (api_schemas/host_api.py).")
+    host_token: str | None = Field(None, description="Workers: this host's own token (`trainyard host token NAME`); or host_token_file.")
+    host_token_file: Path | None = Field(None, description="Workers: a file holding this host's token (kept off the environment of its processes).")
 
     heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
     lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")

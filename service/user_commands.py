@@ -1,5 +1,6 @@
-"""`trainyard user create|set|revoke|rotate`: an admin's commands for users and their tokens, run on
-a host that reaches the database. Each is written to the audit trail as the OS account that ran it."""
+"""`trainyard user create|set|revoke|rotate` and `trainyard host token|revoke`: an admin's commands
+for users, worker hosts and their tokens, run on a host that reaches the database. Each is written
+to the audit trail as the OS account that ran it."""
 
 from __future__ import annotations
 
@@ -39,12 +40,12 @@ def admin_session(settings: Settings) -> Iterator[Session]:
         yield session
 
 
-def _audited(session: Session, action: str) -> None:
+def _audited(session: Session, action: str, noun: str = "user") -> None:
     from service.db.audit import record
 
     record(
         session, user_id=None, user_name=f"{getpass.getuser()} (server CLI)", client_address=socket.gethostname()[:100],
-        method="CLI", path=f"trainyard user {action}"[:500], status_code=200, detail=action[:500],
+        method="CLI", path=f"trainyard {noun} {action}"[:500], status_code=200, detail=action[:500],
     )
 
 
@@ -89,6 +90,25 @@ def rotate(args: argparse.Namespace, session: Session) -> str:
     return token
 
 
+def host_token(args: argparse.Namespace, session: Session) -> str:
+    from service.db.host_tokens import issue_host_token
+
+    token = issue_host_token(session, args.name)
+    _audited(session, f"token {args.name}", "host")
+    print(f"give it to the worker as TRAINYARD_HOST_TOKEN (or in the file TRAINYARD_HOST_TOKEN_FILE names); "
+          f"it acts as host {args.name} only, and replaces any earlier token of it", file=sys.stderr)
+    return token
+
+
+def host_revoke(args: argparse.Namespace, session: Session) -> str:
+    from service.db.host_tokens import revoke_host_token
+
+    if not revoke_host_token(session, args.name):
+        raise CommandError(f"host {args.name!r} has no token in use")
+    _audited(session, f"revoke {args.name}", "host")
+    return f"host {args.name}'s token no longer works: its attempts are lost and requeued; `trainyard host token {args.name}` issues a new one"
+
+
 def _named(session: Session, name: str):
     from service.db.accounts import user_by_name
 
@@ -124,6 +144,17 @@ def add_user_commands(parser: argparse.ArgumentParser, settings: Callable[[], Se
     change.add_argument("--can-run-code", action=argparse.BooleanOptionalAction, default=None)
     command("revoke", revoke, "stop a user's token from working (until `user rotate`)")
     command("rotate", rotate, "print a new token for a user (a revoked one too); the old one stops working")
+
+
+def add_host_commands(parser: argparse.ArgumentParser, settings: Callable[[], Settings]) -> None:
+    commands = parser.add_subparsers(dest="host_command", required=True)
+    for name, action, help in (
+        ("token", host_token, "print a new token for a worker host (its only credential: the worker protocol over HTTP)"),
+        ("revoke", host_revoke, "stop a host's token from working: its attempts are lost and requeued, as a dead host's"),
+    ):
+        sub = commands.add_parser(name, help=help)
+        sub.add_argument("name", help="the host's name (its worker's --host-name)")
+        sub.set_defaults(func=lambda args, action=action: run(action, args, settings()))
 
 
 def run(action: Callable[[argparse.Namespace, Session], str], args: argparse.Namespace, settings: Settings) -> int:

@@ -14,7 +14,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from api_schemas import AttemptStatus, JobSpec
-from service.db.attempts import ClaimedAttempt, claim_attempt, finish_attempt
+from api_schemas.host_api import ClaimedAttempt
+from service.db.attempts import claim_attempt, finish_attempt
 from service.db.checkpoints import record_checkpoint
 from service.db.hosts import register_host
 from service.db.metrics import record_metrics
@@ -72,6 +73,20 @@ def finish_job(settings: Settings, claimed: ClaimedAttempt) -> None:
         record_checkpoint(session, claimed.job_id, claimed.attempt_id, 12, "ck/12", "0" * 64, 10, keep_last=2)
         record_metrics(session, claimed.job_id, claimed.attempt_id, [(12, "train_loss", 2.0)])
         finish_attempt(session, claimed, AttemptStatus.succeeded)
+
+
+def host_client(settings: Settings, sessions, host_name: str):
+    """A worker's client of the worker protocol as host `host_name` (a fresh token), sending to an
+    in-process API on `settings`."""
+    from fastapi.testclient import TestClient
+
+    from service.api.main import create_app
+    from service.db.host_tokens import issue_host_token
+    from workers.host_client import HostClient
+
+    with sessions() as session:
+        token = issue_host_token(session, host_name)
+    return HostClient("http://testserver", token, http=TestClient(create_app(settings)))
 
 
 def busy_slots_by_host(session: Session) -> dict[str, int]:

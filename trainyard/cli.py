@@ -24,6 +24,7 @@ SERVER_COMMANDS = {
     "worker": "run a worker host",
     "db": "database schema",
     "user": "users and tokens",
+    "host": "worker hosts' tokens",
 }
 SERVER_CLI = "service.cli"  # named, not imported: importing the client must not import the server
 

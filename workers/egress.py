@@ -5,8 +5,9 @@ A multi-node gang keeps the host's network to meet its other nodes, and with it 
 service's database, broker and API (a job logged in to PostgreSQL as superuser over loopback, and
 sent Celery's remote-control `shutdown` through Redis). So a worker running as root adds, for its
 lifetime, an nftables table that rejects every TCP connection the sandbox's user (uid 65534, which
-every job runs as and nothing of the service does) opens to the service's ports: the database's
-and the broker's (from their URLs) and `control_plane_ports` (the API's), on any address.
+every job runs as and nothing of the service does) opens to the service's ports, on any address:
+the database's, the broker's and the API's, which the service names as the host registers
+(service/api/routes/host_api.py), and the port of the API URL the host itself uses.
 
 Why nftables: it is the kernel's packet filter and its maintained front end; the owner match
 (`meta skuid`) picks out the jobs' packets with no change to how the gang meets. What this does
@@ -21,41 +22,20 @@ import logging
 import re
 import shutil
 import subprocess
-from urllib.parse import urlsplit
 
-from service.settings import Settings
 from workers.sandbox import SANDBOX_UID
 
 log = logging.getLogger("trainyard.worker")
-
-DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "redis": 6379, "rediss": 6379, "amqp": 5672}
-
-
-def control_plane_ports(settings: Settings) -> list[int]:
-    """The service's ports a job must not reach: its database's and broker's, and the configured others."""
-    ports = set(settings.control_plane_ports)
-    for url in (settings.resolved_database_url, settings.resolved_broker_url):
-        parts = urlsplit(url)
-        scheme = parts.scheme.split("+")[0]
-        if scheme.startswith("sqla") or scheme == "sqlite":
-            continue  # a file, not a port
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if port or DEFAULT_PORTS.get(scheme):
-            ports.add(port or DEFAULT_PORTS[scheme])
-    return sorted(ports)
-
 
 def table_name(host_name: str) -> str:
     """One table per worker (several may share a machine, each removing its own at exit)."""
     return "trainyard_" + re.sub(r"[^A-Za-z0-9_]", "_", host_name)[:48]
 
 
-def close_control_plane(settings: Settings, host_name: str) -> str | None:
-    """Add the worker's table; what it closes, in words, or None if it can't here (not root, no nft)."""
-    ports = control_plane_ports(settings)
+def close_control_plane(ports: list[int], host_name: str) -> str | None:
+    """Add the worker's table closing `ports` (the service names its own as the host registers);
+    what it closes, in words, or None if it can't here (not root, no nft)."""
+    ports = sorted(set(ports))
     nft = shutil.which("nft")
     if not ports or nft is None:
         return None

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
+from urllib.parse import urlsplit
 
 from celery.signals import worker_shutting_down
 
-from service.db.hosts import deregister_host, record_heartbeat, register_host
-from service.db.session import session_factory
 from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
 from service.settings import Settings
+from api_schemas.host_api import HostRegistration, HostTerms
+from workers.host_client import HostClient, NotOurs, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
 from workers.supervisor import AttemptRunner
 from workers.egress import close_control_plane, open_control_plane
@@ -55,35 +57,44 @@ def cpu_threads_per_slot(device: str, slots: int) -> int | None:
 
 def run_worker(settings: Settings, host_name: str, devices: str, address: str, unsafe_no_sandbox: bool = False) -> None:
     """`address`: where the other hosts of a multi-node job reach this one. `unsafe_no_sandbox`:
-    the operator's choice to run attempts unsandboxed (workers/sandbox.py)."""
+    the operator's choice to run attempts unsandboxed (workers/sandbox.py). The host speaks to the
+    service only through its API (settings.api_url), with its own token; raises ValueError if it has none."""
     device, slots, info = parse_devices(devices)
+    token = read_token(settings.host_token, settings.host_token_file)
+    if not token:
+        raise ValueError("no host token: give TRAINYARD_HOST_TOKEN or TRAINYARD_HOST_TOKEN_FILE (an admin makes one: trainyard host token NAME)")
+    service = HostClient(settings.api_url, token)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request (a report every heartbeat) drowns the worker's own
     sandbox = HostSandbox.detect(unsafe_no_sandbox)
     info["sandbox"] = sandbox.describe()
-    # A gang keeps the host's network: only a root worker can close the service's ports to its jobs' user.
-    if sandbox.enabled and os.geteuid() == 0 and (closed := close_control_plane(settings, host_name)):
-        info["sandbox"] += f"; a multi-node job's network: {closed}"
-    (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, info["sandbox"])
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
-    sessions = session_factory(settings.resolved_database_url)
-    with sessions() as session:
-        register_host(session, host_name, device, slots, info, address)
-    log.info("host %s registered with %s × %s", host_name, slots, device)
+    registration = HostRegistration(device=device, slots=slots, info=info, address=address)
+    terms = register(service, registration)
+    settings = follow_terms(settings, terms)
+    # A gang keeps the host's network: only a root worker can close the service's ports to its jobs' user.
+    ports = [*terms.control_plane_ports, api_port(settings.api_url)]
+    if sandbox.enabled and os.geteuid() == 0 and (closed := close_control_plane(ports, host_name)):
+        info["sandbox"] += f"; a multi-node job's network: {closed}"
+        registration.info["sandbox"] = info["sandbox"]
+        service.register(registration)  # again, with that said, for GET /v1/workers
+    (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, info["sandbox"])
+    log.info("host %s registered with %s × %s at %s", host_name, slots, device, settings.api_url)
 
     stop = threading.Event()
 
     def heartbeat() -> None:
         while not stop.wait(settings.heartbeat_seconds):
             try:
-                with sessions() as session:
-                    record_heartbeat(session, host_name)
-            except Exception:
+                if not service.heartbeat():  # taken out of the pool meanwhile (e.g. the service's database restored)
+                    service.register(registration)
+            except (ServiceUnreachable, NotOurs):
                 log.exception("heartbeat failed; retrying")
             runner.ended_attempts.sweep()
 
     warm = WarmPool(settings, sandbox, settings.warm_interpreters)
     warm.fill()
-    runner = AttemptRunner(settings, sessions, host_name, address, sandbox, warm, cpu_threads_per_slot(device, slots))
+    runner = AttemptRunner(settings, service, host_name, address, sandbox, warm, cpu_threads_per_slot(device, slots))
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()  # also sweeps ended attempts' directories
 
     @app.task(name=RUN_ATTEMPT_TASK)
@@ -96,18 +107,20 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     def shutting_down(**_) -> None:
         stop.set()
         try:
-            with sessions() as session:
-                deregister_host(session, host_name)
-        except Exception:
+            service.deregister()
+        except (ServiceUnreachable, NotOurs):
             log.exception("could not deregister %s; its heartbeat stops, so it goes offline anyway", host_name)
         runner.preempt_all()
         warm.close()
 
     worker_shutting_down.connect(shutting_down, weak=False)
 
-    # Supervising is waiting on subprocesses and the database, so threads suffice: one per slot,
+    # Supervising is waiting on subprocesses and the API, so threads suffice: one per slot,
     # since the scheduler never places more attempts on a host than it has slots. Prefetch 1: a
     # host holds no more messages than it has free threads (a duplicate that waits is a no-op).
+    # No remote control: a job that reached the broker could otherwise shut down every host with
+    # one broadcast (Celery's `shutdown`), and nothing of Trainyard's uses it.
+    app.conf.worker_enable_remote_control = False
     app.worker_main(
         [
             "worker", "--queues", host_queue(host_name), "--pool", "threads", "--concurrency", str(slots),
@@ -118,3 +131,29 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     stop.set()
     warm.close()
     open_control_plane(host_name)
+    service.close()
+
+
+def register(service: HostClient, registration: HostRegistration) -> HostTerms:
+    """Join the pool, waiting for the API as long as it takes to answer (it may start after us);
+    raises ValueError if it refuses the token."""
+    pause = 0.2
+    while True:
+        try:
+            return service.register(registration)
+        except NotOurs as exc:
+            raise ValueError(f"the service refused this host's token: {exc}") from exc
+        except ServiceUnreachable as exc:
+            log.warning("cannot register yet (%s); retrying in %.1f s", exc, pause)
+        time.sleep(pause)
+        pause = min(pause * 2, 5.0)
+
+
+def follow_terms(settings: Settings, terms: HostTerms) -> Settings:
+    """The worker's settings with the service's timing and limits in place of its own."""
+    return settings.model_copy(update=terms.model_dump(exclude={"control_plane_ports"}))
+
+
+def api_port(url: str) -> int:
+    parts = urlsplit(url)
+    return parts.port or (443 if parts.scheme == "https" else 80)

@@ -1,14 +1,13 @@
 """Runs one attempt of a job on this host, from claim to final status.
 
-The Celery message only says "run attempt X". The supervisor claims X in the database with a
-lease (a duplicate delivery finds it claimed and does nothing), launches the training processes
+The Celery message only says "run attempt X". The supervisor claims X through the service's API
+(workers/host_client.py) with a lease (a duplicate delivery finds it claimed and does nothing), launches the training processes
 with Accelerate's launcher (their command and environment: workers/launch.py), and while they run
 (RunningAttempt): renews the lease, stops them on cancel, kills them when they stop making steps
 (`training.stall_timeout_s`), and forwards what the training loop wrote (metrics and checkpoint
-events in a JSONL file, stdout and stderr, a script's `outputs` directories) to the database and
-artifact store. The events file is
-the worker-side buffer: if the database is briefly unreachable, nothing is lost, it is delivered
-on the next successful flush.
+events in a JSONL file, stdout and stderr, a script's `outputs` directories) to the artifact store
+and, through the API, the database. The events file and the outbox are the worker-side buffer: if
+the API is unreachable for a while, nothing is lost, it is delivered on the next successful sync.
 """
 
 from __future__ import annotations
@@ -32,22 +31,16 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sqlalchemy.orm import sessionmaker
-
 from api_schemas import AttemptStatus, JobEventType, JobSpec
+from api_schemas.host_api import ClaimedAttempt, Lease, RefusedTransfer
 from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
 from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, decode_events
 from service.artifacts import ArtifactStore
-from service.uploads import UploadRefused, code_directory
-from service.db.attempts import ClaimedAttempt, Lease, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
-from service.db.checkpoints import record_checkpoint, record_refused
-from service.db.log_lines import record_logs
-from service.db.metrics import record_metrics
-from service.db.outputs import record_output
 from service.settings import Settings
 from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
+from workers.host_client import HostClient, ServiceUnreachable
 from workers.launch import (
     EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
 )
@@ -121,7 +114,7 @@ class Transfers:
     items: list = field(default_factory=list)
     taking: Future | None = None  # the first item's take into the store
     taken: list[tuple] = field(default_factory=list)  # (item, what its take returned), not recorded yet
-    refused: list[tuple] = field(default_factory=list)  # (item, why the store refused it), not recorded yet
+    refused: list[tuple] = field(default_factory=list)  # (item, why the store refused it), not reported yet
     last_refused: str | None = None  # why the latest item was refused, if it was
 
     def take_in(self, pool: ThreadPoolExecutor, take: Callable, unfit: type[Exception], wait: bool) -> None:
@@ -160,13 +153,14 @@ class Outbox:
     line_numbers: itertools.count = field(default_factory=itertools.count)  # each line's seq in the attempt
     checkpoints: Transfers = field(default_factory=Transfers)  # (directory, step, its folder in the store)
     outputs: Transfers = field(default_factory=Transfers)  # a script's (directory, name, step) to collect
+    refused: list[RefusedTransfer] = field(default_factory=list)  # what the store refused, to report as events
 
     def empty(self) -> bool:
         return not (self.backlog() or self.checkpoints.pending() or self.outputs.pending())
 
     def backlog(self) -> bool:
-        """Metrics or lines wait to be stored."""
-        return bool(self.metrics or self.logs)
+        """Metrics, lines or refusals wait to be reported."""
+        return bool(self.metrics or self.logs or self.refused)
 
     def add_line(self, rank: int | None, line: str) -> None:
         line = line[:MAX_LOG_LINE]
@@ -247,10 +241,10 @@ class EndedBeforeStart(Exception):
 
 class AttemptRunner:
     def __init__(
-        self, settings: Settings, sessions: sessionmaker, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None,
+        self, settings: Settings, service: HostClient, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None,
         warm: WarmPool | None = None, cpu_threads: int | None = None,
     ):
-        self.settings, self.sessions, self.host_name, self.address = settings, sessions, host_name, address
+        self.settings, self.service, self.host_name, self.address = settings, service, host_name, address
         self.cpu_threads = cpu_threads  # threads of each CPU process: the cores of one slot of this host
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
@@ -278,9 +272,8 @@ class AttemptRunner:
 
     def run(self, attempt_id: int) -> None:
         lease_owner = f"{self.host_name}:{os.getpid()}:{time.time_ns()}"
-        with self.sessions() as session:
-            rendezvous = f"{self.address}:{free_port()}"  # used if we are node 0
-            claimed = claim_attempt(session, attempt_id, lease_owner, self.settings.lease_seconds, rendezvous)
+        rendezvous = f"{self.address}:{free_port()}"  # used if we are node 0
+        claimed = self.service.claim(attempt_id, lease_owner, rendezvous)  # a lost answer: the scheduler sends it again
         if claimed is None:
             log.info("attempt %s is not ours to run (already claimed, ended or cancelled)", attempt_id)
             return
@@ -308,7 +301,7 @@ class AttemptRunner:
                 run_dir, process, limits = self._start(claimed, spec, environment)
             except CannotStart as exc:
                 if not outbox.empty():
-                    self._sync(claimed, spec, outbox)  # the install log that says why
+                    self._sync(claimed, outbox)  # the install log that says why
                 return AttemptStatus.failed, str(exc)
             except EndedBeforeStart as exc:
                 return exc.outcome
@@ -341,7 +334,7 @@ class AttemptRunner:
             done = wait_for([preparing], timeout=self.settings.heartbeat_seconds).done
             while not lines.empty():
                 outbox.add_line(None, lines.get())
-            lease = self._sync(claimed, spec, outbox)
+            lease = self._sync(claimed, outbox)
             if done:
                 break
             if lease is not None and (not lease.held or lease.cancel_requested):
@@ -378,8 +371,10 @@ class AttemptRunner:
         if spec.script is not None:
             shutil.rmtree(cwd, ignore_errors=True)
             try:
-                shutil.copytree(code_directory(self.settings, spec.script.code), cwd, symlinks=True)
-            except (UploadRefused, OSError) as exc:  # e.g. a code root that differs on this host
+                if claimed.code_path is None:
+                    raise OSError(claimed.code_refused or "the service gave no code directory")
+                shutil.copytree(claimed.code_path, cwd, symlinks=True)
+            except OSError as exc:  # e.g. a code root that differs on this host
                 raise CannotStart(f"cannot get the script's code on {self.host_name}: {exc}") from exc
             # Met by the job's environment: its own packages, then the worker's.
             search = None if environment is None else [str(environment.site_packages), *sys.path]
@@ -450,99 +445,90 @@ class AttemptRunner:
         deadline = time.monotonic() + self.node_0_wait_seconds
         while time.monotonic() < deadline:
             try:
-                with self.sessions() as session:
-                    rendezvous = gang_rendezvous(session, claimed)
-                    if rendezvous is not None or not renew_lease(session, claimed, self.settings.lease_seconds).held:
-                        return rendezvous  # None if not held: the gang ended meanwhile
-            except Exception:
-                log.exception("could not reach the database for job %s; will retry", claimed.job_id)
+                answer = self.service.rendezvous(claimed)
+                if answer.rendezvous is not None or not answer.lease.held:
+                    return answer.rendezvous  # None if not held: the gang ended meanwhile
+            except ServiceUnreachable:
+                log.exception("could not reach the service for job %s; will retry", claimed.job_id)
             time.sleep(0.5)
         return None
 
-    def _sync(self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox, wait: bool = False) -> Lease | None:
-        """Deliver the outbox and renew the lease. On a database error keep everything for next time.
-        Checkpoints and outputs are taken into the store first, with no transaction open (on SQLite
-        a write transaction holds the one write lock); one still being taken in after
-        INGEST_WAIT_SECONDS is recorded by a later sync, unless this one `wait`s for it."""
+    def _sync(self, claimed: ClaimedAttempt, outbox: Outbox, wait: bool = False) -> Lease | None:
+        """Deliver the outbox and renew the lease; None if the service is out of reach (everything is
+        kept for next time). Checkpoints and outputs are taken into the store first; one still being
+        taken in after INGEST_WAIT_SECONDS is registered by a later sync, unless this one `wait`s for it."""
         job_id = claimed.job_id
         outbox.checkpoints.take_in(self.ingest, lambda source, step, folder: self.store.ingest_checkpoint(source, job_id, step, folder),
                                    CorruptCheckpoint, wait)
         outbox.outputs.take_in(self.ingest, lambda source, name, step: self.store.ingest_output(source, job_id, name, step), OSError, wait)
         try:
-            # The lease first, in a transaction of its own: however much there is to store, it is on time.
-            with self.sessions() as session:
-                lease = renew_lease(session, claimed, self.settings.lease_seconds)
-        except Exception:
-            log.exception("could not reach the database for job %s; will retry", claimed.job_id)
+            # The lease first, in a request of its own: however much there is to deliver, it is on time.
+            lease = self.service.renew(claimed)
+        except ServiceUnreachable:
+            log.exception("could not reach the service for job %s; will retry", claimed.job_id)
             return None
         try:
-            self._deliver(claimed, spec, outbox)
-        except Exception:
-            log.exception("could not store what job %s attempt %s reported; will retry", claimed.job_id, claimed.number)
+            self._deliver(claimed, outbox)
+        except ServiceUnreachable:
+            log.exception("could not deliver what job %s attempt %s reported; will retry", claimed.job_id, claimed.number)
         return lease
 
-    def _deliver(self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> None:
-        """Store the outbox's metrics and lines in bounded batches for up to DELIVERY_SECONDS (a
-        batch stored is taken out of it; the rest waits for the next sync), and its checkpoints and outputs."""
+    def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """Send the outbox's metrics and lines in bounded reports for up to DELIVERY_SECONDS (what a
+        report carried is taken out of it once answered; the rest waits for the next sync), then
+        register its checkpoints and outputs taken into the store, and say what the store refused."""
         deadline = time.monotonic() + DELIVERY_SECONDS
+        self._take_refused(outbox)
         while True:
-            with self.sessions() as session:
-                if points := outbox.metrics[:POINTS_PER_BATCH]:
-                    record_metrics(session, claimed.job_id, claimed.attempt_id, points)
-                    del outbox.metrics[:len(points)]
-                if lines := outbox.next_lines(LINES_PER_BATCH):
-                    record_logs(session, claimed.job_id, claimed, lines)
-                    outbox.drop_lines(len(lines))
-                self._record_checkpoints(session, claimed, spec, outbox)
-                self._record_outputs(session, claimed, outbox)
-                self._record_refused(session, claimed, outbox)
+            points, lines, refused = outbox.metrics[:POINTS_PER_BATCH], outbox.next_lines(LINES_PER_BATCH), outbox.refused[:100]
+            if points or lines or refused:
+                self.service.report(claimed, points, lines, refused)  # idempotent: sent again whole if its answer is lost
+                del outbox.metrics[:len(points)]
+                outbox.drop_lines(len(lines))
+                del outbox.refused[:len(refused)]
+            self._register_checkpoints(claimed, outbox)
+            self._register_outputs(claimed, outbox)
             if not outbox.backlog() or time.monotonic() >= deadline:
                 return
 
-    def _record_checkpoints(self, session, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox) -> None:
-        """Record the checkpoints taken into the store, dropping the oldest past `keep_last`."""
-        def record(source: Path, step: int, _folder: str, taken: tuple[str, str, int]) -> None:
+    def _register_checkpoints(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """Register the checkpoints taken into the store (the service drops the oldest past `keep_last`)."""
+        def register(source: Path, step: int, _folder: str, taken: tuple[str, str, int]) -> None:
             relative, sha256, size = taken
-            for path in record_checkpoint(session, claimed.job_id, claimed.attempt_id, step, relative, sha256, size, spec.checkpoint.keep_last):
-                self.store.delete(path)
+            self.service.checkpoint_stored(claimed, step, relative, sha256, size)
             shutil.rmtree(source, ignore_errors=True)  # the store has it now (moved, or copied: the loop leaves it to us)
 
-        outbox.checkpoints.record(record)
+        outbox.checkpoints.record(register)
 
-    def _record_outputs(self, session, claimed: ClaimedAttempt, outbox: Outbox) -> None:
-        """Record the script's outputs copied into the store, each replacing its name's earlier copy."""
-        def record(_source: Path, name: str, step: int | None, taken: tuple[str, str, int, int]) -> None:
-            if replaced := record_output(session, claimed.job_id, claimed.attempt_id, name, step, *taken):
-                self.store.delete(replaced)
+    def _register_outputs(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """Register the script's outputs copied into the store, each replacing its name's earlier copy."""
+        outbox.outputs.record(lambda _source, name, step, taken: self.service.output_stored(claimed, name, step, *taken))
 
-        outbox.outputs.record(record)
-
-    def _record_refused(self, session, claimed: ClaimedAttempt, outbox: Outbox) -> None:
-        """What the store refused, as an event of the job and a line in its logs: never dropped silently."""
+    def _take_refused(self, outbox: Outbox) -> None:
+        """Move what the store refused into the outbox, as events of the job for the next report and
+        a line each in its logs: never dropped silently."""
         kinds = (  # (the transfers, its event, its noun, (step, what) of one of its items)
             (outbox.checkpoints, JobEventType.checkpoint_refused, "checkpoint", lambda _source, step, folder: (step, folder)),
             (outbox.outputs, JobEventType.output_refused, "output", lambda _source, name, step: (step, name)),
         )
         for transfers, kind, noun, describe in kinds:
             while transfers.refused:
-                item, reason = transfers.refused[0]
+                item, reason = transfers.refused.pop(0)
                 step, what = describe(*item)
-                record_refused(session, claimed.job_id, kind, step, what, reason)
+                outbox.refused.append(RefusedTransfer(kind=kind.value, step=step, what=what[:1000], reason=reason[:MAX_LOG_LINE]))
                 outbox.add_line(None, f"trainyard: {noun} {what!r} (step {step}) refused by the artifact store, not stored: {reason}")
-                transfers.refused.pop(0)
 
     def _finish(self, claimed: ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:
         if outcome is None:
             log.warning("job %s attempt %s: %s", claimed.job_id, claimed.number, reason)
             return
-        # The outcome must reach the database: retry until it does or our lease is gone.
+        # The outcome must reach the service: retry until it does or our lease is gone.
         while True:
             try:
-                with self.sessions() as session:
-                    ended = finish_attempt(session, claimed, outcome, reason, retry=not isinstance(reason, FinalReason))
+                ended = self.service.finish(claimed, outcome, reason, retry=not isinstance(reason, FinalReason))
                 log.info("job %s attempt %s %s%s", claimed.job_id, claimed.number, outcome.value, "" if ended else " (too late: lease lost)")
                 return
-            except Exception:
+            except ServiceUnreachable:
                 log.exception("could not record the end of job %s attempt %s; retrying", claimed.job_id, claimed.number)
                 time.sleep(2)
 
@@ -700,7 +686,7 @@ class RunningAttempt:
         self.next_sync = time.monotonic() + self.runner.settings.heartbeat_seconds
         if self.exit_code is None:
             self.outbox.metrics += self.system.sample(self.step)
-        lease = self.runner._sync(self.claimed, self.spec, self.outbox)
+        lease = self.runner._sync(self.claimed, self.outbox)
         if lease is not None and self.outbox.backlog():
             self.next_sync = 0.0  # what is left of a burst goes on at the next round
         if lease is None:  # the database is out of reach: all is kept for the next sync
@@ -717,7 +703,7 @@ class RunningAttempt:
         # another node stopped first and took this node's collectives down with them.
         if lease.cancel_requested and not (self.finished and self.exit_code == 0):
             _stop(self.process)
-            self.runner._sync(self.claimed, self.spec, self.outbox, wait=True)
+            self.runner._sync(self.claimed, self.outbox, wait=True)
             return AttemptStatus.cancelled, "cancelled by user"
         if lease.preempt_requested:
             full = self.spec.resources.processes_per_node

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from api_schemas import JobSpec
+from api_schemas.host_api import HOST_API_PREFIX
 from service.db.audit import record
 
 log = logging.getLogger("trainyard.api")
@@ -45,7 +46,8 @@ class AuditTrail:
         self.app, self.sessions = app, sessions
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in MUTATING:
+        # The worker protocol is machines' traffic (a report per attempt every few seconds), not a user's act.
+        if scope["type"] != "http" or scope["method"] not in MUTATING or scope["path"].startswith(HOST_API_PREFIX):
             return await self.app(scope, receive, send)
         state = scope.setdefault("state", {})  # the same dict as every Request's `.state` for this scope
         status_code = 500  # unless a response starts: an exception escaped

@@ -23,6 +23,7 @@ from api_schemas import ErrorOut
 from service.api.limits import FailedAuthLimiter
 from service.artifacts import ArtifactStore
 from service.db.accounts import user_by_token, why_refused
+from service.db.host_tokens import host_by_token
 from service.db.jobs import job_visible_to
 from service.db.models import Job, User, utcnow
 from service.db.session import read_session_factory, session_factory
@@ -119,6 +120,31 @@ def _unauthorized(why: str) -> HTTPException:
 
 
 CurrentUser = Annotated[User, Depends(get_current_user)]
+
+
+def get_current_host(
+    request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    """The name of the worker host whose token this is (the worker protocol's routes take no user's
+    token, and a host's token opens no user route). Wrong tokens count toward the same limit."""
+    limiter: FailedAuthLimiter = request.app.state.failed_auths
+    address = request.client.host if request.client else ""
+    if retry_after := limiter.retry_after(address):
+        raise HTTPException(
+            status.HTTP_429_TOO_MANY_REQUESTS, "too many failed authentications from this address", headers={"Retry-After": str(retry_after)}
+        )
+    host = None
+    if credentials:
+        with read_session_factory(settings.resolved_database_url)() as session:
+            host = host_by_token(session, credentials.credentials)
+        if host is None:
+            limiter.failed(address)
+    if host is None:
+        raise _unauthorized("missing, invalid or revoked host token")
+    return host
+
+
+CurrentHost = Annotated[str, Depends(get_current_host)]
 
 
 def get_admin(user: CurrentUser) -> User:

@@ -18,7 +18,7 @@ from service.api.events import Feeds
 from service.api.limits import FailedAuthLimiter, StreamSlots
 from service.api.stream_tokens import StreamTokens
 from service.api.audit import AuditTrail
-from service.api.routes import audit, checkpoints, dashboard, jobs, monitoring, outputs, sweeps, tokens, uploads, usage
+from service.api.routes import audit, checkpoints, dashboard, host_api, jobs, monitoring, outputs, sweeps, tokens, uploads, usage
 from service.db.doorbell import libpq_dsn
 from service.db.session import read_session_factory, session_factory
 from service.settings import Settings, get_settings
@@ -124,6 +124,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(dashboard.page_router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.include_router(monitoring.router)
+    app.include_router(host_api.router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:  # on the event loop: it answers even while the thread pool is busy

@@ -1,4 +1,5 @@
-"""An attempt from its worker's side: claim it, hold its lease, find its gang's node 0, record how it ended."""
+"""An attempt from its worker's side (through the worker protocol, service/api/routes/host_api.py):
+claim it, hold its lease, find its gang's node 0, record how it ended."""
 
 from __future__ import annotations
 
@@ -9,22 +10,30 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session, aliased, joinedload, lazyload
 
 from api_schemas import AttemptStatus, JobStatus
+from api_schemas.host_api import ClaimedAttempt, Lease
 from service.db import state
 from service.db.models import Attempt, Checkpoint, Job, utcnow
 
 
 @dataclass(frozen=True)
-class ClaimedAttempt:
+class HeldAttempt:
+    """An attempt as its worker names it: which one, and the lease it claimed it under."""
+
     attempt_id: int
-    number: int
-    node_rank: int
     job_id: int
-    spec: dict
-    slots: int
-    device_ids: list[int] | None
+    number: int
     lease_owner: str
-    resume_checkpoint_path: str | None
-    resume_step: int | None
+
+
+def attempt_on_host(session: Session, attempt_id: int, host_name: str, lease_owner: str) -> HeldAttempt | None:
+    """The attempt, if it was placed on `host_name`; None for any other (a host acts on its own only)."""
+    row = session.execute(
+        select(Attempt.id, Attempt.job_id, Attempt.number, Attempt.host_name).where(Attempt.id == attempt_id)
+    ).first()
+    session.commit()
+    if row is None or row.host_name != host_name:
+        return None
+    return HeldAttempt(row.id, row.job_id, row.number, lease_owner)
 
 
 def claim_attempt(
@@ -91,14 +100,7 @@ _ATTEMPT_TO_CLAIM = (
 )
 
 
-@dataclass(frozen=True)
-class Lease:
-    held: bool
-    cancel_requested: bool
-    preempt_requested: bool = False
-
-
-def renew_lease(session: Session, attempt: ClaimedAttempt, lease_seconds: float) -> Lease:
+def renew_lease(session: Session, attempt: HeldAttempt, lease_seconds: float) -> Lease:
     """Extend our lease. `held` is False once the attempt is no longer ours (reaped as lost)."""
     result = session.execute(
         update(Attempt)
@@ -115,7 +117,7 @@ def renew_lease(session: Session, attempt: ClaimedAttempt, lease_seconds: float)
 
 
 def finish_attempt(
-    session: Session, claimed: ClaimedAttempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True
+    session: Session, claimed: HeldAttempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True
 ) -> bool:
     """Record the end of our attempt; False if we had already lost it. `retry=False`: a failure no
     retry can mend, the job fails at once (see state.end_attempt)."""
@@ -128,7 +130,7 @@ def finish_attempt(
     return ended
 
 
-def gang_rendezvous(session: Session, claimed: ClaimedAttempt) -> str | None:
+def gang_rendezvous(session: Session, claimed: HeldAttempt) -> str | None:
     """host:port of node 0 of our try, once it has claimed its attempt; None until then."""
     query = select(Attempt.rendezvous).where(
         Attempt.job_id == claimed.job_id, Attempt.number == claimed.number, Attempt.node_rank == 0

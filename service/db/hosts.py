@@ -28,9 +28,11 @@ def deregister_host(session: Session, host_name: str) -> None:
     session.commit()
 
 
-def record_heartbeat(session: Session, host_name: str) -> None:
-    session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow()))
+def record_heartbeat(session: Session, host_name: str) -> bool:
+    """False if the host is not registered (it deregistered, or was taken out of the pool): it should register again."""
+    found = session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount
     session.commit()
+    return bool(found)
 
 
 def online_hosts(session: Session, now: datetime, host_timeout: float) -> list[WorkerHost]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
-from service.db.attempts import ClaimedAttempt
+from service.db.attempts import HeldAttempt
 from service.db.dialect import dialect_insert
 from service.db.doorbell import tell_followers
 from service.db.models import LogLine
@@ -16,7 +16,7 @@ from service.db.models import LogLine
 ROWS_PER_INSERT = 2000
 
 
-def record_logs(session: Session, job_id: int, attempt: ClaimedAttempt, lines: list[tuple[int, int | None, str]]) -> None:
+def record_logs(session: Session, job_id: int, attempt: HeldAttempt, lines: list[tuple[int, int | None, str]]) -> None:
     """Store (seq, rank, line) triples of an attempt's output, any number of them; re-sent lines are ignored."""
     if not lines:
         return

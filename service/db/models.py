@@ -305,6 +305,17 @@ class JobEvent(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class HostToken(Base):
+    """A worker host's credential for the worker protocol (api_schemas/host_api.py): it acts as
+    that host only. Kept when the host deregisters; revoked, it opens nothing (migration 0018)."""
+
+    __tablename__ = "host_tokens"
+    host_name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
 class WorkerHost(Base):
     __tablename__ = "worker_hosts"
     name: Mapped[str] = mapped_column(String(200), primary_key=True)

@@ -1,8 +1,9 @@
 """Worker hosts in network namespaces: each its own network stack and address on a private bridge,
 so what one host sends another crosses a (virtual) network, as between machines.
 
-Needs root and iproute2 (`ip netns`), which CI has; the filesystem is shared, so the hosts reach the
-embedded stack's SQLite database and broker as machines would reach PostgreSQL and Redis.
+Needs root and iproute2 (`ip netns`), which CI has. The hosts reach the service's API at the
+bridge's own address (`gateway`), and the embedded broker on the shared filesystem as machines
+would reach Redis.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 class Host:
     namespace: str
     address: str
+    gateway: str  # the bridge's address: this machine's own, as the hosts reach it
 
 
 def ip(*args: str) -> None:
@@ -45,7 +47,7 @@ def namespaced_hosts(count: int) -> Iterator[list[Host]]:
     tag = uuid.uuid4().hex[:5]
     subnet = f"10.{200 + int(tag, 16) % 50}.0"
     bridge = f"tybr{tag}"
-    hosts = [Host(f"ty-{tag}-{i}", f"{subnet}.{i + 2}") for i in range(count)]
+    hosts = [Host(f"ty-{tag}-{i}", f"{subnet}.{i + 2}", f"{subnet}.1") for i in range(count)]
     try:
         ip("link", "add", bridge, "type", "bridge")
         ip("addr", "add", f"{subnet}.1/24", "dev", bridge)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -14,7 +16,7 @@ from sqlalchemy import select
 
 from service.db.models import Attempt
 from service.db.session import session_factory
-from service.embedded import embedded_stack, host_cores, stop_children
+from service.embedded import embedded_stack, host_cores, stop_children, wait_for_workers, wait_healthy
 from tests.conftest import IN_CI
 from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
@@ -37,15 +39,31 @@ def two_hosts(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
     with namespaced_hosts(2) as hosts, embedded_stack(tmp_path / "yard", free_port(), workers=0) as info:
         env = {**os.environ, "TRAINYARD_DATA_DIR": str(info.data_dir)}
+        # A second API process where the namespaces reach this machine (the stack's listens on
+        # loopback only), as a cluster's hosts reach the service's address; each host its own token.
+        port = free_port()
         with open(tmp_path / "workers.log", "ab") as log:
-            workers = [start_worker(host, f"ns-{i}", "cpu:2", env, log) for i, host in enumerate(hosts)]
+            api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--host", hosts[0].gateway, "--port", str(port)],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+            wait_healthy(f"http://{hosts[0].gateway}:{port}", [api])
+            workers = [
+                start_worker(host, name, "cpu:2", {**env, "TRAINYARD_API_URL": f"http://{host.gateway}:{port}", "TRAINYARD_HOST_TOKEN": host_token(name, env)}, log)
+                for name, host in ((f"ns-{i}", host) for i, host in enumerate(hosts))
+            ]
         for worker, cores in zip(workers, host_cores(len(workers))):  # a core each, as machines of their own
             os.sched_setaffinity(worker.pid, cores)
+        wait_for_workers(info.url, info.token, ["ns-0", "ns-1"], [*workers, api], tmp_path)
         try:
             with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
                 yield client, hosts, info.data_dir
         finally:
-            stop_children(workers)
+            stop_children([*workers, api])
+
+
+def host_token(name: str, env: dict[str, str]) -> str:
+    """A token for host `name`, as an admin makes one: `trainyard host token NAME`."""
+    made = subprocess.run([sys.executable, "-m", "trainyard", "host", "token", name], env=env, capture_output=True, text=True, check=True)
+    return made.stdout.strip()
 
 
 def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_processes(two_hosts):

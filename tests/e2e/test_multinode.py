@@ -251,3 +251,20 @@ def test_a_two_node_jobs_processes_meet_but_cannot_reach_the_control_plane(tmp_p
                 expected |= {f"REACHED a port of no service from rank {rank}" for rank in (0, 1)}
                 assert said == expected, lines
                 assert all("closed to jobs" in host["sandbox"] for host in client.get("/v1/workers").json())
+                # The workers speak to the service over its API only: no database URL in their
+                # environment, no connection of theirs in PostgreSQL's own list (before, one each idle).
+                workers = [psutil.Process(pid) for pid in stack_pids_matching("trainyard worker")]
+                assert len(workers) == 2 and not any("TRAINYARD_DATABASE_URL" in w.environ() for w in workers)
+                assert not database_connections_of(workers, postgres_url)
+
+
+def database_connections_of(processes: list[psutil.Process], postgres_url: str) -> list[int]:
+    """The client ports of PostgreSQL's connections that `processes` or their children hold."""
+    from sqlalchemy import create_engine, text
+
+    ports = {c.laddr.port for p in processes for q in [p, *p.children(recursive=True)] for c in q.net_connections(kind="tcp")}
+    engine = create_engine(postgres_url)
+    with engine.connect() as connection:
+        clients = set(connection.execute(text("SELECT client_port FROM pg_stat_activity WHERE client_port IS NOT NULL")).scalars())
+    engine.dispose()
+    return sorted(ports & clients)

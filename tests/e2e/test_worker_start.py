@@ -14,8 +14,9 @@ import subprocess
 import sys
 import time
 
-from service.embedded import prepare_embedded, stop_children
+from service.embedded import host_token_files, prepare_embedded, stop_children
 from service.settings import Settings
+from workers.supervisor import free_port
 
 
 def rows(database: str, query: str) -> list[tuple]:
@@ -29,10 +30,14 @@ def rows(database: str, query: str) -> list[tuple]:
 def test_a_worker_host_is_registered_only_once_its_queue_exists(tmp_path):
     settings = Settings(data_dir=tmp_path)
     prepare_embedded(settings)
+    [token_file] = host_token_files(settings, ["fresh"])
+    port = free_port()
     env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path)}
+    api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     worker = subprocess.Popen(
         [sys.executable, "-m", "trainyard", "worker", "--host-name", "fresh", "--devices", "cpu:1"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env={**env, "TRAINYARD_API_URL": f"http://127.0.0.1:{port}", "TRAINYARD_HOST_TOKEN_FILE": str(token_file)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:
         # Watch for the moment the scheduler could first see the host.
@@ -44,4 +49,13 @@ def test_a_worker_host_is_registered_only_once_its_queue_exists(tmp_path):
         queues = rows(str(tmp_path / "broker.db"), "SELECT name FROM kombu_queue")
         assert ("host.fresh",) in queues
     finally:
-        stop_children([worker])
+        stop_children([worker, api])
+
+
+def test_a_worker_without_a_host_token_says_how_to_get_one(tmp_path):
+    env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path)}
+    env.pop("TRAINYARD_HOST_TOKEN", None)
+    done = subprocess.run([sys.executable, "-m", "trainyard", "worker", "--host-name", "h", "--devices", "cpu:1"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "no host token" in done.stderr and "trainyard host token NAME" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -15,11 +15,12 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import select
 
-from api_schemas import AttemptStatus, JobSpec, JobStatus
+from api_schemas import AttemptStatus, JobStatus
 from api_schemas.manifest import MODEL_FILE, sha256_file, write_manifest
 from service.db import state
 from service.db.accounts import create_user, user_by_name, user_by_token
-from service.db.attempts import ClaimedAttempt, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
+from api_schemas.host_api import ClaimedAttempt
+from service.db.attempts import claim_attempt, finish_attempt, gang_rendezvous, renew_lease
 from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.doorbell import Doorbell, ring, socket_path
 from service.db.hosts import register_host
@@ -30,7 +31,7 @@ from service.db.models import Attempt, Base, Job, LogLine, Metric, User, WorkerH
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from service.settings import Settings
-from tests.helpers import busy_slots_by_host, directory_on_another_filesystem, job_spec
+from tests.helpers import busy_slots_by_host, directory_on_another_filesystem, host_client, job_spec
 from workers import supervisor
 from workers.supervisor import AttemptRunner
 
@@ -363,7 +364,7 @@ def test_the_other_nodes_of_a_gang_wait_out_the_re_send_of_a_lost_dispatch_to_no
 
     thread = threading.Thread(target=scheduler_and_node_0_worker)
     thread.start()
-    rendezvous = AttemptRunner(settings, sessions, node_1.host_name)._wait_for_node_0(claimed_1)
+    rendezvous = AttemptRunner(settings, host_client(settings, sessions, node_1.host_name), node_1.host_name)._wait_for_node_0(claimed_1)
     thread.join()
     assert re_sent.is_set() and rendezvous == "10.0.0.0:2222"
 
@@ -713,8 +714,7 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
     monkeypatch.setattr(supervisor, "INGEST_WAIT_SECONDS", 0.01)  # shorter than copying 64 MB anywhere
     queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
-    spec = JobSpec.model_validate(claimed.spec)
-    runner = AttemptRunner(settings, sessions, "host-a")
+    runner = AttemptRunner(settings, host_client(settings, sessions, "host-a"), "host-a")
     with directory_on_another_filesystem(than=tmp_path) as elsewhere:
         source = elsewhere / "step-10"
         (source / "state").mkdir(parents=True)
@@ -725,7 +725,7 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
             renewed_before = session.get(Attempt, claimed.attempt_id).lease_expires_at
         time.sleep(0.01)
 
-        assert runner._sync(claimed, spec, outbox).held
+        assert runner._sync(claimed, outbox).held
         assert outbox.checkpoints.items == [(source, 10, "step-00000010")] and outbox.checkpoints.taking is not None  # still being copied in
         with sessions() as session:
             assert session.get(Attempt, claimed.attempt_id).lease_expires_at > renewed_before
@@ -733,7 +733,7 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
 
         deadline = time.monotonic() + 60
         while outbox.checkpoints.items and time.monotonic() < deadline:
-            runner._sync(claimed, spec, outbox)
+            runner._sync(claimed, outbox)
         assert outbox.empty() and not source.exists()  # stored, then the copy's source removed
         with sessions() as session:
             stored = list_checkpoints(session, claimed.job_id)[-1]

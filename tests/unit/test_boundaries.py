@@ -12,6 +12,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PROJECT_PACKAGES = {path.parent.name for path in REPO.glob("*/*.py")}  # api_schemas, service, workers, trainyard, tests, …
 CLIENT_FILES = sorted((REPO / "trainyard").rglob("*.py"))
+WORKER_FILES = sorted((REPO / "workers").rglob("*.py"))
+# What workers/ still takes from service/: no database, no route, only its settings' definitions,
+# the artifact store's file layout and the Celery wiring (to move into a shared place of their own).
+WORKERS_MAY_IMPORT_OF_THE_SERVICE = {"service.settings", "service.artifacts", "service.queue"}
 
 
 def modules_after_import(*modules: str) -> set[str]:
@@ -54,6 +58,18 @@ def test_the_client_imports_only_api_schemas_itself_and_third_party_libraries(pa
 def test_importing_the_client_loads_neither_the_server_nor_torch():
     loaded = {name.split(".")[0] for name in modules_after_import("trainyard.cli", "trainyard.client")}
     assert "trainyard" in loaded and not loaded & {"service", "workers", "torch", "sqlalchemy"}
+
+
+@pytest.mark.parametrize("path", WORKER_FILES, ids=lambda path: str(path.relative_to(REPO / "workers")))
+def test_the_workers_reach_the_service_only_through_its_http_api(path):
+    service = {name for name in project_imports(path) if name.split(".")[0] == "service"}
+    modules = {".".join(name.split(".")[:2]) for name in service}
+    assert modules <= WORKERS_MAY_IMPORT_OF_THE_SERVICE, f"workers/{path.name} imports {sorted(modules - WORKERS_MAY_IMPORT_OF_THE_SERVICE)}"
+
+
+def test_a_worker_host_loads_no_database_library():
+    loaded = modules_after_import("workers.host", "workers.supervisor")
+    assert "sqlalchemy" not in loaded and not any(name.startswith(("service.db", "service.api")) for name in loaded)
 
 
 def test_api_schemas_import_nothing_of_the_project():

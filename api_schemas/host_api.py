@@ -1,0 +1,153 @@
+"""The worker protocol over HTTP: what a worker host says to the service, and what it hears back.
+
+It is the one contract between `service/` and `workers/`. A host authenticates with its own host
+token (`trainyard host token NAME`), which acts only as that host, and only on the attempts placed
+on it; no database credential reaches a machine that runs user code. The routes, all under
+`/v1/host/` (service/api/routes/host_api.py):
+
+    POST register             HostRegistration → HostTerms     (start: devices, address; the service's timing back)
+    POST heartbeat            → 204                             (alive; every heartbeat_seconds)
+    POST deregister           → 204                             (shutting down: no more attempts)
+    POST attempts/{id}/claim  ClaimRequest → ClaimedAttempt     (409: not ours to run; a duplicate dispatch)
+    POST attempts/{id}/lease  LeaseRequest → Lease              (renew; learn of a cancel or preemption)
+    POST attempts/{id}/rendezvous  LeaseRequest → Rendezvous    (a gang's node 0's host:port, lease renewed)
+    POST attempts/{id}/report      Report → 204                 (metrics, log lines, refused transfers)
+    POST attempts/{id}/checkpoints CheckpointStored → 204       (a checkpoint taken into the store)
+    POST attempts/{id}/outputs     OutputStored → 204           (a script's output folder taken into the store)
+    POST attempts/{id}/finish      AttemptEnd → Finished        (how it ended)
+
+Every attempt route names the lease its host holds: one that has lost it (reaped as lost, a newer
+claim) gets `held: false` or 409, and stops. Everything a host sends is idempotent, so a request
+whose answer was lost is simply sent again: metrics by (job, step, name), log lines by their
+sequence number in the attempt, checkpoints by their path in the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from api_schemas.api import AttemptStatus
+
+HOST_API_PREFIX = "/v1/host"
+
+# What one report may carry: a host sends a backlog in batches of at most these (workers/supervisor.py).
+MAX_POINTS_PER_REPORT = 20_000
+MAX_LINES_PER_REPORT = 5_000
+MAX_LINE_CHARS = 4_000
+
+LeaseOwner = Field(min_length=1, max_length=200)
+
+
+class HostRegistration(BaseModel):
+    """What a starting host offers."""
+
+    device: Literal["cpu", "cuda"]
+    slots: int = Field(ge=1, le=4096, description="GPUs, or CPU process slots.")
+    address: str = Field(min_length=1, max_length=200, description="Where the other hosts of a multi-node job reach this one.")
+    info: dict[str, Any] = Field(default_factory=dict, description="gpus (index, name, memory_gb), sandbox: shown in GET /v1/workers.")
+
+
+class HostTerms(BaseModel):
+    """The service's timing and limits, which a host follows: one place sets them for every host."""
+
+    heartbeat_seconds: float
+    lease_seconds: float
+    dispatch_timeout_seconds: float
+    max_log_lines_per_attempt: int
+    max_runtime_hours: float
+    control_plane_ports: list[int] = Field(
+        description="The service's ports (database, broker, API) that a host closes to its multi-node jobs (workers/egress.py)."
+    )
+
+
+class ClaimRequest(BaseModel):
+    lease_owner: str = LeaseOwner
+    rendezvous: str | None = Field(None, max_length=200, description="host:port this host's node 0 of a gang would listen on.")
+
+
+class ClaimedAttempt(BaseModel):
+    """An attempt this host now runs, under `lease_owner`'s lease."""
+
+    attempt_id: int
+    number: int
+    node_rank: int
+    job_id: int
+    spec: dict[str, Any]
+    slots: int
+    device_ids: list[int] | None
+    lease_owner: str
+    resume_checkpoint_path: str | None = Field(description="The checkpoint to resume from, relative to the artifact store.")
+    resume_step: int | None
+    code_path: str | None = Field(None, description="A script job's code directory, on the storage hosts share with the service.")
+    code_refused: str | None = Field(None, description="Why a script job's code can't be had (gone, outside the code root), in place of code_path.")
+
+
+class LeaseRequest(BaseModel):
+    lease_owner: str = LeaseOwner
+
+
+class Lease(BaseModel):
+    held: bool = Field(description="False once the attempt is no longer this host's (reaped as lost, revoked): stop it.")
+    cancel_requested: bool
+    preempt_requested: bool = False
+
+
+class Rendezvous(BaseModel):
+    rendezvous: str | None = Field(description="host:port of node 0 of the gang's try, once it has claimed; None until then.")
+    lease: Lease
+
+
+class Report(BaseModel):
+    """What an attempt produced since the last report: sent again, whole, if its answer was lost."""
+
+    lease_owner: str = LeaseOwner
+    metrics: list[tuple[int, str, float | None]] = Field(
+        default_factory=list, max_length=MAX_POINTS_PER_REPORT, description="(step, name, value); None for NaN or infinite."
+    )
+    logs: list[tuple[int, int | None, str]] = Field(
+        default_factory=list, max_length=MAX_LINES_PER_REPORT, description="(sequence number in the attempt, rank, line)."
+    )
+    refused: list[RefusedTransfer] = Field(default_factory=list, max_length=100)
+
+
+class RefusedTransfer(BaseModel):
+    """A checkpoint or output the artifact store refused (incomplete, corrupt): an event of the job, never silently dropped."""
+
+    kind: Literal["checkpoint_refused", "output_refused"]
+    step: int | None
+    what: str = Field(max_length=1000)
+    reason: str = Field(max_length=MAX_LINE_CHARS)
+
+
+class CheckpointStored(BaseModel):
+    lease_owner: str = LeaseOwner
+    step: int = Field(ge=0)
+    path: str = Field(max_length=1000, description="Where it is in the artifact store, relative to its root.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+
+
+class OutputStored(BaseModel):
+    lease_owner: str = LeaseOwner
+    name: str = Field(max_length=1000)
+    step: int | None
+    path: str = Field(max_length=1000)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+    files: int = Field(ge=0)
+
+
+class AttemptEnd(BaseModel):
+    lease_owner: str = LeaseOwner
+    outcome: AttemptStatus
+    reason: str | None = Field(None, max_length=100_000)
+    retry: bool = Field(True, description="False: no retry can mend it (the spec can't run), the job fails at once.")
+
+
+class Finished(BaseModel):
+    ended: bool = Field(description="False: too late, the lease was lost before the end was recorded.")
+
+
+Report.model_rebuild()

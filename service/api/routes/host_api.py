@@ -1,0 +1,166 @@
+"""The worker protocol's routes (api_schemas/host_api.py): what worker hosts do through the API,
+each with its own host token, instead of holding a database connection. Each route acts as the
+token's host, on the attempts placed on it only (any other is a 404, as a missing one)."""
+
+from __future__ import annotations
+
+import math
+from urllib.parse import urlsplit
+
+from fastapi import APIRouter, HTTPException, Response, status
+from sqlalchemy import select
+
+from api_schemas import JobEventType
+from api_schemas.host_api import (
+    HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, Finished, HostRegistration, HostTerms, Lease,
+    LeaseRequest, OutputStored, Rendezvous, Report,
+)
+from api_schemas.jobs import CodeSource
+from service.api.deps import CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
+from service.artifacts import ArtifactStore
+from service.db.attempts import HeldAttempt, attempt_on_host, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
+from service.db.checkpoints import record_checkpoint, record_refused
+from service.db.hosts import deregister_host, record_heartbeat, register_host
+from service.db.log_lines import record_logs
+from service.db.metrics import record_metrics
+from service.db.models import Job
+from service.db.outputs import record_output
+from service.settings import Settings
+from service.uploads import UploadRefused, code_directory
+
+router = APIRouter(prefix=HOST_API_PREFIX, tags=["worker protocol"], route_class=SessionsEndWithRoute)
+
+DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "redis": 6379, "rediss": 6379, "amqp": 5672}
+
+
+def control_plane_ports(settings: Settings) -> list[int]:
+    """The service's ports a job must not reach: its database's and broker's, and the configured others."""
+    ports = set(settings.control_plane_ports)
+    for url in (settings.resolved_database_url, settings.resolved_broker_url):
+        parts = urlsplit(url)
+        scheme = parts.scheme.split("+")[0]
+        if scheme.startswith("sqla") or scheme == "sqlite":
+            continue  # a file, not a port
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if port or DEFAULT_PORTS.get(scheme):
+            ports.add(port or DEFAULT_PORTS[scheme])
+    return sorted(ports)
+
+
+@router.post("/register", response_model=HostTerms)
+def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> HostTerms:
+    """The host joins the pool (again, after a restart) with what it offers; it learns the service's timing."""
+    register_host(session, host, body.device, body.slots, body.info, body.address)
+    return HostTerms(
+        heartbeat_seconds=settings.heartbeat_seconds, lease_seconds=settings.lease_seconds,
+        dispatch_timeout_seconds=settings.dispatch_timeout_seconds, max_log_lines_per_attempt=settings.max_log_lines_per_attempt,
+        max_runtime_hours=settings.max_runtime_hours, control_plane_ports=control_plane_ports(settings),
+    )
+
+
+@router.post("/heartbeat", status_code=204, responses={404: {"description": "Not registered (deregistered, or never): register again."}})
+def heartbeat(host: CurrentHost, session: WriteSessionDep) -> Response:
+    if not record_heartbeat(session, host):
+        raise not_found("host registration")
+    return Response(status_code=204)
+
+
+@router.post("/deregister", status_code=204)
+def deregister(host: CurrentHost, session: WriteSessionDep) -> Response:
+    """Shutting down: no more attempts are placed here."""
+    deregister_host(session, host)
+    return Response(status_code=204)
+
+
+def _own(session, host: str, attempt_id: int, lease_owner: str) -> HeldAttempt:
+    held = attempt_on_host(session, attempt_id, host, lease_owner)
+    if held is None:
+        raise not_found("attempt")
+    return held
+
+
+@router.post("/attempts/{attempt_id}/claim", response_model=ClaimedAttempt, responses={409: {"description": "Not this host's to run now."}})
+def claim(attempt_id: RowId, body: ClaimRequest, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> ClaimedAttempt:
+    """Take the attempt under a lease: 409 if it is not to be run (already claimed, ended, cancelled)."""
+    _own(session, host, attempt_id, body.lease_owner)
+    claimed = claim_attempt(session, attempt_id, body.lease_owner, settings.lease_seconds, body.rendezvous)
+    if claimed is None:
+        raise HTTPException(status.HTTP_409_CONFLICT, "attempt is not to be run (already claimed, ended or cancelled)")
+    if (script := claimed.spec.get("script")) is not None:
+        # Where the script's code is on the storage the hosts share; a path that is refused (gone,
+        # or outside the code root) says why in place of one.
+        try:
+            claimed.code_path = str(code_directory(settings, CodeSource.model_validate(script["code"])))
+        except UploadRefused as exc:
+            claimed.code_refused = str(exc)
+    return claimed
+
+
+@router.post("/attempts/{attempt_id}/lease", response_model=Lease)
+def lease(attempt_id: RowId, body: LeaseRequest, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> Lease:
+    """Renew the lease; it says whether the attempt is still this host's, and if it is to stop."""
+    return renew_lease(session, _own(session, host, attempt_id, body.lease_owner), settings.lease_seconds)
+
+
+@router.post("/attempts/{attempt_id}/rendezvous", response_model=Rendezvous)
+def rendezvous(attempt_id: RowId, body: LeaseRequest, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> Rendezvous:
+    """Node 0's host:port of this gang's try, once node 0 has claimed; the lease is renewed while it waits."""
+    held = _own(session, host, attempt_id, body.lease_owner)
+    lease = renew_lease(session, held, settings.lease_seconds)
+    return Rendezvous(rendezvous=gang_rendezvous(session, held) if lease.held else None, lease=lease)
+
+
+@router.post("/attempts/{attempt_id}/report", status_code=204)
+def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep) -> Response:
+    """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again whole if its answer was lost."""
+    held = _own(session, host, attempt_id, body.lease_owner)
+    points = [(step, name, math.nan if value is None else value) for step, name, value in body.metrics]
+    record_metrics(session, held.job_id, held.attempt_id, points)
+    record_logs(session, held.job_id, held, body.logs)
+    for refused in body.refused:
+        record_refused(session, held.job_id, JobEventType(refused.kind), refused.step, refused.what, refused.reason)
+    return Response(status_code=204)
+
+
+def _stored_path(store: ArtifactStore, held: HeldAttempt, path: str, folder: str) -> None:
+    """A path the host says it put in the store: under its own job's `folder`, and there."""
+    prefix = f"jobs/{held.job_id}/{folder}/"
+    try:
+        present = path.startswith(prefix) and ".." not in path.split("/") and store.path(path).exists()
+    except ValueError:
+        present = False
+    if not present:
+        raise HTTPException(422, f"path: not an item of this job's {folder} in the artifact store")
+
+
+@router.post("/attempts/{attempt_id}/checkpoints", status_code=204)
+def checkpoint_stored(attempt_id: RowId, body: CheckpointStored, host: CurrentHost, session: WriteSessionDep, store: StoreDep) -> Response:
+    """A checkpoint the host took into the store (verified against its manifest): listed from now
+    on, and the oldest past the job's `checkpoint.keep_last` deleted."""
+    held = _own(session, host, attempt_id, body.lease_owner)
+    _stored_path(store, held, body.path, "checkpoints")
+    spec = session.scalar(select(Job.spec).where(Job.id == held.job_id))
+    keep_last = spec.get("checkpoint", {}).get("keep_last", 3)
+    for stale in record_checkpoint(session, held.job_id, held.attempt_id, body.step, body.path, body.sha256, body.size, keep_last):
+        store.delete(stale)
+    return Response(status_code=204)
+
+
+@router.post("/attempts/{attempt_id}/outputs", status_code=204)
+def output_stored(attempt_id: RowId, body: OutputStored, host: CurrentHost, session: WriteSessionDep, store: StoreDep) -> Response:
+    """A script's output folder the host copied into the store, replacing its name's earlier copy."""
+    held = _own(session, host, attempt_id, body.lease_owner)
+    _stored_path(store, held, body.path, "outputs")
+    if replaced := record_output(session, held.job_id, held.attempt_id, body.name, body.step, body.path, body.sha256, body.size, body.files):
+        store.delete(replaced)
+    return Response(status_code=204)
+
+
+@router.post("/attempts/{attempt_id}/finish", response_model=Finished)
+def finish(attempt_id: RowId, body: AttemptEnd, host: CurrentHost, session: WriteSessionDep) -> Finished:
+    """How the attempt ended, through the state machine; `ended` False if its lease was lost first."""
+    held = _own(session, host, attempt_id, body.lease_owner)
+    return Finished(ended=finish_attempt(session, held, body.outcome, body.reason, retry=body.retry))

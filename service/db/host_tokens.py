@@ -1,0 +1,52 @@
+"""Worker hosts' own tokens: one per host name, only its hash stored; revoking one ends the host's
+attempts as a dead host's end (lost, then requeued) and takes it out of the pool."""
+
+from __future__ import annotations
+
+import secrets
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from api_schemas import AttemptStatus
+from service.db.accounts import hash_token
+from service.db.dialect import dialect_insert
+from service.db.doorbell import ring
+from service.db.models import Attempt, HostToken, WorkerHost, utcnow
+
+
+def issue_host_token(session: Session, host_name: str) -> str:
+    """A new token for `host_name`, replacing (and so revoking) any earlier one."""
+    token = "tyh_" + secrets.token_urlsafe(32)  # its own prefix: a secret scanner, or a reader, tells it from a user's
+    values = {"token_hash": hash_token(token), "created_at": utcnow(), "revoked_at": None}
+    insert = dialect_insert(session)(HostToken).values(host_name=host_name, **values)
+    session.execute(insert.on_conflict_do_update(index_elements=["host_name"], set_=values))
+    session.commit()
+    return token
+
+
+def host_by_token(session: Session, token: str) -> str | None:
+    """The name of the host whose live token this is; None for any other string."""
+    return session.scalar(select(HostToken.host_name).where(HostToken.token_hash == hash_token(token), HostToken.revoked_at.is_(None)))
+
+
+def revoke_host_token(session: Session, host_name: str) -> bool:
+    """Revoke the host's token: it opens nothing from now on. Its running attempts' leases expire
+    now (the scheduler's next pass ends them as lost, and requeues their jobs) and the host leaves
+    the pool (its scheduled ones are lost the same way). False if it had no live token."""
+    now = utcnow()
+    revoked = session.execute(
+        update(HostToken).where(HostToken.host_name == host_name, HostToken.revoked_at.is_(None)).values(revoked_at=now)
+    ).rowcount
+    session.execute(
+        update(Attempt).where(Attempt.host_name == host_name, Attempt.status == AttemptStatus.running).values(lease_expires_at=now)
+    )
+    session.execute(WorkerHost.__table__.delete().where(WorkerHost.name == host_name))
+    ring(session)
+    session.commit()
+    return bool(revoked)
+
+
+def host_token_states(session: Session) -> dict[str, str]:
+    """Each host name with a token: "active" or "revoked"."""
+    return {row.host_name: "revoked" if row.revoked_at else "active" for row in session.scalars(select(HostToken))}

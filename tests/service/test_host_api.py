@@ -1,0 +1,128 @@
+"""The worker protocol's routes (service/api/routes/host_api.py) on both backends: a host's token
+acts as that host only, on its own attempts only, and on no user route; a revoked one opens
+nothing and its host's attempts are requeued; what a host sends again is stored once."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from api_schemas import AttemptStatus, JobStatus
+from api_schemas.host_api import HostRegistration
+from service.api.main import create_app
+from service.db.accounts import create_user
+from service.db.host_tokens import issue_host_token, revoke_host_token
+from service.db.jobs import create_job
+from service.db.log_lines import log_lines_after
+from service.db.metrics import metric_series
+from service.db.models import Attempt, Job
+from service.db.session import session_factory
+from service.scheduler import schedule_pass
+from tests.helpers import auth, job_spec
+from workers.host_client import HostClient
+
+REGISTRATION = HostRegistration(device="cpu", slots=1, address="127.0.0.1")
+
+
+@pytest.fixture
+def sessions(settings):
+    return session_factory(settings.resolved_database_url)
+
+
+@pytest.fixture
+def app(settings):
+    return create_app(settings)
+
+
+def host(app, sessions, name: str) -> HostClient:
+    with sessions() as session:
+        token = issue_host_token(session, name)
+    client = HostClient("http://testserver", token, http=TestClient(app))
+    client.token = token
+    return client
+
+
+def placed_on(sessions, settings, host_names: list[str]) -> dict[str, int]:
+    """One job queued and placed on each of `host_names` (each a 1-slot host): {host: attempt id}."""
+    with sessions() as session:
+        user = create_user(session, "alice")[0]
+        for _ in host_names:
+            create_job(session, user, job_spec())
+        placed = schedule_pass(session, settings)
+    return {host_name: attempt_id for attempt_id, host_name in placed}
+
+
+def test_a_host_token_acts_on_its_own_attempts_only_and_on_no_user_route(app, sessions, settings):
+    a, b = host(app, sessions, "host-a"), host(app, sessions, "host-b")
+    a.register(REGISTRATION), b.register(REGISTRATION)
+    attempts = placed_on(sessions, settings, ["host-a", "host-b"])
+    assert set(attempts) == {"host-a", "host-b"}
+
+    # host-a can't claim, renew, report on or end host-b's attempt: a 404, as for one that doesn't exist.
+    raw = TestClient(app)
+    headers = auth(a.token)
+    for path, body in (("claim", {"lease_owner": "a"}), ("lease", {"lease_owner": "a"}), ("report", {"lease_owner": "a", "logs": [[0, 0, "x"]]}),
+                       ("finish", {"lease_owner": "a", "outcome": "succeeded"})):
+        answer = raw.post(f"/v1/host/attempts/{attempts['host-b']}/{path}", json=body, headers=headers)
+        assert answer.status_code == 404, (path, answer.text)
+    assert a.claim(attempts["host-b"], "a", "127.0.0.1:1") is None
+    claimed = b.claim(attempts["host-b"], "b", "127.0.0.1:2")
+    assert claimed is not None and claimed.job_id
+    with sessions() as session:
+        assert session.get(Attempt, attempts["host-b"]).status == AttemptStatus.running
+        assert log_lines_after(session, claimed.job_id, 0, 10) == []
+
+    # No user route takes a host's token, and no host route a user's.
+    assert raw.get("/v1/jobs", headers=headers).status_code == 401
+    assert raw.get("/v1/workers", headers=headers).status_code == 401
+    with sessions() as session:
+        _, user_token = create_user(session, "admin", is_admin=True)
+    assert raw.post("/v1/host/heartbeat", headers=auth(user_token)).status_code == 401
+    assert raw.post("/v1/host/heartbeat").status_code == 401
+
+
+def test_a_report_sent_again_is_stored_once(app, sessions, settings):
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
+    for _ in range(2):  # its answer lost: the worker sends the same report again
+        a.report(claimed, [(1, "train_loss", 2.5), (1, "grad_norm", float("nan"))], [(0, 0, "step 1"), (1, None, "launcher")])
+    with sessions() as session:
+        assert [(line.seq, line.rank, line.line) for line in log_lines_after(session, claimed.job_id, 0, 10)] == [(0, 0, "step 1"), (1, None, "launcher")]
+        series = metric_series(session, claimed.job_id, ["train_loss", "grad_norm"], None, 100)
+        assert series["train_loss"] == ([1], [2.5])
+        assert series["grad_norm"] == ([1], [None])  # NaN travels as null, stored as NULL
+
+
+def test_a_host_can_register_only_checkpoints_of_its_own_job_that_are_in_the_store(app, sessions, settings):
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
+    raw = TestClient(app)
+    for path in (f"jobs/{claimed.job_id + 1}/checkpoints/step-1", f"jobs/{claimed.job_id}/checkpoints/../../../etc",
+                 f"jobs/{claimed.job_id}/checkpoints/never-written"):
+        body = {"lease_owner": "a", "step": 1, "path": path, "sha256": "0" * 64, "size": 1}
+        answer = raw.post(f"/v1/host/attempts/{claimed.attempt_id}/checkpoints", json=body, headers=auth(a.token))
+        assert answer.status_code == 422 and "path" in answer.json()["detail"], answer.text
+
+
+def test_a_revoked_host_token_opens_nothing_and_its_hosts_attempts_are_requeued(app, sessions, settings):
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
+    assert a.renew(claimed).held
+    with sessions() as session:
+        assert revoke_host_token(session, "host-a")
+        schedule_pass(session, settings)  # the scheduler's next pass
+    assert not a.renew(claimed).held  # the worker stops it
+    assert TestClient(app).post("/v1/host/heartbeat", headers=auth(a.token)).status_code == 401
+    with sessions() as session:
+        assert session.get(Attempt, claimed.attempt_id).status == AttemptStatus.lost
+        assert session.get(Job, claimed.job_id).status == JobStatus.queued  # to run elsewhere
+
+
+def test_a_host_taken_out_of_the_pool_is_told_to_register_again(app, sessions):
+    a = host(app, sessions, "host-a")
+    assert not a.heartbeat()  # never registered
+    a.register(REGISTRATION)
+    assert a.heartbeat()

@@ -1,0 +1,132 @@
+"""The worker's side of the worker protocol (api_schemas/host_api.py): every word a host says to
+the service goes over its HTTP API, with the host's own token. No database credential is on the host.
+
+A call that can't get through (the API restarting, the network cut, a 5xx) raises ServiceUnreachable,
+and the caller keeps what it was sending for its next round: the supervisor's outbox is the
+buffer, so a host that can't reach the API for a while keeps training and catches up. An answer that
+says the attempt is not this host's any more (its lease lost, the host's token revoked) comes back
+as a lease not held, and the attempt stops.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+
+from api_schemas.host_api import (
+    HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, Finished, HostRegistration, HostTerms, Lease,
+    LeaseRequest, OutputStored, RefusedTransfer, Rendezvous, Report,
+)
+
+LOST = Lease(held=False, cancel_requested=False)
+# A report is one POST of up to 20,000 points or 5,000 lines: on a loaded API that takes a while.
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+
+
+class ServiceUnreachable(Exception):
+    """The API did not answer, or answered with a server error: try again later."""
+
+
+class NotOurs(Exception):
+    """The API says this host may not act on that (a token revoked, an attempt of another host, a lease lost)."""
+
+
+class HostClient:
+    def __init__(self, api_url: str, token: str, http: httpx.Client | None = None):
+        """`http`: another client to send through (the tests' in-process one, FastAPI's TestClient)."""
+        self.http = http or httpx.Client(timeout=TIMEOUT)
+        self.http.base_url = api_url.rstrip("/") + HOST_API_PREFIX
+        self.http.headers.update({"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _post(self, path: str, body=None) -> httpx.Response:
+        try:
+            answer = self.http.post(path, content=None if body is None else body.model_dump_json())
+        except httpx.HTTPError as exc:
+            raise ServiceUnreachable(f"{path}: {exc}") from exc
+        if answer.status_code >= 500 or answer.status_code == 429:
+            raise ServiceUnreachable(f"{path}: {answer.status_code} {answer.text[:200]}")
+        if answer.status_code in (401, 403, 404, 409):
+            raise NotOurs(f"{path}: {answer.status_code} {answer.text[:200]}")
+        answer.raise_for_status()  # a 422 is a bug of this side's: loud
+        return answer
+
+    # -- the host ---------------------------------------------------------------------------------
+
+    def register(self, registration: HostRegistration) -> HostTerms:
+        return HostTerms.model_validate_json(self._post("/register", registration).content)
+
+    def heartbeat(self) -> bool:
+        """False if the service no longer has this host registered (it should register again)."""
+        try:
+            self._post("/heartbeat")
+        except NotOurs as exc:
+            if "404" in str(exc):
+                return False
+            raise
+        return True
+
+    def deregister(self) -> None:
+        self._post("/deregister")
+
+    # -- an attempt -------------------------------------------------------------------------------
+
+    def claim(self, attempt_id: int, lease_owner: str, rendezvous: str) -> ClaimedAttempt | None:
+        """The attempt under our lease; None if it is not ours to run (a duplicate delivery, cancelled)."""
+        try:
+            answer = self._post(f"/attempts/{attempt_id}/claim", ClaimRequest(lease_owner=lease_owner, rendezvous=rendezvous))
+        except NotOurs:
+            return None
+        return ClaimedAttempt.model_validate_json(answer.content)
+
+    def renew(self, claimed: ClaimedAttempt) -> Lease:
+        try:
+            answer = self._post(f"/attempts/{claimed.attempt_id}/lease", LeaseRequest(lease_owner=claimed.lease_owner))
+        except NotOurs:
+            return LOST
+        return Lease.model_validate_json(answer.content)
+
+    def rendezvous(self, claimed: ClaimedAttempt) -> Rendezvous:
+        try:
+            answer = self._post(f"/attempts/{claimed.attempt_id}/rendezvous", LeaseRequest(lease_owner=claimed.lease_owner))
+        except NotOurs:
+            return Rendezvous(rendezvous=None, lease=LOST)
+        return Rendezvous.model_validate_json(answer.content)
+
+    def report(
+        self, claimed: ClaimedAttempt, metrics: list[tuple[int, str, float]], logs: list[tuple[int, int | None, str]],
+        refused: list[RefusedTransfer] = (),
+    ) -> None:
+        points = [(step, name, value if math.isfinite(value) else None) for step, name, value in metrics]
+        body = Report(lease_owner=claimed.lease_owner, metrics=points, logs=logs, refused=list(refused))
+        self._post(f"/attempts/{claimed.attempt_id}/report", body)
+
+    def checkpoint_stored(self, claimed: ClaimedAttempt, step: int, path: str, sha256: str, size: int) -> None:
+        body = CheckpointStored(lease_owner=claimed.lease_owner, step=step, path=path, sha256=sha256, size=size)
+        self._post(f"/attempts/{claimed.attempt_id}/checkpoints", body)
+
+    def output_stored(self, claimed: ClaimedAttempt, name: str, step: int | None, path: str, sha256: str, size: int, files: int) -> None:
+        body = OutputStored(lease_owner=claimed.lease_owner, name=name, step=step, path=path, sha256=sha256, size=size, files=files)
+        self._post(f"/attempts/{claimed.attempt_id}/outputs", body)
+
+    def finish(self, claimed: ClaimedAttempt, outcome, reason: str | None, retry: bool) -> bool:
+        """Record the end; False if it was too late (the lease lost, the token revoked)."""
+        body = AttemptEnd(lease_owner=claimed.lease_owner, outcome=outcome, reason=reason, retry=retry)
+        try:
+            answer = self._post(f"/attempts/{claimed.attempt_id}/finish", body)
+        except NotOurs:
+            return False
+        return Finished.model_validate_json(answer.content).ended
+
+
+def read_token(value: str | None, file: Path | None) -> str | None:
+    """The host token: given, or read from a file (kept out of the process's command line, where `ps` shows it)."""
+    if value:
+        return value.strip()
+    if file is not None:
+        return file.read_text().strip()
+    return None
