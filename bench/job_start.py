@@ -5,9 +5,11 @@
 The peer launches the training entry point directly (`accelerate launch -m workers.training`, the
 command a worker runs) and times process start → the first step's line in its events file. The
 Trainyard side is an embedded stack already running (`trainyard up`: API, scheduler, SQLite broker
-and database, one worker): POST /v1/jobs → the same line in the attempt's events file, so the
+and database, one worker): POST /v1/jobs → the first step seen through the API (`GET /v1/jobs/{id}`
+shows step ≥ 1: the worker forwarded it over the worker protocol and it is stored), so the
 difference is everything the service adds: the API, the scheduler's pass, the broker, the worker's
-claim and its launch. One poller (every 5 ms) watches both files. The job is the README example,
+claim, its launch and its forwarding. It also times the same line in the attempt's events file,
+which shows what the forwarding adds. One poller (every 10 ms) watches the files and the API. The job is the README example,
 five steps. Trainyard runs twice: a worker keeping no warm interpreter (every attempt starts cold,
 target: overhead ≤ 2 s over the peer) and one keeping one (workers/warm_pool.py; each round waits
 until the worker's replacement interpreter has loaded, as a worker between jobs has; target:
@@ -112,16 +114,38 @@ def sandbox_cost(rounds: int) -> None:
     }))
 
 
+def first_step_through_the_api(client: httpx.Client, job_id: int, events: Path, since: float, timeout: float = 120) -> tuple[float, float]:
+    """Seconds from `since` until the job's first step is seen through the API, and until it was in `events`."""
+    in_file = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if in_file is None:
+            try:
+                if '"type": "metrics"' in events.read_text():
+                    in_file = time.perf_counter() - since
+            except FileNotFoundError:
+                pass
+        if client.get(f"/v1/jobs/{job_id}").json()["step"] >= 1:
+            seen = time.perf_counter() - since
+            return seen, in_file if in_file is not None else seen
+        time.sleep(0.01)
+    raise SystemExit(f"job {job_id}'s first step not seen through the API within {timeout:.0f} s")
+
+
 def run_trainyard(client: httpx.Client, spec: dict, work_root: Path) -> tuple[float, dict[str, float]]:
-    """(submit → first step, where the time went: queued → placed → claimed by the worker, in seconds)."""
+    """(submit → first step seen through the API, where the time went: queued → placed → claimed by
+    the worker → in the events file → through the API, in seconds)."""
     start = time.perf_counter()
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
-    seconds = first_step_seen(attempt_dir(work_root, job_id, 1) / EVENTS_FILE_NAME, start)
+    seconds, in_file = first_step_through_the_api(client, job_id, attempt_dir(work_root, job_id, 1) / EVENTS_FILE_NAME, start)
     while (job := client.get(f"/v1/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):
         time.sleep(0.2)  # the next round starts on an idle worker
     at = {key: datetime.fromisoformat(value) for key, value in [("queued", job["created_at"]), *[(k, job["attempts"][0][k]) for k in ("created_at", "started_at")]]}
     placed, claimed = (at["created_at"] - at["queued"]).total_seconds(), (at["started_at"] - at["created_at"]).total_seconds()
-    return seconds, {"scheduler": placed, "broker_and_claim": claimed, "launch_to_first_step": seconds - placed - claimed}
+    return seconds, {
+        "scheduler": placed, "broker_and_claim": claimed, "launch_to_first_step": in_file - placed - claimed,
+        "forwarded_to_the_api": seconds - in_file,
+    }
 
 
 def warm_interpreter_ready(timeout: float = 120) -> None:

@@ -32,6 +32,8 @@ class StackInfo:
     token: str
     data_dir: Path
     restart: Callable[[str], None]  # restart("api"): stop that process and start it again, as an operator would
+    stop: Callable[[str], None]  # stop("api"): stop that process (an outage), until start("api")
+    start: Callable[[str], None]
 
 
 def prepare_embedded(settings: Settings) -> str:
@@ -194,10 +196,16 @@ def _running_stack(
         if name.startswith("worker-") and cores:  # before it starts any process of its own: they inherit it
             os.sched_setaffinity(children[name].pid, cores[int(name.removeprefix("worker-"))])
 
-    def restart(name: str) -> None:
+    def stop(name: str) -> None:
         stop_children([children[name]])
+
+    def start_again(name: str) -> None:
         start(name)
-        wait_healthy(url, list(children.values()), log_dir)
+        wait_healthy(url, [child for child in children.values() if child.poll() is None], log_dir)
+
+    def restart(name: str) -> None:
+        stop(name)
+        start_again(name)
 
     try:
         for name in commands:
@@ -207,7 +215,7 @@ def _running_stack(
         # refused as one that could never fit.
         wait_for_workers(url, token, host_names, list(children.values()), log_dir)
         (data_dir / "server").write_text(url + "\n")  # beside the token: the CLI below this folder finds both
-        yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart)
+        yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart, stop=stop, start=start_again)
     finally:
         stop_children(list(children.values()))
 

@@ -97,7 +97,12 @@ def host_token(args: argparse.Namespace, session: Session) -> str:
     _audited(session, f"token {args.name}", "host")
     print(f"give it to the worker as TRAINYARD_HOST_TOKEN (or in the file TRAINYARD_HOST_TOKEN_FILE names); "
           f"it acts as host {args.name} only, and replaces any earlier token of it", file=sys.stderr)
-    return token
+    if args.output is None:
+        return token
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.touch(mode=0o600)
+    args.output.write_text(token + "\n")
+    return f"host {args.name}'s token written to {args.output}"
 
 
 def host_revoke(args: argparse.Namespace, session: Session) -> str:
@@ -155,6 +160,8 @@ def add_host_commands(parser: argparse.ArgumentParser, settings: Callable[[], Se
         sub = commands.add_parser(name, help=help)
         sub.add_argument("name", help="the host's name (its worker's --host-name)")
         sub.set_defaults(func=lambda args, action=action: run(action, args, settings()))
+        if action is host_token:
+            sub.add_argument("--output", type=Path, help="write the token to this file (0600) instead of printing it")
 
 
 def run(action: Callable[[argparse.Namespace, Session], str], args: argparse.Namespace, settings: Settings) -> int:

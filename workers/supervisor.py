@@ -65,6 +65,10 @@ INGEST_WAIT_SECONDS = 1.0
 LINES_PER_BATCH = 5000
 POINTS_PER_BATCH = 20000
 DELIVERY_SECONDS = 1.0
+# Between heartbeats, what is new (a step's metrics, a checkpoint, lines) is forwarded at once, at
+# most this often: seen through the API within half a second of the training writing it, batched
+# only when it comes faster than this (the lease is renewed on the heartbeat alone).
+FORWARD_SECONDS = 0.25
 # Characters of lines waiting to be stored, at most: past it (printed faster than they can be stored,
 # or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
 MAX_PENDING_LOG_CHARS = 32 * 2**20
@@ -117,11 +121,12 @@ class Transfers:
     refused: list[tuple] = field(default_factory=list)  # (item, why the store refused it), not reported yet
     last_refused: str | None = None  # why the latest item was refused, if it was
 
-    def take_in(self, pool: ThreadPoolExecutor, take: Callable, unfit: type[Exception], wait: bool) -> None:
+    def take_in(self, pool: ThreadPoolExecutor, take: Callable, unfit: type[Exception], timeout: float | None) -> None:
+        """Take items in, waiting at most `timeout` seconds for one still being taken (None: until it is)."""
         while self.items:
             if self.taking is None:
                 self.taking = pool.submit(take, *self.items[0])
-            if not wait_for([self.taking], timeout=None if wait else INGEST_WAIT_SECONDS).done:
+            if not wait_for([self.taking], timeout=timeout).done:
                 return
             try:
                 self.taken.append((self.items[0], self.taking.result()))
@@ -457,10 +462,7 @@ class AttemptRunner:
         """Deliver the outbox and renew the lease; None if the service is out of reach (everything is
         kept for next time). Checkpoints and outputs are taken into the store first; one still being
         taken in after INGEST_WAIT_SECONDS is registered by a later sync, unless this one `wait`s for it."""
-        job_id = claimed.job_id
-        outbox.checkpoints.take_in(self.ingest, lambda source, step, folder: self.store.ingest_checkpoint(source, job_id, step, folder),
-                                   CorruptCheckpoint, wait)
-        outbox.outputs.take_in(self.ingest, lambda source, name, step: self.store.ingest_output(source, job_id, name, step), OSError, wait)
+        self._take_in(claimed, outbox, timeout=None if wait else INGEST_WAIT_SECONDS)
         try:
             # The lease first, in a request of its own: however much there is to deliver, it is on time.
             lease = self.service.renew(claimed)
@@ -472,6 +474,20 @@ class AttemptRunner:
         except ServiceUnreachable:
             log.exception("could not deliver what job %s attempt %s reported; will retry", claimed.job_id, claimed.number)
         return lease
+
+    def _forward(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """Deliver what is new without renewing the lease (between heartbeats); kept for later if the service is out of reach."""
+        self._take_in(claimed, outbox, timeout=0)
+        try:
+            self._deliver(claimed, outbox)
+        except ServiceUnreachable as exc:
+            log.warning("could not forward what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
+
+    def _take_in(self, claimed: ClaimedAttempt, outbox: Outbox, timeout: float | None) -> None:
+        job_id = claimed.job_id
+        outbox.checkpoints.take_in(self.ingest, lambda source, step, folder: self.store.ingest_checkpoint(source, job_id, step, folder),
+                                   CorruptCheckpoint, timeout)
+        outbox.outputs.take_in(self.ingest, lambda source, name, step: self.store.ingest_output(source, job_id, name, step), OSError, timeout)
 
     def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
         """Send the outbox's metrics and lines in bounded reports for up to DELIVERY_SECONDS (what a
@@ -563,6 +579,7 @@ class RunningAttempt:
         self.output_done = False
         self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
         self.next_sync = 0.0
+        self.next_forward = 0.0
         self.renewed_at = time.monotonic()  # the lease's last renewal
         self.step = claimed.resume_step or 0  # the last step the training reported: where system samples are put
         self.system = SystemSampler(process.pid, claimed.device_ids)
@@ -680,8 +697,12 @@ class RunningAttempt:
 
     def _sync_if_due(self) -> Outcome | None:
         """Every heartbeat, and every round once the processes are done: deliver the outbox and
-        renew the lease. An outcome if the lease says the attempt ends now."""
+        renew the lease. An outcome if the lease says the attempt ends now. Between heartbeats,
+        forward what is new (at most every FORWARD_SECONDS)."""
         if not (self.finished or time.monotonic() >= self.next_sync):
+            if not self.outbox.empty() and time.monotonic() >= self.next_forward:
+                self.next_forward = time.monotonic() + FORWARD_SECONDS
+                self.runner._forward(self.claimed, self.outbox)
             return None
         self.next_sync = time.monotonic() + self.runner.settings.heartbeat_seconds
         if self.exit_code is None:
@@ -722,11 +743,11 @@ class RunningAttempt:
         if self.finished:
             time.sleep(1.0)  # only the outbox left to deliver: retry it
             return
-        # Until the training writes a line or its output ends, at most half a second (a tenth once
-        # the output has ended, for the exit), at least a tenth: this process shares the cores
-        # with the training, and each wake-up is taken from it.
+        # Until the training writes a line or its output ends, at most FORWARD_SECONDS (its events
+        # file wakes nothing: a step's metrics wait for this), at least a tenth of a second: this
+        # process shares the cores with the training, and each wake-up is taken from it.
         woke = time.monotonic()
-        self.output.wait(0.1 if self.output_done else 0.5)
+        self.output.wait(0.1 if self.output_done else FORWARD_SECONDS)
         time.sleep(max(0.0, woke + 0.1 - time.monotonic()))
 
     def _outcome(self) -> Outcome:

@@ -37,9 +37,20 @@ def test_compose_services_run_real_commands_with_real_settings():
     for name, service in services.items():
         if service.get("image") not in TRAINYARD_IMAGES:
             continue
-        assert_cli_accepts(service["command"])
+        if "entrypoint" in service:  # a shell line of `trainyard …` commands
+            for line in service["entrypoint"][-1].split("&&"):
+                assert line.split()[0] == "trainyard", (name, line)
+                assert_cli_accepts(line.split()[1:])
+        else:
+            assert_cli_accepts(service["command"])
         trainyard_env = {key for key in service["environment"] if key.startswith("TRAINYARD_")}
         assert trainyard_env <= SETTINGS_ENV, (name, trainyard_env - SETTINGS_ENV)
+    # Worker hosts reach the service through its API with a token of their own: no database URL.
+    for name in ("worker-cpu", "worker-gpu"):
+        environment = services[name]["environment"]
+        assert "TRAINYARD_DATABASE_URL" not in environment and environment["TRAINYARD_API_URL"].startswith("http://api:")
+        host = services[name]["command"][services[name]["command"].index("--host-name") + 1]
+        assert f"trainyard host token {host} --output {environment['TRAINYARD_HOST_TOKEN_FILE']}" in services["host-tokens"]["entrypoint"][-1]
     gpu = services["worker-gpu"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     # `--devices cuda:all` needs CUDA torch: the GPU worker's image is built with a CUDA index, the others' not.

@@ -1,0 +1,373 @@
+"""Many worker hosts speaking the worker protocol to two API processes on PostgreSQL, against the
+old design (each host its own database connection) at the size where that still fits.
+
+    PYTHONPATH=$PWD .venv/bin/python bench/agents.py [--hosts 1000] [--seconds 30]
+
+Simulated hosts (asyncio, no training) speak the real protocol (api_schemas/host_api.py) as a
+worker does (workers/host_client.py, workers/supervisor.py): each registers, then heartbeats every
+5 s; half of them have claimed an attempt, make a step of 7 metrics 5 times a second, forward what
+is new every 0.25 s (FORWARD_SECONDS) and renew their lease every 5 s. A user meanwhile asks for
+/healthz and GET /v1/jobs twice a second. Measured: PostgreSQL connections in use (pg_stat_activity,
+sampled every second), lease renewals later than a third of the lease after the one before
+(late), report (ingest) latency p50/p99, the user's p99s, and the API processes' CPU and RSS.
+
+The peer is the old design: the same per-host load, written straight into PostgreSQL through the
+data layer by threads that each hold their own connection, as each host's worker did, at 90 hosts
+(PostgreSQL's default 100 connections: past about 75-90 hosts it does not fit at all). Trainyard
+runs that same 90-host load too, so the two are compared at equal load, then at --hosts. Prints one
+JSON line. Needs the local PostgreSQL (127.0.0.1:5432, trust auth): it makes a database of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psutil
+from sqlalchemy import create_engine, text
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from api_schemas.host_api import HOST_API_PREFIX  # noqa: E402
+from service.embedded import stop_children, wait_healthy  # noqa: E402
+from workers.supervisor import FORWARD_SECONDS, free_port  # noqa: E402
+
+ADMIN_URL = os.environ.get("BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+METRICS = ["train_loss", "lr", "grad_norm", "tokens_per_s", "cpu_percent", "rss_gb", "step_time_s"]
+STEP_SECONDS, HEARTBEAT_SECONDS, LEASE_SECONDS = 0.2, 5.0, 30.0
+LATE_GAP = LEASE_SECONDS / 3
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000, 1)  # ms
+
+
+# -- the database and its seed ------------------------------------------------------------------
+
+
+def fresh_database() -> str:
+    name = f"bench_agents_{uuid.uuid4().hex[:8]}"
+    engine = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
+    engine.dispose()
+    return ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+
+
+def drop_database(url: str) -> None:
+    engine = create_engine(ADMIN_URL, isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(text(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
+    engine.dispose()
+
+
+def seed(url: str, hosts: int, prefix: str) -> tuple[dict[str, str], dict[str, int]]:
+    """`hosts` registered hosts of one slot with their tokens, and a running job placed on half of
+    them: ({host: token}, {host: attempt id})."""
+    from api_schemas import JobSpec
+    from service.db.accounts import create_user
+    from service.db.host_tokens import issue_host_token
+    from service.db.hosts import register_host
+    from service.db.jobs import create_job
+    from service.db.session import session_factory
+    from service.scheduler import schedule_pass
+    from service.settings import Settings
+    from tests.helpers import tiny_spec
+
+    sessions = session_factory(url)
+    names = [f"{prefix}{i:04d}" for i in range(hosts)]
+    with sessions() as session:
+        tokens = {name: issue_host_token(session, name) for name in names}
+        for name in names:
+            register_host(session, name, "cpu", 1, {"sandbox": "bench"})
+        spec = JobSpec.model_validate(tiny_spec(**{"training.max_steps": 10**6}))
+        for user in range((hosts // 2 + 49) // 50):  # each user within the default quota of active jobs
+            owner = create_user(session, f"{prefix}user{user}")[0]
+            for _ in range(min(50, hosts // 2 - user * 50)):
+                create_job(session, owner, spec)
+        placed = schedule_pass(session, Settings(database_url=url, host_timeout_seconds=600))
+    return tokens, {host: attempt_id for attempt_id, host in placed}
+
+
+# -- Trainyard: simulated hosts over HTTP -------------------------------------------------------
+
+
+async def simulated_host(client: httpx.AsyncClient, name: str, token: str, attempt_id: int | None, stop_at: float, stats: dict) -> None:
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+    async def post(path: str, body: dict | None = None) -> float:
+        start = time.monotonic()
+        answer = await client.post(HOST_API_PREFIX + path, content=json.dumps(body) if body else None, headers=headers)
+        if answer.status_code >= 300:
+            stats["errors"].append(f"{path} {answer.status_code}")
+        return time.monotonic() - start
+
+    await asyncio.sleep(random.uniform(0, HEARTBEAT_SECONDS))  # hosts start at different times
+    await post("/register", {"device": "cpu", "slots": 1, "address": "127.0.0.1", "info": {"sandbox": "bench"}})
+    owner = f"{name}:sim"
+    if attempt_id is not None:
+        await post(f"/attempts/{attempt_id}/claim", {"lease_owner": owner, "rendezvous": "127.0.0.1:1"})
+    now = time.monotonic()
+    step, pending, renewed_at = 0, [], now
+    next_step, next_report, next_renew, next_heartbeat = now, now, now + HEARTBEAT_SECONDS, now + HEARTBEAT_SECONDS
+    while (now := time.monotonic()) < stop_at:
+        if attempt_id is not None:
+            while next_step <= now:
+                step += 1
+                pending += [[step, metric, random.random()] for metric in METRICS]
+                next_step += STEP_SECONDS
+            if pending and now >= next_report:
+                batch, pending = pending, []
+                stats["ingest"].append(await post(f"/attempts/{attempt_id}/report", {"lease_owner": owner, "metrics": batch}))
+                stats["points"] += len(batch)
+                next_report = time.monotonic() + FORWARD_SECONDS
+            if now >= next_renew:
+                await post(f"/attempts/{attempt_id}/lease", {"lease_owner": owner})
+                done = time.monotonic()
+                stats["renewal_gaps"].append(done - renewed_at)
+                renewed_at, next_renew = done, next_renew + HEARTBEAT_SECONDS
+        if now >= next_heartbeat:
+            await post("/heartbeat")
+            next_heartbeat += HEARTBEAT_SECONDS
+        upcoming = [next_heartbeat] + ([next_step, next_renew] if attempt_id is not None else [])
+        await asyncio.sleep(max(0.0, min(upcoming) - time.monotonic()))
+
+
+def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]], seconds: float, out) -> None:
+    """One process's share of the hosts, spread over the API processes; its stats sent to `out`."""
+    async def main() -> dict:
+        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": []}
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        clients = [httpx.AsyncClient(base_url=url, limits=limits, timeout=60) for url in urls]
+        stop_at = time.monotonic() + seconds
+        await asyncio.gather(*(
+            simulated_host(clients[i % len(clients)], name, token, attempt, stop_at, stats) for i, (name, token, attempt) in enumerate(hosts)
+        ), return_exceptions=False)
+        for client in clients:
+            await client.aclose()
+        return stats
+
+    out.send(asyncio.run(main()))
+
+
+# -- the peer: each host its own database connection (the old design) --------------------------
+
+
+def run_direct_hosts(url: str, hosts: list[tuple[str, str, int | None]], seconds: float) -> dict:
+    """The old design's per-host load: a thread per host, each with a connection of its own."""
+    from service.db.attempts import HeldAttempt, claim_attempt, renew_lease
+    from service.db.hosts import record_heartbeat
+    from service.db.metrics import record_metrics
+    from sqlalchemy.orm import sessionmaker
+
+    stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": []}
+    stop_at = time.monotonic() + seconds
+
+    def host(name: str, attempt_id: int | None) -> None:
+        engine = create_engine(url, pool_size=1, max_overflow=0)  # as each host's worker held its own
+        sessions = sessionmaker(engine)
+        time.sleep(random.uniform(0, HEARTBEAT_SECONDS))
+        held = None
+        if attempt_id is not None:
+            with sessions() as session:
+                claimed = claim_attempt(session, attempt_id, f"{name}:sim", LEASE_SECONDS, "127.0.0.1:1")
+            held = HeldAttempt(attempt_id, claimed.job_id, claimed.number, claimed.lease_owner)
+        now = time.monotonic()
+        step, pending, renewed_at = 0, [], now
+        next_step, next_report, next_renew, next_heartbeat = now, now, now + HEARTBEAT_SECONDS, now + HEARTBEAT_SECONDS
+        while (now := time.monotonic()) < stop_at:
+            with sessions() as session:
+                if held is not None:
+                    while next_step <= now:
+                        step += 1
+                        pending += [(step, metric, random.random()) for metric in METRICS]
+                        next_step += STEP_SECONDS
+                    if pending and now >= next_report:
+                        start = time.monotonic()
+                        record_metrics(session, held.job_id, held.attempt_id, pending)
+                        stats["ingest"].append(time.monotonic() - start)
+                        stats["points"] += len(pending)
+                        pending, next_report = [], time.monotonic() + FORWARD_SECONDS
+                    if now >= next_renew:
+                        renew_lease(session, held, LEASE_SECONDS)
+                        done = time.monotonic()
+                        stats["renewal_gaps"].append(done - renewed_at)
+                        renewed_at, next_renew = done, next_renew + HEARTBEAT_SECONDS
+                if now >= next_heartbeat:
+                    record_heartbeat(session, name)
+                    next_heartbeat += HEARTBEAT_SECONDS
+            upcoming = [next_heartbeat] + ([next_step, next_renew] if held is not None else [])
+            time.sleep(max(0.0, min(upcoming) - time.monotonic()))
+        engine.dispose()
+
+    threads = [threading.Thread(target=host, args=(name, attempt)) for name, _, attempt in hosts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return stats
+
+
+# -- one run, watched -----------------------------------------------------------------------------
+
+
+class Watch:
+    """Every second: PostgreSQL's connections to the database; twice a second: a user's /healthz and
+    GET /v1/jobs; the API processes' CPU. Runs on a thread until stopped."""
+
+    def __init__(self, url: str, api_url: str | None, user_token: str | None, apis: list[subprocess.Popen]):
+        self.url, self.api_url, self.user_token = url, api_url, user_token
+        self.apis = [psutil.Process(api.pid) for api in apis]
+        self.connections, self.healthz, self.jobs, self.rss = [], [], [], []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self.run)
+
+    def __enter__(self):
+        for api in self.apis:
+            api.cpu_times()
+        self.cpu_start = [sum(api.cpu_times()[:2]) for api in self.apis]
+        self.wall_start = time.monotonic()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *_):
+        self.stopping.set()
+        self.thread.join()
+        self.cpu_s = sum(sum(api.cpu_times()[:2]) for api in self.apis) - sum(self.cpu_start)
+        self.wall_s = time.monotonic() - self.wall_start
+
+    def run(self) -> None:
+        engine = create_engine(self.url, pool_size=1)
+        database = self.url.rsplit("/", 1)[1]
+        user = httpx.Client(base_url=self.api_url, headers={"Authorization": f"Bearer {self.user_token}"}, timeout=30) if self.api_url else None
+        next_count = 0.0
+        while not self.stopping.wait(0.5):
+            if time.monotonic() >= next_count:
+                with engine.connect() as connection:
+                    count = connection.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = :d"), {"d": database}).scalar()
+                self.connections.append(count - 1)  # not this watcher's own
+                self.rss.append(sum(api.memory_info().rss for api in self.apis))
+                next_count = time.monotonic() + 1.0
+            if user is not None:
+                for path, into in (("/healthz", self.healthz), ("/v1/jobs?limit=20", self.jobs)):
+                    start = time.monotonic()
+                    user.get(path)
+                    into.append(time.monotonic() - start)
+        engine.dispose()
+
+
+def summary(stats: dict, watch: Watch, hosts: int) -> dict:
+    return {
+        "hosts": hosts,
+        "points_per_s": round(stats["points"] / watch.wall_s),
+        "postgres_connections_max": max(watch.connections, default=None),
+        "late_renewals": sum(1 for gap in stats["renewal_gaps"] if gap > LATE_GAP),
+        "renewals": len(stats["renewal_gaps"]),
+        "renewal_gap_max_s": round(max(stats["renewal_gaps"], default=0), 2),
+        "ingest_p50_ms": percentile(stats["ingest"], 0.5),
+        "ingest_p99_ms": percentile(stats["ingest"], 0.99),
+        "healthz_p99_ms": percentile(watch.healthz, 0.99),
+        "jobs_list_p99_ms": percentile(watch.jobs, 0.99),
+        "api_cpu_cores": round(watch.cpu_s / watch.wall_s, 2) if watch.apis else None,
+        "api_rss_mb": round(max(watch.rss, default=0) / 2**20) if watch.apis else None,
+        "errors": len(stats["errors"]),
+        "first_errors": sorted(set(stats["errors"]))[:5],
+    }
+
+
+def trainyard_run(hosts: int, seconds: float, processes: int) -> dict:
+    url = fresh_database()
+    apis = []
+    try:
+        from service.db.accounts import create_user
+        from service.db.migrate import upgrade
+        from service.db.session import session_factory
+
+        upgrade(url)
+        tokens, placed = seed(url, hosts, "h")
+        with session_factory(url)() as session:
+            _, user_token = create_user(session, "watcher", is_admin=True)
+        env = {**os.environ, "TRAINYARD_DATABASE_URL": url, "TRAINYARD_DATA_DIR": str(Path(f"/tmp/{url.rsplit('/', 1)[1]}")),
+               "TRAINYARD_HOST_TIMEOUT_SECONDS": "600", "TRAINYARD_LEASE_SECONDS": str(LEASE_SECONDS)}
+        ports = [free_port() for _ in range(2)]
+        log = open(os.devnull, "wb")
+        apis = [subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=log, stderr=log) for port in ports]
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for api_url in urls:
+            wait_healthy(api_url, apis)
+        everyone = [(name, token, placed.get(name)) for name, token in tokens.items()]
+        pipes, workers = [], []
+        with Watch(url, urls[0], user_token, apis) as watch:
+            for share in range(processes):
+                receive, send = multiprocessing.Pipe(duplex=False)
+                worker = multiprocessing.Process(target=run_simulated_hosts, args=(urls, everyone[share::processes], seconds, send))
+                worker.start()
+                pipes.append(receive)
+                workers.append(worker)
+            results = [pipe.recv() for pipe in pipes]
+            for worker in workers:
+                worker.join()
+        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": []}
+        for result in results:
+            for key in stats:
+                stats[key] += result[key]
+        return summary(stats, watch, hosts)
+    finally:
+        stop_children(apis)
+        drop_database(url)
+
+
+def peer_run(hosts: int, seconds: float) -> dict:
+    url = fresh_database()
+    try:
+        from service.db.migrate import upgrade
+
+        upgrade(url)
+        tokens, placed = seed(url, hosts, "p")
+        with Watch(url, None, None, []) as watch:
+            stats = run_direct_hosts(url, [(name, token, placed.get(name)) for name, token in tokens.items()], seconds)
+        return summary(stats, watch, hosts)
+    finally:
+        drop_database(url)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", type=int, default=1000)
+    parser.add_argument("--peer-hosts", type=int, default=90)
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--processes", type=int, default=2, help="processes the simulated hosts are spread over")
+    args = parser.parse_args()
+    peer = peer_run(args.peer_hosts, args.seconds)
+    same_load = trainyard_run(args.peer_hosts, args.seconds, args.processes)
+    full = trainyard_run(args.hosts, args.seconds, args.processes)
+    ratio = (same_load["ingest_p99_ms"] / peer["ingest_p99_ms"]) if peer["ingest_p99_ms"] else None
+    print(json.dumps({
+        "benchmark": "agents",
+        "machine": f"{os.cpu_count()} CPU cores, everything on it (PostgreSQL, 2 API processes, the simulated hosts)",
+        "peer_old_design": peer,
+        "trainyard_same_load": same_load,
+        "trainyard": full,
+        "ingest_p99_over_peer_same_load": round(ratio, 2) if ratio else None,
+        "connections_over_peer_same_load": round(same_load["postgres_connections_max"] / max(1, peer["postgres_connections_max"]), 2),
+        "targets": {"connections": "<= API processes x pool size", "late_renewals": 0, "healthz_p99_ms": 100, "ingest_p99_ms": 250},
+    }))
+
+
+if __name__ == "__main__":
+    main()
