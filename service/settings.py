@@ -90,10 +90,10 @@ class ApiSettings(_FromEnvironment):
         ),
     )
     max_failed_auths_per_minute: int = Field(
-        30, gt=0, description="Wrong bearer tokens one client address may send per minute; past that its requests get 429 with Retry-After until the minute is over."
+        30, gt=0, description="Wrong bearer tokens one client address may send per minute (counted across API processes with the Redis broker); past that its requests get 429 with Retry-After until the minute is over."
     )
     max_streams_per_user: int = Field(
-        50, gt=0, description="Most followed /events and /logs streams one user may have open at once on one API process; another gets 429."
+        50, gt=0, description="Most followed /events and /logs streams one user may have open at once (across API processes with the Redis broker, else on the one); another gets 429."
     )
 
 

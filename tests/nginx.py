@@ -17,11 +17,12 @@ NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
 
 @contextlib.contextmanager
-def nginx_in_front(api_port: int, artifact_root: Path, workdir: Path, port: int) -> Iterator[str]:
-    """The shipped server block with only the API's address, the artifact path and the port replaced;
-    yields the proxy's base URL."""
+def nginx_in_front(api_port: int | list[int], artifact_root: Path, workdir: Path, port: int) -> Iterator[str]:
+    """The shipped server block with only the API's address (or addresses: several API processes),
+    the artifact path and the port replaced; yields the proxy's base URL."""
     server = SHIPPED_CONFIG.read_text()
-    for shipped, ours in [("server api:8000;", f"server 127.0.0.1:{api_port};"),
+    apis = " ".join(f"server 127.0.0.1:{api};" for api in ([api_port] if isinstance(api_port, int) else api_port))
+    for shipped, ours in [("server api:8000;", apis),
                           ("alias /var/lib/trainyard/artifacts/;", f"alias {artifact_root}/;"),
                           ("listen 80;", f"listen 127.0.0.1:{port};")]:
         assert shipped in server, f"{SHIPPED_CONFIG} no longer has {shipped!r}"

@@ -1,13 +1,18 @@
-"""Per-process limits that keep one client from crowding out the others: failed authentications
-per client address, and open event streams per user. Both are counted in the API process's memory
-(each API process keeps its own counts)."""
+"""Limits that keep one client from crowding out the others: failed authentications per client
+address, and open event streams per user. With the Redis broker (production: several API processes
+behind nginx) they are counted in Redis, across every API process; on the embedded stack (one API
+process) in its memory. `limits_for` picks."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
+import uuid
 from collections import Counter
+
+log = logging.getLogger("trainyard.api")
 
 
 class FailedAuthLimiter:
@@ -62,3 +67,109 @@ class StreamSlots:
             self._open[user_id] -= 1
             if not self._open[user_id]:
                 del self._open[user_id]
+
+
+# -- across API processes, in Redis ------------------------------------------------------------------
+
+KEY_PREFIX = "trainyard:limits:"
+
+
+class SharedFailedAuthLimiter:
+    """FailedAuthLimiter's rule counted in Redis: a client's wrong tokens count toward one limit,
+    whichever API process they reach. A window starts at the first failure and its key expires with it.
+    If Redis can't be reached, nobody is refused for it (the database still checks every token)."""
+
+    def __init__(self, redis, max_failures: int, window_seconds: float = 60.0):
+        self.redis, self.max_failures, self.window_seconds = redis, max_failures, window_seconds
+
+    def retry_after(self, address: str) -> int | None:
+        key = f"{KEY_PREFIX}auth-failures:{address}"
+        try:
+            failures, left = self.redis.pipeline().get(key).pttl(key).execute()
+        except Exception as exc:  # redis.RedisError, or the connection's own
+            log.warning("failed-auth limit not checked: Redis unreachable (%s)", exc)
+            return None
+        if failures is None or int(failures) < self.max_failures or left <= 0:
+            return None
+        return math.ceil(left / 1000)
+
+    def failed(self, address: str) -> None:
+        key = f"{KEY_PREFIX}auth-failures:{address}"
+        try:
+            self.redis.pipeline().incr(key).expire(key, math.ceil(self.window_seconds), nx=True).execute()
+        except Exception as exc:
+            log.warning("failed authentication not counted: Redis unreachable (%s)", exc)
+
+
+# Take a slot atomically: drop the expired (their API process died without giving them back), then
+# add ours if the user has fewer than the limit. KEYS[1]: the user's set; ARGV: now, expired-before,
+# limit, stream id.
+_TAKE_SLOT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[1], ARGV[4])
+redis.call('EXPIRE', KEYS[1], 3600)
+return 1
+"""
+
+
+class SharedStreamSlots:
+    """StreamSlots counted in Redis, across API processes: each open stream is a member of its user's
+    sorted set, scored by when its process last said it is still open (every REFRESH_SECONDS); one
+    not refreshed for EXPIRE_SECONDS (its process died) no longer counts. If Redis can't be
+    reached, streams are not limited (and say so in the log) rather than refused."""
+
+    REFRESH_SECONDS, EXPIRE_SECONDS = 20.0, 60.0
+
+    def __init__(self, redis, per_user: int):
+        self.redis, self.per_user = redis, per_user
+        self._take = redis.register_script(_TAKE_SLOT)
+        self._mine: dict[int, list[str]] = {}  # user id: this process's open streams' ids
+        self._lock = threading.Lock()
+        threading.Thread(target=self._refresh, name="stream-slots", daemon=True).start()
+
+    def take(self, user_id: int) -> None:
+        stream = uuid.uuid4().hex
+        now = time.time()
+        try:
+            taken = self._take(keys=[f"{KEY_PREFIX}streams:{user_id}"], args=[now, now - self.EXPIRE_SECONDS, self.per_user, stream])
+        except Exception as exc:
+            log.warning("stream not counted: Redis unreachable (%s)", exc)
+            taken = True
+        if not taken:
+            raise TooManyStreams(f"{self.per_user} streams are open for this user already; close one first")
+        with self._lock:
+            self._mine.setdefault(user_id, []).append(stream)
+
+    def give_back(self, user_id: int) -> None:
+        with self._lock:
+            stream = self._mine[user_id].pop()
+            if not self._mine[user_id]:
+                del self._mine[user_id]
+        try:
+            self.redis.zrem(f"{KEY_PREFIX}streams:{user_id}", stream)
+        except Exception as exc:
+            log.warning("stream slot not given back (it expires in %g s): Redis unreachable (%s)", self.EXPIRE_SECONDS, exc)
+
+    def _refresh(self) -> None:
+        while True:
+            time.sleep(self.REFRESH_SECONDS)
+            with self._lock:
+                mine = {user: list(streams) for user, streams in self._mine.items()}
+            try:
+                pipe = self.redis.pipeline()
+                for user, streams in mine.items():
+                    pipe.zadd(f"{KEY_PREFIX}streams:{user}", {stream: time.time() for stream in streams}, xx=True)
+                pipe.execute()
+            except Exception as exc:
+                log.warning("open streams not refreshed: Redis unreachable (%s)", exc)
+
+
+def limits_for(broker_url: str, max_failed_auths_per_minute: int, max_streams_per_user: int):
+    """(failed-auth limiter, stream slots): in Redis if the broker is Redis, else in this process."""
+    if broker_url.startswith(("redis://", "rediss://")):
+        import redis
+
+        client = redis.Redis.from_url(broker_url, socket_timeout=2, socket_connect_timeout=2)
+        return SharedFailedAuthLimiter(client, max_failed_auths_per_minute), SharedStreamSlots(client, max_streams_per_user)
+    return FailedAuthLimiter(max_failed_auths_per_minute), StreamSlots(max_streams_per_user)

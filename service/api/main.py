@@ -15,7 +15,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api_schemas import field_location
 from service.admission import Refused
 from service.api.events import Feeds
-from service.api.limits import FailedAuthLimiter, StreamSlots
+from service.api.limits import limits_for
 from service.api.stream_tokens import StreamTokens
 from service.api.audit import AuditTrail
 from service.api.routes import audit, checkpoints, dashboard, host_api, jobs, monitoring, outputs, sweeps, tokens, uploads, usage
@@ -103,8 +103,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     app = FastAPI(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.")
     app.state.settings = settings
-    app.state.failed_auths = FailedAuthLimiter(settings.max_failed_auths_per_minute)
-    app.state.stream_slots = StreamSlots(settings.max_streams_per_user)
+    app.state.failed_auths, app.state.stream_slots = limits_for(
+        settings.resolved_broker_url, settings.max_failed_auths_per_minute, settings.max_streams_per_user
+    )
     database_url = settings.resolved_database_url
     app.state.stream_tokens = StreamTokens(read_session_factory(database_url))  # a followed stream ends when its token stops working
     app.state.feeds = Feeds(read_session_factory(database_url), settings.events_poll_seconds, listen_dsn=libpq_dsn(database_url))

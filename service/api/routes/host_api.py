@@ -16,7 +16,7 @@ from api_schemas.host_api import (
     LeaseRequest, OutputStored, Rendezvous, Report,
 )
 from api_schemas.jobs import CodeSource
-from service.api.deps import CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
+from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
 from service.artifacts import ArtifactStore
 from service.db.attempts import HeldAttempt, attempt_on_host, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
 from service.db.checkpoints import record_checkpoint, record_refused
@@ -28,7 +28,9 @@ from service.db.outputs import record_output
 from service.settings import Settings
 from service.uploads import UploadRefused, code_directory
 
-router = APIRouter(prefix=HOST_API_PREFIX, tags=["worker protocol"], route_class=SessionsEndWithRoute)
+# Each route takes a host's token (401 without one; 429 after many wrong ones); an attempt's, a 404
+# for one not placed on the token's host.
+router = APIRouter(prefix=HOST_API_PREFIX, tags=["worker protocol"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
 
 DEFAULT_PORTS = {"postgresql": 5432, "postgres": 5432, "redis": 6379, "rediss": 6379, "amqp": 5672}
 
