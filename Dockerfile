@@ -11,6 +11,7 @@ COPY api_schemas api_schemas
 COPY service service
 COPY workers workers
 COPY trainyard trainyard
+COPY stack stack
 COPY data data
 RUN pip install --no-cache-dir --extra-index-url ${TORCH_INDEX} ".${EXTRAS:+[$EXTRAS]}"
 ENV TRAINYARD_ARTIFACT_ROOT=/var/lib/trainyard/artifacts \

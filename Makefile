@@ -17,11 +17,11 @@ $(VENV)/.test-stamp: pyproject.toml
 	$(PIP) -e '.[test]'
 	touch $@
 
-# DEMO_ARGS passes options to service/demo.py: make demo DEMO_ARGS='--max-steps 200' for a quick run.
+# DEMO_ARGS passes options to stack/demo.py: make demo DEMO_ARGS='--max-steps 200' for a quick run.
 DEMO_ARGS ?=
 
 demo: $(VENV)/.demo-stamp
-	$(PYTHON) -m service.demo $(DEMO_ARGS)
+	$(PYTHON) -m stack.demo $(DEMO_ARGS)
 
 # Real programs some tests drive, from Debian's packages: Chromium for the dashboard page (never
 # `playwright install`'s download), nginx for downloads behind the shipped proxy config, bubblewrap

@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from api_schemas.host_api import HOST_API_PREFIX  # noqa: E402
-from service.embedded import stop_children, wait_healthy  # noqa: E402
+from stack.embedded import stop_children, wait_healthy  # noqa: E402
 from workers.supervisor import FORWARD_SECONDS, free_port  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -110,11 +111,17 @@ def seed(url: str, hosts: int, prefix: str) -> tuple[dict[str, str], dict[str, i
 async def simulated_host(client: httpx.AsyncClient, name: str, token: str, attempt_id: int | None, stop_at: float, stats: dict) -> None:
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
 
-    async def post(path: str, body: dict | None = None) -> float:
+    async def post(path: str, body: dict | None = None) -> float | None:
+        """Seconds the request took; None if it failed (the worker keeps what it sent, for its next round)."""
         start = time.monotonic()
-        answer = await client.post(HOST_API_PREFIX + path, content=json.dumps(body) if body else None, headers=headers)
+        try:
+            answer = await client.post(HOST_API_PREFIX + path, content=json.dumps(body) if body else None, headers=headers)
+        except httpx.HTTPError as exc:
+            stats["errors"].append(f"{path.split('/')[-1]} {type(exc).__name__}")
+            return None
         if answer.status_code >= 300:
-            stats["errors"].append(f"{path} {answer.status_code}")
+            stats["errors"].append(f"{path.split('/')[-1]} {answer.status_code}")
+            return None
         return time.monotonic() - start
 
     await asyncio.sleep(random.uniform(0, HEARTBEAT_SECONDS))  # hosts start at different times
@@ -132,15 +139,18 @@ async def simulated_host(client: httpx.AsyncClient, name: str, token: str, attem
                 pending += [[step, metric, random.random()] for metric in METRICS]
                 next_step += STEP_SECONDS
             if pending and now >= next_report:
-                batch, pending = pending, []
-                stats["ingest"].append(await post(f"/attempts/{attempt_id}/report", {"lease_owner": owner, "metrics": batch}))
-                stats["points"] += len(batch)
+                took = await post(f"/attempts/{attempt_id}/report", {"lease_owner": owner, "metrics": pending})
+                if took is not None:  # else kept, and sent again with what comes next
+                    stats["ingest"].append(took)
+                    stats["points"] += len(pending)
+                    pending = []
                 next_report = time.monotonic() + FORWARD_SECONDS
             if now >= next_renew:
-                await post(f"/attempts/{attempt_id}/lease", {"lease_owner": owner})
-                done = time.monotonic()
-                stats["renewal_gaps"].append(done - renewed_at)
-                renewed_at, next_renew = done, next_renew + HEARTBEAT_SECONDS
+                if await post(f"/attempts/{attempt_id}/lease", {"lease_owner": owner}) is not None:
+                    done = time.monotonic()
+                    stats["renewal_gaps"].append(done - renewed_at)
+                    renewed_at = done
+                next_renew += HEARTBEAT_SECONDS
         if now >= next_heartbeat:
             await post("/heartbeat")
             next_heartbeat += HEARTBEAT_SECONDS
@@ -285,8 +295,8 @@ def summary(stats: dict, watch: Watch, hosts: int) -> dict:
         "jobs_list_p99_ms": percentile(watch.jobs, 0.99),
         "api_cpu_cores": round(watch.cpu_s / watch.wall_s, 2) if watch.apis else None,
         "api_rss_mb": round(max(watch.rss, default=0) / 2**20) if watch.apis else None,
-        "errors": len(stats["errors"]),
-        "first_errors": sorted(set(stats["errors"]))[:5],
+        "failed_requests": len(stats["errors"]),
+        "failures": dict(Counter(stats["errors"]).most_common(5)),
     }
 
 

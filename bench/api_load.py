@@ -3,7 +3,7 @@ slow clients and a submit burst, against the same API and job with no load.
 
     PYTHONPATH=$PWD .venv/bin/python bench/api_load.py [--backend postgres|sqlite] [--followers N] [--seconds 20]
 
-A running stack (service.embedded: API, scheduler, one worker on one CPU slot) on PostgreSQL + Redis
+A running stack (stack.embedded: API, scheduler, one worker on one CPU slot) on PostgreSQL + Redis
 database 12 (default; 1,000 followers) or the embedded SQLite (200 followers). Two phases, each with
 a job of its own training (the README example, long enough to outlast the phase, then cancelled):
 
@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.scratch import REDIS_URL, postgres_database  # noqa: E402
-from service.embedded import StackInfo, embedded_stack  # noqa: E402
+from stack.embedded import StackInfo, embedded_stack  # noqa: E402
 from tests.helpers import spec_dict, tiny_spec  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 

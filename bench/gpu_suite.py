@@ -365,7 +365,7 @@ def check_sandbox(suite: Suite) -> dict:
 def check_service(suite: Suite) -> dict:
     import httpx
 
-    from service.embedded import embedded_stack
+    from stack.embedded import embedded_stack
     from service.settings import Settings
     from workers.launch import EVENTS_FILE_NAME, attempt_dir
     from workers.supervisor import free_port

@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from api_schemas.worker_protocol import EVENTS_FILE_ENV  # noqa: E402
-from service.embedded import embedded_stack  # noqa: E402
+from stack.embedded import embedded_stack  # noqa: E402
 from workers.launch import EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir  # noqa: E402
 from workers.limits import AttemptLimits, available, limited  # noqa: E402
 from workers.sandbox import MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, prepare_attempt, sandbox_command  # noqa: E402

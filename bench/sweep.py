@@ -26,7 +26,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from service.embedded import embedded_stack  # noqa: E402
+from stack.embedded import embedded_stack  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 
 

@@ -26,7 +26,7 @@ SERVER_COMMANDS = {
     "user": "users and tokens",
     "host": "worker hosts' tokens",
 }
-SERVER_CLI = "service.cli"  # named, not imported: importing the client must not import the server
+SERVER_CLI = "stack.cli"  # named, not imported: importing the client must not import the server
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,9 +61,9 @@ def run_server_command(argv: list[str]) -> int:
     try:
         server_cli = importlib.import_module(SERVER_CLI)
     except ModuleNotFoundError as exc:
-        if exc.name not in ("service", SERVER_CLI):
+        if exc.name not in ("stack", "service", "workers", SERVER_CLI):
             raise  # the server is installed but broken: that traceback is the useful message
-        print(f"error: `trainyard {argv[0]}` is a server command, and the Trainyard server (the `service` package) "
+        print(f"error: `trainyard {argv[0]}` is a server command, and the Trainyard server (its `stack` and `service` packages) "
               "is not installed here; the client commands work without it", file=sys.stderr)
         return EXIT_FAILED
     return server_cli.main(argv)

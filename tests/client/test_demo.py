@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api_schemas import JobSpec
-from service.demo import REPO, DemoError, demo_spec, wipe_data_dir
+from stack.demo import REPO, DemoError, demo_spec, wipe_data_dir
 
 EXAMPLE = REPO / "examples" / "shakespeare-char.json"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from service.cli import build_parser
+from stack.cli import build_parser
 from service.settings import Settings
 from trainyard.cli import SERVER_COMMANDS
 
@@ -105,6 +105,12 @@ def test_the_shipped_deployments_give_the_service_no_superuser_and_a_redis_that_
     init = REPO / postgres["volumes"][1].split(":")[0]
     assert "NOSUPERUSER" in init.read_text() and "OWNER trainyard" in init.read_text()
     assert "--requirepass" in redis["command"] and "redis://:${TRAINYARD_REDIS_PASSWORD:?" in services["api"]["environment"]["TRAINYARD_BROKER_URL"]
-    [secret] = [doc for doc in kubernetes() if doc["kind"] == "Secret"]
-    assert secret["stringData"]["TRAINYARD_BROKER_URL"].startswith("redis://:")
+    secrets = {doc["metadata"]["name"]: doc["stringData"] for doc in kubernetes() if doc["kind"] == "Secret"}
+    assert all(secret["TRAINYARD_BROKER_URL"].startswith("redis://:") for secret in secrets.values())
+    # A worker host holds no database URL: the API's address, and its own token from a file.
+    [worker] = [doc for doc in kubernetes() if doc["kind"] == "DaemonSet"]
+    [container] = worker["spec"]["template"]["spec"]["containers"]
+    sources = [source["secretRef"]["name"] for source in container["envFrom"] if "secretRef" in source]
+    assert sources == ["trainyard-worker"] and "TRAINYARD_DATABASE_URL" not in secrets["trainyard-worker"]
+    assert {"name": "TRAINYARD_HOST_TOKEN_FILE", "value": "/etc/trainyard/host-tokens/$(NODE_NAME)"} in container["env"]
     assert "NOSUPERUSER" in (REPO / "deploy/kubernetes/trainyard.yaml").read_text()

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.browser import ARTIFACTS
 from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.e2e.test_faults import signal_ranks, training_ranks

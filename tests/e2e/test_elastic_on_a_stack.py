@@ -10,7 +10,7 @@ import httpx
 import pytest
 from safetensors.torch import load as safetensors_load
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.helpers import tiny_spec
 from tests.training.test_sharding import relative_difference

@@ -19,7 +19,7 @@ from safetensors.torch import load as safetensors_load
 
 from api_schemas import JobSpec, JobStatus
 from api_schemas.worker_protocol import CheckpointEvent, MetricsEvent
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
 from workers.supervisor import EventTail, free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus

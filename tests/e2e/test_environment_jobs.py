@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_scripts import run, script_spec
 from tests.helpers import tiny_spec

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint, wait_for_event
 from tests.helpers import spec_dict, tiny_spec
 from workers.launch import EVENTS_FILE_NAME, attempt_dir

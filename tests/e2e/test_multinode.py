@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.e2e.test_faults import FAULT_SPEC, final_weights, stack_pids_matching, wait_until_training
 from tests.e2e.test_scripts import upload_code

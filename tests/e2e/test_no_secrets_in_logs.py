@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.helpers import tiny_spec
 from workers.supervisor import free_port

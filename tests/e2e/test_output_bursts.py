@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 
 from service.db.models import LogLine, Metric
 from service.db.session import read_session_factory
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_scripts import upload_code
 from tests.helpers import tiny_spec

@@ -18,7 +18,7 @@ from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.jobs import create_job
 from service.db.migrate import upgrade
 from service.db.session import session_factory
-from service.embedded import stop_children, wait_healthy
+from stack.embedded import stop_children, wait_healthy
 from service.settings import Settings
 from tests.conftest import IN_CI
 from tests.helpers import job_spec, start_job

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.conftest import service_missing
 from tests.e2e.test_end_to_end import wait_for, wait_for_event, wait_for_step
 from tests.e2e.test_faults import signal_ranks, training_ranks

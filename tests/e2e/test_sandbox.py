@@ -20,7 +20,7 @@ import pytest
 from api_schemas.manifest import MODEL_FILE, checkpoint_name
 from service.db.accounts import create_user
 from service.db.session import session_factory
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from service.settings import Settings
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_scripts import upload_code

@@ -20,7 +20,7 @@ import torch
 import pytest
 from safetensors.torch import load
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.helpers import tiny_spec
 from trainyard.cli import main

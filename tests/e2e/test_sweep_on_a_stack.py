@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.helpers import tiny_spec
 from workers.supervisor import free_port
 

@@ -12,7 +12,7 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from service.embedded import embedded_stack, stop_children, wait_healthy
+from stack.embedded import embedded_stack, stop_children, wait_healthy
 from tests.e2e.test_end_to_end import wait_for
 from tests.helpers import tiny_spec
 from tests.nginx import nginx_in_front

@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_faults import final_weights
 from tests.helpers import tiny_spec

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from service.embedded import host_token_files, prepare_embedded, stop_children
+from stack.embedded import host_token_files, prepare_embedded, stop_children
 from service.settings import Settings
 from workers.supervisor import free_port
 

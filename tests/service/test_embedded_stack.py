@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from service.embedded import StackRefused, _sole_stack_on, embedded_stack
+from stack.embedded import StackRefused, _sole_stack_on, embedded_stack
 
 
 def test_a_second_trainyard_up_on_the_same_folder_is_refused_saying_where_the_first_runs(tmp_path):

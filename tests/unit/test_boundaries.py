@@ -39,7 +39,7 @@ def project_imports(path: Path) -> set[str]:
     return {name for name in imported_modules(path) if name.split(".")[0] in PROJECT_PACKAGES}
 
 
-@pytest.mark.parametrize("module", ["service.api.main", "service.scheduler", "service.cli", "service.demo"])
+@pytest.mark.parametrize("module", ["service.api.main", "service.scheduler", "stack.cli", "stack.demo"])
 def test_the_service_never_imports_torch_or_accelerate(module):
     loaded = modules_after_import(module)
     assert "torch" not in loaded and "accelerate" not in loaded
@@ -70,6 +70,21 @@ def test_the_workers_reach_the_service_only_through_its_http_api(path):
 def test_a_worker_host_loads_no_database_library():
     loaded = modules_after_import("workers.host", "workers.supervisor")
     assert "sqlalchemy" not in loaded and not any(name.startswith(("service.db", "service.api")) for name in loaded)
+
+
+SERVICE_FILES = sorted((REPO / "service").rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SERVICE_FILES, ids=lambda path: str(path.relative_to(REPO / "service")))
+def test_the_service_imports_neither_the_workers_nor_the_client(path):
+    # What starts the parts together is stack/, above all three: every arrow runs one way.
+    assert not {name.split(".")[0] for name in project_imports(path)} & {"workers", "trainyard", "stack"}
+
+
+def test_nothing_imports_the_stack_that_starts_it():
+    for package in ("api_schemas", "service", "workers", "trainyard"):
+        for path in (REPO / package).rglob("*.py"):
+            assert not any(name.split(".")[0] == "stack" for name in project_imports(path)), path
 
 
 def test_api_schemas_import_nothing_of_the_project():

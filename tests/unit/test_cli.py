@@ -34,7 +34,7 @@ def test_each_server_command_reaches_the_server_parser(name, capsys):
 
 def test_a_server_command_without_the_server_package_says_so(monkeypatch, capsys):
     # What importing the server's commands does where the package is not installed.
-    monkeypatch.delitem(sys.modules, "service.cli", raising=False)
-    monkeypatch.setitem(sys.modules, "service", None)
+    monkeypatch.delitem(sys.modules, "stack.cli", raising=False)
+    monkeypatch.setitem(sys.modules, "stack", None)
     assert main(["up"]) == 1
     assert "`trainyard up` is a server command" in capsys.readouterr().err

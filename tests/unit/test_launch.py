@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from api_schemas import JobSpec
 from tests.helpers import job_spec
-from service.embedded import host_cores
+from stack.embedded import host_cores
 from workers.host import cpu_threads_per_slot
 from workers.launch import JOB_ENV_FILE_NAME, enter_job_env, launch_command, script_environment, training_environment, working_dir
 

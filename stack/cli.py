@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from service.embedded import StackRefused, embedded_stack
+from stack.embedded import StackRefused, embedded_stack
 from service.settings import Settings
 from service.user_commands import add_host_commands, add_user_commands
 from trainyard.cli import SERVER_COMMANDS

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from api_schemas import JobSpec
-from service.embedded import embedded_stack
+from stack.embedded import embedded_stack
 from trainyard.client import Client, TrainyardError
 from trainyard.client_cli import download_with_progress, human_bytes, load_spec_file, print_table, report_outcome
 from trainyard.progress import follow_job
@@ -31,7 +31,7 @@ class DemoError(Exception):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m service.demo", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m stack.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--spec", type=Path, default=REPO / "examples" / "shakespeare-char.json", help="job spec (JSON or YAML)")
     parser.add_argument("--max-steps", type=int, help="train for this many steps instead (for a quick run)")
     parser.add_argument("--data-dir", type=Path, default=Path(".trainyard-demo"), help="wiped first (default .trainyard-demo)")
