@@ -6,7 +6,8 @@ old design (each host its own database connection) at the size where that still 
 Simulated hosts (asyncio, no training) speak the real protocol (api_schemas/host_api.py) as a
 worker does (workers/host_client.py, workers/supervisor.py): each registers, then heartbeats every
 5 s; half of them have claimed an attempt, make a step of 7 metrics 5 times a second, forward what
-is new every 0.25 s (FORWARD_SECONDS) and renew their lease every 5 s. A user meanwhile asks for
+is new every 0.25 s, or less often when the API answers slowly (forward_pause), and renew their
+lease every 5 s. A user meanwhile asks for
 /healthz and GET /v1/jobs twice a second. Measured: PostgreSQL connections in use (pg_stat_activity,
 sampled every second), lease renewals later than a third of the lease after the one before
 (late), report (ingest) latency p50/p99, the user's p99s, and the API processes' CPU and RSS.
@@ -43,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from api_schemas.host_api import HOST_API_PREFIX  # noqa: E402
 from stack.embedded import stop_children, wait_healthy  # noqa: E402
-from workers.supervisor import FORWARD_SECONDS, free_port  # noqa: E402
+from workers.supervisor import forward_pause, free_port  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 METRICS = ["train_loss", "lr", "grad_norm", "tokens_per_s", "cpu_percent", "rss_gb", "step_time_s"]
@@ -139,12 +140,13 @@ async def simulated_host(client: httpx.AsyncClient, name: str, token: str, attem
                 pending += [[step, metric, random.random()] for metric in METRICS]
                 next_step += STEP_SECONDS
             if pending and now >= next_report:
+                started = time.monotonic()
                 took = await post(f"/attempts/{attempt_id}/report", {"lease_owner": owner, "metrics": pending})
                 if took is not None:  # else kept, and sent again with what comes next
                     stats["ingest"].append(took)
                     stats["points"] += len(pending)
                     pending = []
-                next_report = time.monotonic() + FORWARD_SECONDS
+                next_report = time.monotonic() + forward_pause(time.monotonic() - started)
             if now >= next_renew:
                 if await post(f"/attempts/{attempt_id}/lease", {"lease_owner": owner}) is not None:
                     done = time.monotonic()
@@ -212,7 +214,7 @@ def run_direct_hosts(url: str, hosts: list[tuple[str, str, int | None]], seconds
                         record_metrics(session, held.job_id, held.attempt_id, pending)
                         stats["ingest"].append(time.monotonic() - start)
                         stats["points"] += len(pending)
-                        pending, next_report = [], time.monotonic() + FORWARD_SECONDS
+                        pending, next_report = [], time.monotonic() + forward_pause(time.monotonic() - start)
                     if now >= next_renew:
                         renew_lease(session, held, LEASE_SECONDS)
                         done = time.monotonic()

@@ -69,6 +69,13 @@ DELIVERY_SECONDS = 1.0
 # most this often: seen through the API within half a second of the training writing it, batched
 # only when it comes faster than this (the lease is renewed on the heartbeat alone).
 FORWARD_SECONDS = 0.25
+
+
+def forward_pause(round_trip: float) -> float:
+    """Seconds until the next forward after one that took `round_trip`: FORWARD_SECONDS, or longer
+    when the API is slow to answer (loaded by many hosts): each host then sends fewer, larger
+    reports, and the load it offers falls as the API's answers slow down, rather than queueing up."""
+    return max(FORWARD_SECONDS, 4 * round_trip)
 # Characters of lines waiting to be stored, at most: past it (printed faster than they can be stored,
 # or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
 MAX_PENDING_LOG_CHARS = 32 * 2**20
@@ -698,11 +705,12 @@ class RunningAttempt:
     def _sync_if_due(self) -> Outcome | None:
         """Every heartbeat, and every round once the processes are done: deliver the outbox and
         renew the lease. An outcome if the lease says the attempt ends now. Between heartbeats,
-        forward what is new (at most every FORWARD_SECONDS)."""
+        forward what is new (at most every FORWARD_SECONDS, less often if the API is slow: forward_pause)."""
         if not (self.finished or time.monotonic() >= self.next_sync):
             if not self.outbox.empty() and time.monotonic() >= self.next_forward:
-                self.next_forward = time.monotonic() + FORWARD_SECONDS
+                started = time.monotonic()
                 self.runner._forward(self.claimed, self.outbox)
+                self.next_forward = time.monotonic() + forward_pause(time.monotonic() - started)
             return None
         self.next_sync = time.monotonic() + self.runner.settings.heartbeat_seconds
         if self.exit_code is None:

@@ -90,23 +90,30 @@ def _closing_sessions(endpoint: Callable) -> Callable:
 _bearer = HTTPBearer(auto_error=False)
 
 
-def get_current_user(
-    request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
-) -> User:
-    """The token's user, read in a short transaction of its own (the User comes back detached, its
-    columns loaded). A client address with too many wrong tokens lately gets 429 without a lookup."""
+def _token_owner(request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None, lookup: Callable):
+    """Whose the bearer token is, by `lookup(session, token)`, read in a short transaction of its own;
+    None for no token or a wrong one. A client address with too many wrong tokens lately (of any
+    kind: a user's or a host's) gets 429 without a lookup."""
     limiter: FailedAuthLimiter = request.app.state.failed_auths
     address = request.client.host if request.client else ""
     if retry_after := limiter.retry_after(address):
         raise HTTPException(
             status.HTTP_429_TOO_MANY_REQUESTS, "too many failed authentications from this address", headers={"Retry-After": str(retry_after)}
         )
-    user = None
-    if credentials:
-        with read_session_factory(settings.resolved_database_url)() as session:
-            user = user_by_token(session, credentials.credentials)
-        if user is None:
-            limiter.failed(address)
+    if not credentials:
+        return None
+    with read_session_factory(settings.resolved_database_url)() as session:
+        owner = lookup(session, credentials.credentials)
+    if owner is None:
+        limiter.failed(address)
+    return owner
+
+
+def get_current_user(
+    request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> User:
+    """The token's user (detached, its columns loaded)."""
+    user = _token_owner(request, settings, credentials, user_by_token)
     if user is None:
         raise _unauthorized("missing or invalid bearer token")
     request.state.caller = user  # for the audit trail (service/api/audit.py), a refused token's owner too
@@ -126,19 +133,8 @@ def get_current_host(
     request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> str:
     """The name of the worker host whose token this is (the worker protocol's routes take no user's
-    token, and a host's token opens no user route). Wrong tokens count toward the same limit."""
-    limiter: FailedAuthLimiter = request.app.state.failed_auths
-    address = request.client.host if request.client else ""
-    if retry_after := limiter.retry_after(address):
-        raise HTTPException(
-            status.HTTP_429_TOO_MANY_REQUESTS, "too many failed authentications from this address", headers={"Retry-After": str(retry_after)}
-        )
-    host = None
-    if credentials:
-        with read_session_factory(settings.resolved_database_url)() as session:
-            host = host_by_token(session, credentials.credentials)
-        if host is None:
-            limiter.failed(address)
+    token, and a host's token opens no user route)."""
+    host = _token_owner(request, settings, credentials, host_by_token)
     if host is None:
         raise _unauthorized("missing, invalid or revoked host token")
     return host
