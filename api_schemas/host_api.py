@@ -110,6 +110,10 @@ class Report(BaseModel):
         default_factory=list, max_length=MAX_LINES_PER_REPORT, description="(sequence number in the attempt, rank, line)."
     )
     refused: list[RefusedTransfer] = Field(default_factory=list, max_length=100)
+    resent: bool = Field(
+        False, description="The host sent some of this before and lost the answer: points stored already with the "
+        "same value are not announced again (no step twice in the job's events)."
+    )
 
 
 class RefusedTransfer(BaseModel):

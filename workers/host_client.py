@@ -99,10 +99,11 @@ class HostClient:
 
     def report(
         self, claimed: ClaimedAttempt, metrics: list[tuple[int, str, float]], logs: list[tuple[int, int | None, str]],
-        refused: list[RefusedTransfer] = (),
+        refused: list[RefusedTransfer] = (), resent: bool = False,
     ) -> None:
+        """`resent`: an earlier report's answer was lost, so some of this may be stored already."""
         points = [(step, name, value if math.isfinite(value) else None) for step, name, value in metrics]
-        body = Report(lease_owner=claimed.lease_owner, metrics=points, logs=logs, refused=list(refused))
+        body = Report(lease_owner=claimed.lease_owner, metrics=points, logs=logs, refused=list(refused), resent=resent)
         self._post(f"/attempts/{claimed.attempt_id}/report", body)
 
     def checkpoint_stored(self, claimed: ClaimedAttempt, step: int, path: str, sha256: str, size: int) -> None:

@@ -166,6 +166,7 @@ class Outbox:
     checkpoints: Transfers = field(default_factory=Transfers)  # (directory, step, its folder in the store)
     outputs: Transfers = field(default_factory=Transfers)  # a script's (directory, name, step) to collect
     refused: list[RefusedTransfer] = field(default_factory=list)  # what the store refused, to report as events
+    resending: bool = False  # a report's answer was lost: the next may hold what is stored already
 
     def empty(self) -> bool:
         return not (self.backlog() or self.checkpoints.pending() or self.outputs.pending())
@@ -505,7 +506,10 @@ class AttemptRunner:
         while True:
             points, lines, refused = outbox.metrics[:POINTS_PER_BATCH], outbox.next_lines(LINES_PER_BATCH), outbox.refused[:100]
             if points or lines or refused:
-                self.service.report(claimed, points, lines, refused)  # idempotent: sent again whole if its answer is lost
+                # Idempotent: sent again whole if its answer is lost (`resent` then, so no step is announced twice).
+                resent, outbox.resending = outbox.resending, True
+                self.service.report(claimed, points, lines, refused, resent=resent)
+                outbox.resending = False
                 del outbox.metrics[:len(points)]
                 outbox.drop_lines(len(lines))
                 del outbox.refused[:len(refused)]

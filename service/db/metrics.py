@@ -59,6 +59,24 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     session.commit()
 
 
+def not_stored_yet(session: Session, job_id: int, points: list[tuple[int, str, float]]) -> list[tuple[int, str, float]]:
+    """The points not stored already with the same value (a NaN as NULL): what a re-sent report adds."""
+    if not points:
+        return points
+    steps = sorted({step for step, _, _ in points})
+    stored = {
+        (step, name): value
+        for step, name, value in session.execute(
+            select(Metric.step, Metric.name, Metric.value).where(Metric.job_id == job_id, Metric.step.between(steps[0], steps[-1]))
+        )
+    }
+    session.commit()
+    return [
+        (step, name, value) for step, name, value in points
+        if (step, name) not in stored or stored[(step, name)] != (value if math.isfinite(value) else None)
+    ]
+
+
 def metric_series(
     session: Session, job_id: int, names: list[str] | None, from_step: int | None, max_points: int
 ) -> dict[str, tuple[list[int], list[float | None]]]:

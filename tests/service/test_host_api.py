@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import select
 
-from api_schemas import AttemptStatus, JobStatus
+from api_schemas import AttemptStatus, JobEventType, JobStatus
 from api_schemas.host_api import HostRegistration
 from service.api.main import create_app
 from service.db.accounts import create_user
@@ -15,7 +16,7 @@ from service.db.host_tokens import issue_host_token, revoke_host_token
 from service.db.jobs import create_job
 from service.db.log_lines import log_lines_after
 from service.db.metrics import metric_series
-from service.db.models import Attempt, Job
+from service.db.models import Attempt, Job, JobEvent
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from tests.helpers import auth, job_spec
@@ -81,16 +82,23 @@ def test_a_host_token_acts_on_its_own_attempts_only_and_on_no_user_route(app, se
     assert raw.post("/v1/host/heartbeat").status_code == 401
 
 
-def test_a_report_sent_again_is_stored_once(app, sessions, settings):
+def test_a_report_sent_again_is_stored_once_and_announces_no_step_twice(app, sessions, settings):
     a = host(app, sessions, "host-a")
     a.register(REGISTRATION)
     claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
-    for _ in range(2):  # its answer lost: the worker sends the same report again
-        a.report(claimed, [(1, "train_loss", 2.5), (1, "grad_norm", float("nan"))], [(0, 0, "step 1"), (1, None, "launcher")])
+    for resent in (False, True):  # its answer lost: the worker sends the same report again, saying so
+        a.report(claimed, [(1, "train_loss", 2.5), (1, "grad_norm", float("nan"))], [(0, 0, "step 1"), (1, None, "launcher")], resent=resent)
+    # Sent again with the next step, and a recomputed value: only what is new is announced.
+    a.report(claimed, [(1, "train_loss", 2.4), (1, "grad_norm", float("nan")), (2, "train_loss", 2.3)], [], resent=True)
+    with sessions() as session:
+        events = session.scalars(select(JobEvent.data).where(JobEvent.job_id == claimed.job_id, JobEvent.type == JobEventType.metrics)).all()
+        assert [(event["step"], event["values"]) for event in events] == [
+            (1, {"train_loss": 2.5, "grad_norm": None}), (1, {"train_loss": 2.4}), (2, {"train_loss": 2.3})
+        ]
     with sessions() as session:
         assert [(line.seq, line.rank, line.line) for line in log_lines_after(session, claimed.job_id, 0, 10)] == [(0, 0, "step 1"), (1, None, "launcher")]
         series = metric_series(session, claimed.job_id, ["train_loss", "grad_norm"], None, 100)
-        assert series["train_loss"] == ([1], [2.5])
+        assert series["train_loss"] == ([1, 2], [2.4, 2.3])
         assert series["grad_norm"] == ([1], [None])  # NaN travels as null, stored as NULL
 
 

@@ -22,7 +22,7 @@ from service.db.attempts import HeldAttempt, attempt_on_host, claim_attempt, fin
 from service.db.checkpoints import record_checkpoint, record_refused
 from service.db.hosts import deregister_host, record_heartbeat, register_host
 from service.db.log_lines import record_logs
-from service.db.metrics import record_metrics
+from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job
 from service.db.outputs import record_output
 from service.settings import Settings
@@ -120,6 +120,8 @@ def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSes
     """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again whole if its answer was lost."""
     held = _own(session, host, attempt_id, body.lease_owner)
     points = [(step, name, math.nan if value is None else value) for step, name, value in body.metrics]
+    if body.resent:
+        points = not_stored_yet(session, held.job_id, points)
     record_metrics(session, held.job_id, held.attempt_id, points)
     record_logs(session, held.job_id, held, body.logs)
     for refused in body.refused:
