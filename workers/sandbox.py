@@ -177,6 +177,8 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
         args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp"]
     args += _system_view()
+    if not view.host_network:
+        args += ["--ro-bind", str(_loopback_hosts(view.run_dir)), "/etc/hosts"]
     for path in view.hidden:
         args += ["--tmpfs", str(path)]
     for source, target in view.inputs:
@@ -193,6 +195,25 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
             "--no-new-privs", "--",
         ]
     return args + list(command)
+
+
+def _loopback_hosts(run_dir: Path) -> Path:
+    """The system's hosts file with names for IPv6 loopback added, for a sandbox with loopback only.
+    torch's TCPStore listens on a dual-stack socket, so its clients come from ::ffff:127.0.0.1; a
+    hosts file without that address (Debian's has only 127.0.0.1) sent the lookup to DNS, which a
+    sandbox can't reach, and every rank logged `[c10d] The hostname of the client socket cannot be
+    retrieved`, which reads like an error in the job's logs."""
+    try:
+        system = Path("/etc/hosts").read_text()
+    except OSError:
+        system = "127.0.0.1 localhost\n"
+    known = {word for line in system.splitlines() for word in line.split("#")[0].split()[:1]}
+    extra = [f"{address} localhost" for address in ("::1", "::ffff:127.0.0.1") if address not in known]
+    path = run_dir / ".sandbox-hosts"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(system.rstrip("\n") + "\n" + "".join(f"{line}\n" for line in extra))
+    path.chmod(0o644)  # read by the job's user
+    return path
 
 
 def _system_view() -> list[str]:

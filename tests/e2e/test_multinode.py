@@ -47,6 +47,9 @@ def test_a_two_node_job_trains_like_one_node_with_two_processes(tmp_path):
             single_id = client.post("/v1/jobs", json=one_node).json()["id"]
             single = wait_for(client, single_id, {"succeeded", "failed", "cancelled"})
             assert single["status"] == "succeeded", single["failure_reason"]
+            # Its two processes meet in its sandbox's loopback with nothing in their logs that reads like an error.
+            single_logs = client.get(f"/v1/jobs/{single_id}/logs", params={"tail": 1000}).json()["lines"]
+            assert not [line["line"] for line in single_logs if "hostname of the client socket" in line["line"]]
 
             # Each line is attributed to the process that printed it (global rank), launcher lines to none.
             logs = client.get(f"/v1/jobs/{gang_id}/logs", params={"tail": 1000}).json()["lines"]

@@ -23,12 +23,17 @@ def test_a_single_node_attempt_gets_loopback_only_its_run_dir_writable_and_its_i
     assert (str(run_dir / "inputs" / "0-3"), str(upload)) in binds(command, "--ro-bind")
     assert command.index(str(tmp_path)) < command.index(str(upload))  # the state is masked first, the input bound over it
     assert command[-2:] == ["python", "train.py"] and str(SANDBOX_UID) in command
+    # Its own hosts file, naming IPv6 loopback: torch's store sees its clients as ::ffff:127.0.0.1,
+    # and a lookup sent to DNS (unreachable here) made every rank log a c10d warning.
+    [hosts] = [source for source, target in binds(command, "--ro-bind") if target == "/etc/hosts"]
+    assert {"::1", "::ffff:127.0.0.1"} <= {line.split()[0] for line in Path(hosts).read_text().splitlines() if line.strip()}
 
 
 def test_a_multi_node_attempt_keeps_the_host_network_and_a_gpu_attempt_sees_only_its_gpus(tmp_path: Path):
     view = AttemptView(tmp_path, (), (), host_network=True, gpus=(2, 3))
     command = sandbox_command(["python"], tmp_path, view)
     assert "--unshare-net" not in command
+    assert "/etc/hosts" not in [target for _, target in binds(command, "--ro-bind")]  # the host's own, to find its peers
     nodes = {source for source, _ in binds(command, "--dev-bind-try")}
     assert {"/dev/nvidia2", "/dev/nvidia3", "/dev/nvidiactl"} <= nodes and "/dev/nvidia0" not in nodes
     assert ("CUDA_VISIBLE_DEVICES", "0,1") in binds(command, "--setenv")
