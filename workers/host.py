@@ -13,7 +13,7 @@ from celery.signals import worker_shutting_down
 from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
 from service.settings import Settings
 from api_schemas.host_api import HostRegistration, HostTerms
-from workers.host_client import HostClient, NotOurs, ServiceUnreachable, read_token
+from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
 from workers.supervisor import AttemptRunner
 from workers.egress import close_control_plane, open_control_plane
@@ -88,7 +88,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
             try:
                 if not service.heartbeat():  # taken out of the pool meanwhile (e.g. the service's database restored)
                     service.register(registration)
-            except (ServiceUnreachable, NotOurs):
+            except ServiceError:
                 log.exception("heartbeat failed; retrying")
             runner.ended_attempts.sweep()
 
@@ -108,7 +108,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         stop.set()
         try:
             service.deregister()
-        except (ServiceUnreachable, NotOurs):
+        except ServiceError:
             log.exception("could not deregister %s; its heartbeat stops, so it goes offline anyway", host_name)
         runner.preempt_all()
         warm.close()
@@ -143,6 +143,8 @@ def register(service: HostClient, registration: HostRegistration) -> HostTerms:
             return service.register(registration)
         except NotOurs as exc:
             raise ValueError(f"the service refused this host's token: {exc}") from exc
+        except ServiceRefused as exc:
+            raise ValueError(f"the service refused this host's registration: {exc}") from exc
         except ServiceUnreachable as exc:
             log.warning("cannot register yet (%s); retrying in %.1f s", exc, pause)
         time.sleep(pause)

@@ -25,12 +25,21 @@ LOST = Lease(held=False, cancel_requested=False)
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
 
-class ServiceUnreachable(Exception):
+class ServiceError(Exception):
+    """The service did not do what was asked; which of the kinds below says what to do."""
+
+
+class ServiceUnreachable(ServiceError):
     """The API did not answer, or answered with a server error: try again later."""
 
 
-class NotOurs(Exception):
+class NotOurs(ServiceError):
     """The API says this host may not act on that (a token revoked, an attempt of another host, a lease lost)."""
+
+
+class ServiceRefused(ServiceError):
+    """The API refused the request as malformed (a 4xx other than the above): a bug of this side's, or a
+    host that doesn't share the artifact store it was told to. Sent again, it would be refused again."""
 
 
 class HostClient:
@@ -52,7 +61,8 @@ class HostClient:
             raise ServiceUnreachable(f"{path}: {answer.status_code} {answer.text[:200]}")
         if answer.status_code in (401, 403, 404, 409):
             raise NotOurs(f"{path}: {answer.status_code} {answer.text[:200]}")
-        answer.raise_for_status()  # a 422 is a bug of this side's: loud
+        if answer.status_code >= 400:
+            raise ServiceRefused(f"{path}: {answer.status_code} {answer.text[:500]}")
         return answer
 
     # -- the host ---------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from service.artifacts import ArtifactStore
 from service.settings import Settings
 from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
-from workers.host_client import HostClient, ServiceUnreachable
+from workers.host_client import HostClient, ServiceError, ServiceUnreachable
 from workers.launch import (
     EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
 )
@@ -479,7 +479,7 @@ class AttemptRunner:
             return None
         try:
             self._deliver(claimed, outbox)
-        except ServiceUnreachable:
+        except ServiceError:  # kept; a refusal is logged each time, and the lease decides whether the attempt goes on
             log.exception("could not deliver what job %s attempt %s reported; will retry", claimed.job_id, claimed.number)
         return lease
 
@@ -488,7 +488,7 @@ class AttemptRunner:
         self._take_in(claimed, outbox, timeout=0)
         try:
             self._deliver(claimed, outbox)
-        except ServiceUnreachable as exc:
+        except ServiceError as exc:
             log.warning("could not forward what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
 
     def _take_in(self, claimed: ClaimedAttempt, outbox: Outbox, timeout: float | None) -> None:
@@ -558,6 +558,9 @@ class AttemptRunner:
             except ServiceUnreachable:
                 log.exception("could not record the end of job %s attempt %s; retrying", claimed.job_id, claimed.number)
                 time.sleep(2)
+            except ServiceError:  # refused: its lease runs out, and the attempt ends lost (and is retried)
+                log.exception("the service refused the end of job %s attempt %s", claimed.job_id, claimed.number)
+                return
 
 
 class RunningAttempt:

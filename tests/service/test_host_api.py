@@ -20,7 +20,8 @@ from service.db.models import Attempt, Job, JobEvent
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from tests.helpers import auth, job_spec
-from workers.host_client import HostClient
+from workers.host_client import HostClient, ServiceRefused
+from workers.supervisor import AttemptRunner, Outbox
 
 REGISTRATION = HostRegistration(device="cpu", slots=1, address="127.0.0.1")
 
@@ -134,3 +135,17 @@ def test_a_host_taken_out_of_the_pool_is_told_to_register_again(app, sessions):
     assert not a.heartbeat()  # never registered
     a.register(REGISTRATION)
     assert a.heartbeat()
+
+
+def test_a_registration_the_api_refuses_is_kept_for_later_not_a_crash_of_the_supervisor(app, sessions, settings):
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
+    missing = f"jobs/{claimed.job_id}/checkpoints/never-written"
+    with pytest.raises(ServiceRefused):  # a 422: not a reason to retry at once, nor to lose the lease
+        a.checkpoint_stored(claimed, 1, missing, "0" * 64, 1)
+    runner = AttemptRunner(settings, a, "host-a")
+    outbox = Outbox()
+    outbox.checkpoints.taken.append(((settings.data_dir / "gone", 1, "step-1"), (missing, "0" * 64, 1)))
+    assert runner._sync(claimed, outbox).held  # the attempt goes on
+    assert len(outbox.checkpoints.taken) == 1  # and the checkpoint waits, logged, for the next sync
