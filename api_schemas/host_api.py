@@ -36,6 +36,8 @@ HOST_API_PREFIX = "/v1/host"
 MAX_POINTS_PER_REPORT = 20_000
 MAX_LINES_PER_REPORT = 5_000
 MAX_LINE_CHARS = 4_000
+MAX_REFUSED_PER_REPORT = 100
+MAX_WHAT_CHARS = 1_000  # a refused item's name (its folder, or the output's name)
 
 LeaseOwner = Field(min_length=1, max_length=200)
 
@@ -109,7 +111,7 @@ class Report(BaseModel):
     logs: list[tuple[int, int | None, str]] = Field(
         default_factory=list, max_length=MAX_LINES_PER_REPORT, description="(sequence number in the attempt, rank, line)."
     )
-    refused: list[RefusedTransfer] = Field(default_factory=list, max_length=100)
+    refused: list[RefusedTransfer] = Field(default_factory=list, max_length=MAX_REFUSED_PER_REPORT)
     resent: bool = Field(
         False, description="The host sent some of this before and lost the answer: points stored already with the "
         "same value are not announced again (no step twice in the job's events)."
@@ -121,7 +123,7 @@ class RefusedTransfer(BaseModel):
 
     kind: Literal["checkpoint_refused", "output_refused"]
     step: int | None
-    what: str = Field(max_length=1000)
+    what: str = Field(max_length=MAX_WHAT_CHARS)
     reason: str = Field(max_length=MAX_LINE_CHARS)
 
 

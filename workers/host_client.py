@@ -36,6 +36,10 @@ class ServiceUnreachable(ServiceError):
 class NotOurs(ServiceError):
     """The API says this host may not act on that (a token revoked, an attempt of another host, a lease lost)."""
 
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
 
 class ServiceRefused(ServiceError):
     """The API refused the request as malformed (a 4xx other than the above): a bug of this side's, or a
@@ -60,7 +64,7 @@ class HostClient:
         if answer.status_code >= 500 or answer.status_code == 429:
             raise ServiceUnreachable(f"{path}: {answer.status_code} {answer.text[:200]}")
         if answer.status_code in (401, 403, 404, 409):
-            raise NotOurs(f"{path}: {answer.status_code} {answer.text[:200]}")
+            raise NotOurs(f"{path}: {answer.status_code} {answer.text[:200]}", answer.status_code)
         if answer.status_code >= 400:
             raise ServiceRefused(f"{path}: {answer.status_code} {answer.text[:500]}")
         return answer
@@ -75,7 +79,7 @@ class HostClient:
         try:
             self._post("/heartbeat")
         except NotOurs as exc:
-            if "404" in str(exc):
+            if exc.status == 404:
                 return False
             raise
         return True

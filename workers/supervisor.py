@@ -32,7 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec
-from api_schemas.host_api import ClaimedAttempt, Lease, RefusedTransfer
+from api_schemas.host_api import (
+    MAX_LINE_CHARS, MAX_LINES_PER_REPORT, MAX_POINTS_PER_REPORT, MAX_REFUSED_PER_REPORT, MAX_WHAT_CHARS, ClaimedAttempt, Lease,
+    RefusedTransfer,
+)
 from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
 from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, decode_events
@@ -54,7 +57,7 @@ from workers.system_metrics import SystemSampler
 
 log = logging.getLogger("trainyard.worker")
 
-MAX_LOG_LINE = 4000
+MAX_LOG_LINE = MAX_LINE_CHARS  # longer lines are cut
 REASON_LOG_LINES = 20
 # How long a sync waits for a checkpoint being taken into the store before it renews the lease
 # anyway (a move takes milliseconds; a copy to another filesystem, and its hash, can take minutes).
@@ -62,13 +65,16 @@ INGEST_WAIT_SECONDS = 1.0
 # What one sync stores, after it has renewed the lease: batches of at most this many lines and points,
 # for at most DELIVERY_SECONDS; a backlog goes on at the next round, so a burst of a million lines or
 # points never delays the lease, a cancel or a SIGTERM by more than that (it was 46 s past a 30 s lease).
-LINES_PER_BATCH = 5000
-POINTS_PER_BATCH = 20000
+LINES_PER_BATCH = MAX_LINES_PER_REPORT
+POINTS_PER_BATCH = MAX_POINTS_PER_REPORT
 DELIVERY_SECONDS = 1.0
 # Between heartbeats, what is new (a step's metrics, a checkpoint, lines) is forwarded at once, at
 # most this often: seen through the API within half a second of the training writing it, batched
 # only when it comes faster than this (the lease is renewed on the heartbeat alone).
 FORWARD_SECONDS = 0.25
+# Characters of lines waiting to be stored, at most: past it (printed faster than they can be stored,
+# or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
+MAX_PENDING_LOG_CHARS = 32 * 2**20
 
 
 def forward_pause(round_trip: float) -> float:
@@ -76,9 +82,7 @@ def forward_pause(round_trip: float) -> float:
     when the API is slow to answer (loaded by many hosts): each host then sends fewer, larger
     reports, and the load it offers falls as the API's answers slow down, rather than queueing up."""
     return max(FORWARD_SECONDS, 4 * round_trip)
-# Characters of lines waiting to be stored, at most: past it (printed faster than they can be stored,
-# or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
-MAX_PENDING_LOG_CHARS = 32 * 2**20
+
 
 class FinalReason(str):
     """Why an attempt failed, when no retry can mend it (the training found the job's spec can't
@@ -477,19 +481,21 @@ class AttemptRunner:
         except ServiceUnreachable:
             log.exception("could not reach the service for job %s; will retry", claimed.job_id)
             return None
-        try:
-            self._deliver(claimed, outbox)
-        except ServiceError:  # kept; a refusal is logged each time, and the lease decides whether the attempt goes on
-            log.exception("could not deliver what job %s attempt %s reported; will retry", claimed.job_id, claimed.number)
+        self._deliver_or_keep(claimed, outbox)
         return lease
 
     def _forward(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
-        """Deliver what is new without renewing the lease (between heartbeats); kept for later if the service is out of reach."""
+        """Deliver what is new without renewing the lease (between heartbeats)."""
         self._take_in(claimed, outbox, timeout=0)
+        self._deliver_or_keep(claimed, outbox)
+
+    def _deliver_or_keep(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """Deliver the outbox; what the service did not take (out of reach, or refused: logged each
+        time) stays in it for the next round, and the lease decides whether the attempt goes on."""
         try:
             self._deliver(claimed, outbox)
         except ServiceError as exc:
-            log.warning("could not forward what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
+            log.warning("could not deliver what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
 
     def _take_in(self, claimed: ClaimedAttempt, outbox: Outbox, timeout: float | None) -> None:
         job_id = claimed.job_id
@@ -504,7 +510,7 @@ class AttemptRunner:
         deadline = time.monotonic() + DELIVERY_SECONDS
         self._take_refused(outbox)
         while True:
-            points, lines, refused = outbox.metrics[:POINTS_PER_BATCH], outbox.next_lines(LINES_PER_BATCH), outbox.refused[:100]
+            points, lines, refused = outbox.metrics[:POINTS_PER_BATCH], outbox.next_lines(LINES_PER_BATCH), outbox.refused[:MAX_REFUSED_PER_REPORT]
             if points or lines or refused:
                 # Idempotent: sent again whole if its answer is lost (`resent` then, so no step is announced twice).
                 resent, outbox.resending = outbox.resending, True
@@ -542,7 +548,7 @@ class AttemptRunner:
             while transfers.refused:
                 item, reason = transfers.refused.pop(0)
                 step, what = describe(*item)
-                outbox.refused.append(RefusedTransfer(kind=kind.value, step=step, what=what[:1000], reason=reason[:MAX_LOG_LINE]))
+                outbox.refused.append(RefusedTransfer(kind=kind.value, step=step, what=what[:MAX_WHAT_CHARS], reason=reason[:MAX_LINE_CHARS]))
                 outbox.add_line(None, f"trainyard: {noun} {what!r} (step {step}) refused by the artifact store, not stored: {reason}")
 
     def _finish(self, claimed: ClaimedAttempt, outcome: AttemptStatus | None, reason: str | None) -> None:

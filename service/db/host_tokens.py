@@ -46,7 +46,3 @@ def revoke_host_token(session: Session, host_name: str) -> bool:
     session.commit()
     return bool(revoked)
 
-
-def host_token_states(session: Session) -> dict[str, str]:
-    """Each host name with a token: "active" or "revoked"."""
-    return {row.host_name: "revoked" if row.revoked_at else "active" for row in session.scalars(select(HostToken))}

@@ -15,7 +15,7 @@ from api_schemas.host_api import (
     HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, Finished, HostRegistration, HostTerms, Lease,
     LeaseRequest, OutputStored, Rendezvous, Report,
 )
-from api_schemas.jobs import CodeSource
+from api_schemas.jobs import CheckpointConfig, CodeSource
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
 from service.artifacts import ArtifactStore
 from service.db.attempts import HeldAttempt, attempt_on_host, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
@@ -147,7 +147,7 @@ def checkpoint_stored(attempt_id: RowId, body: CheckpointStored, host: CurrentHo
     held = _own(session, host, attempt_id, body.lease_owner)
     _stored_path(store, held, body.path, "checkpoints")
     spec = session.scalar(select(Job.spec).where(Job.id == held.job_id))
-    keep_last = spec.get("checkpoint", {}).get("keep_last", 3)
+    keep_last = CheckpointConfig.model_validate(spec.get("checkpoint", {})).keep_last  # its default, where a spec has none
     for stale in record_checkpoint(session, held.job_id, held.attempt_id, body.step, body.path, body.sha256, body.size, keep_last):
         store.delete(stale)
     return Response(status_code=204)
