@@ -24,11 +24,9 @@ sequence number in the attempt, checkpoints by their path in the store.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
-
-from api_schemas.api import AttemptStatus
 
 HOST_API_PREFIX = "/v1/host"
 
@@ -37,6 +35,12 @@ MAX_POINTS_PER_REPORT = 20_000
 MAX_LINES_PER_REPORT = 5_000
 MAX_LINE_CHARS = 4_000
 MAX_REFUSED_PER_REPORT = 100
+MAX_METRIC_NAME_CHARS = 64  # as the database keeps a metric's name
+# Steps, sequence numbers and ranks are kept as 32-bit integers: one past them is refused (422), not stored.
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+Int32 = Annotated[int, Field(ge=INT32_MIN, le=INT32_MAX)]
+MetricName = Annotated[str, Field(max_length=MAX_METRIC_NAME_CHARS)]
+LogLine = Annotated[str, Field(max_length=MAX_LINE_CHARS)]
 MAX_WHAT_CHARS = 1_000  # a refused item's name (its folder, or the output's name)
 
 LeaseOwner = Field(min_length=1, max_length=200)
@@ -105,10 +109,10 @@ class Report(BaseModel):
     """What an attempt produced since the last report: sent again, whole, if its answer was lost."""
 
     lease_owner: str = LeaseOwner
-    metrics: list[tuple[int, str, float | None]] = Field(
+    metrics: list[tuple[Int32, MetricName, float | None]] = Field(
         default_factory=list, max_length=MAX_POINTS_PER_REPORT, description="(step, name, value); None for NaN or infinite."
     )
-    logs: list[tuple[int, int | None, str]] = Field(
+    logs: list[tuple[Int32, Int32 | None, LogLine]] = Field(
         default_factory=list, max_length=MAX_LINES_PER_REPORT, description="(sequence number in the attempt, rank, line)."
     )
     refused: list[RefusedTransfer] = Field(default_factory=list, max_length=MAX_REFUSED_PER_REPORT)
@@ -122,32 +126,34 @@ class RefusedTransfer(BaseModel):
     """A checkpoint or output the artifact store refused (incomplete, corrupt): an event of the job, never silently dropped."""
 
     kind: Literal["checkpoint_refused", "output_refused"]
-    step: int | None
+    step: Int32 | None
     what: str = Field(max_length=MAX_WHAT_CHARS)
     reason: str = Field(max_length=MAX_LINE_CHARS)
 
 
 class CheckpointStored(BaseModel):
     lease_owner: str = LeaseOwner
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=INT32_MAX)
     path: str = Field(max_length=1000, description="Where it is in the artifact store, relative to its root.")
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, le=2**63 - 1)
 
 
 class OutputStored(BaseModel):
     lease_owner: str = LeaseOwner
     name: str = Field(max_length=1000)
-    step: int | None
+    step: Int32 | None
     path: str = Field(max_length=1000)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int = Field(ge=0)
-    files: int = Field(ge=0)
+    size: int = Field(ge=0, le=2**63 - 1)
+    files: int = Field(ge=0, le=INT32_MAX)
 
 
 class AttemptEnd(BaseModel):
     lease_owner: str = LeaseOwner
-    outcome: AttemptStatus
+    outcome: Literal["succeeded", "failed", "cancelled", "preempted"] = Field(
+        description="How it ended (lost is the scheduler's to say, when a lease runs out)."
+    )
     reason: str | None = Field(None, max_length=100_000)
     retry: bool = Field(True, description="False: no retry can mend it (the spec can't run), the job fails at once.")
 

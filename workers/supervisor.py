@@ -33,8 +33,8 @@ from pathlib import Path
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec
 from api_schemas.host_api import (
-    MAX_LINE_CHARS, MAX_LINES_PER_REPORT, MAX_POINTS_PER_REPORT, MAX_REFUSED_PER_REPORT, MAX_WHAT_CHARS, ClaimedAttempt, Lease,
-    RefusedTransfer,
+    INT32_MAX, INT32_MIN, MAX_LINE_CHARS, MAX_LINES_PER_REPORT, MAX_METRIC_NAME_CHARS, MAX_POINTS_PER_REPORT, MAX_REFUSED_PER_REPORT,
+    MAX_WHAT_CHARS, ClaimedAttempt, Lease, RefusedTransfer,
 )
 from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
@@ -589,6 +589,7 @@ class RunningAttempt:
         self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
         self.dropped = DroppedLines(runner.settings.max_log_lines_per_attempt)
         self.invalid_spec: str | None = None  # what the training said is wrong with the spec, if it did
+        self.noted: set[str] = set()  # what the job's logs were told the service can't keep
         self.started_at = time.monotonic()
         self.max_runtime_s = (spec.resources.max_runtime_hours or runner.settings.max_runtime_hours) * 3600
         self.over_time: str | None = None  # why it was stopped for running too long, once it was
@@ -658,9 +659,11 @@ class RunningAttempt:
                 self.invalid_spec = event.message
                 continue
             self.stall.progressed()  # a script that never calls accelerator.log shows its progress by its checkpoints
+            if not self._recordable_step(event):
+                continue
             self.step = max(self.step, event.step)
             if isinstance(event, MetricsEvent):
-                self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items()]
+                self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items() if self._recordable_name(name)]
             # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
             elif (path := event.path.resolve()).is_relative_to(self.run_dir):
                 self.outbox.checkpoints.items.append((path, event.step, self._store_folder(event.step, path)))
@@ -668,6 +671,27 @@ class RunningAttempt:
                     self._collect_outputs()
             else:
                 log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", self.claimed.job_id, path, self.run_dir)
+
+    # The events file is the job's to write: what the service can't keep is left out here, saying so
+    # once in the job's logs, rather than sent and refused again and again, holding up all after it.
+
+    def _recordable_step(self, event: MetricsEvent | CheckpointEvent) -> bool:
+        low = 0 if isinstance(event, CheckpointEvent) else INT32_MIN
+        if low <= event.step <= INT32_MAX:
+            return True
+        self._note_once(f"step {event.step}", f"trainyard: step {event.step} is outside what the service keeps ({low} to {INT32_MAX}); its {event.type} not recorded")
+        return False
+
+    def _recordable_name(self, name: str) -> bool:
+        if len(name) <= MAX_METRIC_NAME_CHARS:
+            return True
+        self._note_once(f"name {name}", f"trainyard: metric {name[:80]!r}… has a name longer than {MAX_METRIC_NAME_CHARS} characters; not recorded")
+        return False
+
+    def _note_once(self, key: str, line: str) -> None:
+        if key not in self.noted:
+            self.noted.add(key)
+            self._note(line)
 
     def _store_folder(self, step: int, path: Path) -> str:
         """Where a checkpoint goes in the store, under the job's checkpoints. A script's keeps the

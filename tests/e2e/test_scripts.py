@@ -267,3 +267,26 @@ def test_a_script_that_leaves_a_daemon_behind_ends_with_its_main_process_and_tak
     job = run_snippet(client, tmp_path, "daemon", LEAVES_A_DAEMON, timeout=90)
     assert job["status"] == "succeeded", job
     assert not [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "600"]]
+
+
+UNKEEPABLE_METRICS = '''
+import json, os
+with open(os.environ["TRAINYARD_EVENTS_FILE"], "a") as events:
+    for event in ({"type": "metrics", "step": 1, "values": {"loss": 2.0, "x" * 100: 1.0}},  # a name past 64 characters
+                  {"type": "metrics", "step": 2**40, "values": {"loss": 1.5}},  # a step past 32 bits
+                  {"type": "metrics", "step": 2, "values": {"loss": 1.0}}):
+        events.write(json.dumps(event) + "\\n")
+print("logged")
+'''
+
+
+def test_metrics_the_service_cant_keep_are_left_out_saying_so_and_the_rest_are_stored(stack, tmp_path):
+    # Sent, they were refused (422) or failed the database (500) every time, holding up every metric after them.
+    client, _ = stack
+    job = run_snippet(client, tmp_path, "unkeepable", UNKEEPABLE_METRICS)
+    assert job["status"] == "succeeded", job["failure_reason"]
+    series = client.get(f"/v1/jobs/{job['id']}/metrics", params={"names": "loss"}).json()["series"]
+    assert series["loss"]["steps"] == [1, 2] and series["loss"]["values"] == [2.0, 1.0]
+    lines = [line["line"] for line in client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 100}).json()["lines"]]
+    assert any("longer than 64 characters; not recorded" in line for line in lines), lines
+    assert any(f"step {2**40} is outside what the service keeps" in line for line in lines), lines

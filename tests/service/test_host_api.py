@@ -149,3 +149,22 @@ def test_a_registration_the_api_refuses_is_kept_for_later_not_a_crash_of_the_sup
     outbox.checkpoints.taken.append(((settings.data_dir / "gone", 1, "step-1"), (missing, "0" * 64, 1)))
     assert runner._sync(claimed, outbox).held  # the attempt goes on
     assert len(outbox.checkpoints.taken) == 1  # and the checkpoint waits, logged, for the next sync
+
+
+def test_what_the_database_cant_keep_is_a_422_naming_the_field(app, sessions, settings):
+    # Each was a 500 on PostgreSQL: integers past 32 bits, a metric name past its column, a status no worker ends in.
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
+    raw = TestClient(app)
+    for path, body, field in (
+        ("report", {"logs": [[2**40, 0, "x"]]}, ["body", "logs", 0, 0]),
+        ("report", {"logs": [[1, 2**40, "x"]]}, ["body", "logs", 0, 1]),
+        ("report", {"logs": [[1, 0, "x" * 5000]]}, ["body", "logs", 0, 2]),
+        ("report", {"metrics": [[2**40, "loss", 1.0]]}, ["body", "metrics", 0, 0]),
+        ("report", {"metrics": [[1, "x" * 65, 1.0]]}, ["body", "metrics", 0, 1]),
+        ("finish", {"outcome": "running"}, ["body", "outcome"]),
+        ("checkpoints", {"step": 2**40, "path": "x", "sha256": "0" * 64, "size": 1}, ["body", "step"]),
+    ):
+        answer = raw.post(f"/v1/host/attempts/{claimed.attempt_id}/{path}", json={"lease_owner": "a", **body}, headers=auth(a.token))
+        assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == field, (path, answer.text)

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from fastapi import APIRouter, HTTPException, Response, status
 from sqlalchemy import select
 
-from api_schemas import JobEventType
+from api_schemas import AttemptStatus, JobEventType
 from api_schemas.host_api import (
     HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, Finished, HostRegistration, HostTerms, Lease,
     LeaseRequest, OutputStored, Rendezvous, Report,
@@ -167,4 +167,4 @@ def output_stored(attempt_id: RowId, body: OutputStored, host: CurrentHost, sess
 def finish(attempt_id: RowId, body: AttemptEnd, host: CurrentHost, session: WriteSessionDep) -> Finished:
     """How the attempt ended, through the state machine; `ended` False if its lease was lost first."""
     held = _own(session, host, attempt_id, body.lease_owner)
-    return Finished(ended=finish_attempt(session, held, body.outcome, body.reason, retry=body.retry))
+    return Finished(ended=finish_attempt(session, held, AttemptStatus(body.outcome), body.reason, retry=body.retry))
