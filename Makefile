@@ -31,6 +31,7 @@ CHROMIUM := /usr/bin/chromium
 NGINX    := /usr/sbin/nginx
 BWRAP    := /usr/bin/bwrap
 NFT      := /usr/sbin/nft
+SLURMCTLD := /usr/sbin/slurmctld
 
 # The tests use PostgreSQL at 127.0.0.1:5432 and Redis at :6379 (TRAINYARD_TEST_POSTGRES_URL and _REDIS_URL
 # name others) when they answer; else tests/private_services.py starts private ones for the run and stops them
@@ -40,7 +41,7 @@ NFT      := /usr/sbin/nft
 PYTEST_ARGS  ?=
 TEST_WORKERS ?= 2
 
-test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) $(NFT) server-binaries
+test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) $(NFT) $(SLURMCTLD) server-binaries
 	$(PYTHON) -m tests.private_services -- $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The inner loop's tier: unit, service and client tests on SQLite alone (no PostgreSQL, Redis or browser
@@ -70,6 +71,10 @@ $(BWRAP):
 $(NFT):
 	$(call apt_install,nftables)
 
+# A throwaway Slurm cluster for the Slurm pool's tests (tests/slurm_cluster.py starts its own daemons).
+$(SLURMCTLD):
+	$(call apt_install,slurm-wlm munge)
+
 # PostgreSQL's and Redis's server programs: for the private servers above and the restart tests' own.
 # Debian keeps initdb off PATH, in /usr/lib/postgresql/<version>/bin.
 server-binaries:
@@ -77,8 +82,8 @@ server-binaries:
 	@command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || $(call apt_install,postgresql)
 
 define apt_install
-	apt-get install -y -q $(1) >/dev/null 2>&1 || sudo -n apt-get install -y -q $(1) >/dev/null 2>&1 \
-	  || (apt-get update -q && apt-get install -y -q $(1)) || echo "could not install $(1): the tests that need it will say so"
+	apt-get -o DPkg::Lock::Timeout=300 install -y -q $(1) >/dev/null 2>&1 || sudo -n apt-get -o DPkg::Lock::Timeout=300 install -y -q $(1) >/dev/null 2>&1 \
+	  || (apt-get update -q && apt-get -o DPkg::Lock::Timeout=300 install -y -q $(1)) || echo "could not install $(1): the tests that need it will say so"
 endef
 
 clean:
