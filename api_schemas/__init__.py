@@ -20,6 +20,7 @@ from api_schemas.api import (
     OutputOut,
     RunningJobOut,
     UploadOut,
+    PoolOut,
     WorkerOut,
 )
 from api_schemas.jobs import (
@@ -92,6 +93,7 @@ __all__ = [
     "TrainingConfig",
     "TrialOut",
     "UploadOut",
+    "PoolOut",
     "WorkerOut",
     "field_location",
 ]

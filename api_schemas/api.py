@@ -57,6 +57,11 @@ class AttemptOut(BaseModel):
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    pool: str | None = Field(None, description="The cluster pool it ran in (resources.pool); null on Trainyard's own hosts.")
+    cluster_job_id: str | None = Field(None, description="The cluster's id for it (a Slurm job id), once handed to the pool.")
+    cluster_state: str | None = Field(
+        None, description="The cluster's state for it, with the reason a pending one waits: `PENDING (Resources)`, `RUNNING`…"
+    )
 
 
 class JobOut(BaseModel):
@@ -172,6 +177,19 @@ class HostAttemptOut(BaseModel):
     slots: int
     gpus: list[int] | None = Field(description="GPU indices reserved for it; null on CPU.")
     status: AttemptStatus
+
+
+class PoolOut(BaseModel):
+    """A cluster pool jobs may name as `resources.pool`: what one node of it offers."""
+
+    name: str
+    backend: str = Field(description="`slurm`")
+    partition: str | None
+    nodes: int = Field(description="Nodes in the partition: the most a job may ask for.")
+    cpus_per_node: int
+    gpus_per_node: int
+    memory_mb: int
+    seen_at: datetime = Field(description="When the scheduler last read it from the cluster.")
 
 
 class WorkerOut(BaseModel):

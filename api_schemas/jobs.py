@@ -358,6 +358,11 @@ class ResourcesConfig(_Config):
     )
 
     elastic: ElasticConfig | None = Field(None, description="May run on fewer processes when its full size isn't free (one node only).")
+    pool: str | None = Field(
+        None, pattern=r"^[a-z][a-z0-9-]{0,39}$",
+        description="A cluster pool to run on instead of the registered hosts: its name as the service's operator configured "
+        "it (a Slurm partition: GET /v1/pools lists them). Its cluster places the nodes; None: Trainyard's own hosts.",
+    )
 
     @model_validator(mode="after")
     def _gpu_memory_needs_cuda(self) -> ResourcesConfig:
@@ -368,6 +373,8 @@ class ResourcesConfig(_Config):
                 raise ValueError("resources.elastic: one node only (a gang shrinks by hosts, which is not supported)")
             if self.elastic.min_processes > self.processes_per_node:
                 raise ValueError(f"resources.elastic.min_processes: at most processes_per_node ({self.processes_per_node})")
+            if self.pool is not None:
+                raise ValueError("resources.elastic: on Trainyard's own hosts only (a cluster pool places the job at its size)")
         return self
 
 

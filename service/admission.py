@@ -16,11 +16,12 @@ from packaging.requirements import InvalidRequirement
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from api_schemas import JobSpec, ScriptConfig, SweepSpec
+from api_schemas import JobSpec, ResourcesConfig, ScriptConfig, SweepSpec
 from api_schemas.requirements import package_name
 from service.datasets import DatasetError, check_spec_paths
 from service.db.hosts import all_hosts
 from service.db.jobs import QuotaExceeded, TrialOf, create_job
+from service.db.pools import all_pools, pool_named
 from service.db.uploads import upload_visible_to
 from service.db.models import Job, Sweep, User
 from service.db.sweeps import create_sweep
@@ -111,8 +112,25 @@ def check_spec(session: Session, user: User, spec: JobSpec, settings: Settings) 
         _check_script(session, user, spec.script, settings, installed)
     else:
         _check_data(session, user, spec, settings)
-    if reason := never_fits(spec.resources, all_hosts(session)):
+    if spec.resources.pool is not None:
+        _check_pool(session, spec.resources)
+    elif reason := never_fits(spec.resources, all_hosts(session)):
         raise bad_field(("resources",), reason)
+
+
+def _check_pool(session: Session, resources: ResourcesConfig) -> None:
+    """The pool exists and one of its nodes could ever run a node of the job (its cluster decides when)."""
+    pool = pool_named(session, resources.pool)
+    if pool is None:
+        names = ", ".join(p.name for p in all_pools(session)) or "none"
+        raise bad_field(("resources", "pool"), f"no pool named {resources.pool!r} (pools: {names})")
+    info = pool.info
+    if resources.nodes > info["nodes"]:
+        raise bad_field(("resources", "nodes"), f"{resources.nodes} nodes: pool {pool.name!r} (partition {info['partition']}) has {info['nodes']}")
+    per_node = info["gpus_per_node"] if resources.device == "cuda" else info["cpus_per_node"]
+    if resources.processes_per_node > per_node:
+        what = "GPUs" if resources.device == "cuda" else "CPUs"
+        raise bad_field(("resources", "processes_per_node"), f"{resources.processes_per_node} processes: a node of pool {pool.name!r} has {per_node} {what}")
 
 
 def _check_data(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:

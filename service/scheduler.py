@@ -2,8 +2,9 @@
 the sweep controller (service/sweeps.py) submits and prunes sweeps' trials.
 
 One pass = one transaction: reap lost attempts, re-send dispatches nobody claimed, place queued
-jobs on hosts with free slots. Tasks are sent only after the transaction commits, so a worker
-never receives an attempt that isn't in the database yet.
+jobs on hosts with free slots, and hand the jobs that name a cluster pool to it. The execution
+backends (service/backends/) are given the placed attempts only after the transaction commits,
+so a worker never receives an attempt that isn't in the database yet.
 """
 
 from __future__ import annotations
@@ -20,11 +21,15 @@ from api_schemas import AttemptStatus, JobSpec, ResourcesConfig
 from service.db import state
 from service.db.doorbell import Doorbell
 from service.db.models import Attempt, Job, utcnow
+from service.backends import ExecutionBackend
+from service.backends.hosts import HostsBackend
 from service.db.scheduling import (
     expired_leases,
     lock_scheduler,
     online_hosts_with_load,
     place_jobs,
+    pool_host,
+    pool_of,
     preemptible_attempts,
     queued_jobs,
     request_preemption,
@@ -34,7 +39,6 @@ from service.db.scheduling import (
 )
 from service.logs import job_fields
 from service.placement import Rooms, preemption_plan, waiting_reason
-from service.queue import dispatch_attempt
 from service.settings import Settings
 from service.sweeps import advance_sweeps
 
@@ -42,8 +46,9 @@ log = logging.getLogger("trainyard.scheduler")
 
 
 def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> list[tuple[int, str]]:
-    """Run one pass and commit it; returns (attempt_id, host_name) pairs to dispatch. Without
-    `reap`, only placement: lost workers and unclaimed dispatches are looked for by other passes."""
+    """Run one pass and commit it; returns (attempt_id, host_name) pairs to start: sent to their
+    host, or, where the host is a pool's (pool_of), handed to that pool. Without `reap`, only
+    placement: lost workers and unclaimed dispatches are looked for by other passes."""
     now = utcnow()
     lock_scheduler(session)
 
@@ -77,10 +82,19 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     # locked by this pass, so none is taken meanwhile; if one were, it would only leave its room
     # unused until the next pass.
     placements = []
+    to_pools: dict[str, list] = {}
     for job in queue_order(queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
         # Only the resources: the spec was validated whole when admitted, and validating all of it
         # again for each of 10,000 jobs cost a tenth of the pass.
         resources = ResourcesConfig.model_validate(job.spec.get("resources", {}))
+        if resources.pool is not None:
+            if resources.pool != (settings.slurm_pool if settings.slurm_partition else None):
+                set_waiting_reason(job, f"waiting for pool {resources.pool!r}, which this scheduler is not configured to run")
+                continue
+            # Its cluster places it (and queues it, if full): handed over in this order, at once.
+            nodes = [(pool_host(resources.pool, job.id), None)] * resources.nodes
+            to_pools.setdefault(resources.pool, []).append((job, nodes, resources.processes_per_node))
+            continue
         chosen, processes = rooms.best_fit(resources, skip=reserved), resources.processes_per_node
         if chosen is None and resources.elastic and (now - (job.queued_at or job.created_at)).total_seconds() >= resources.elastic.wait_s:
             chosen, processes = smaller_fit(rooms, JobSpec.model_validate(job.spec), skip=reserved)
@@ -111,6 +125,8 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             rooms.take(name, processes, devices)
         placements.append((job, chosen, processes))
     attempts = place_jobs(session, placements, now)
+    for pool, handed in to_pools.items():
+        attempts += place_jobs(session, handed, now, pool=pool)
 
     # Elastic jobs running on fewer processes than their own go back to it once it is free: asked
     # to stop at a checkpoint, as a preempted job is, they are queued again (no restart counted)
@@ -158,23 +174,33 @@ def queue_order(jobs: list[Job], now: datetime, aging_seconds: float) -> list[Jo
     return sorted(jobs, key=lambda job: (-(job.priority + (now - job.created_at).total_seconds() / aging_seconds), job.id))
 
 
-def _send(celery: Celery, attempt_id: int, host: str) -> None:
-    """Send one dispatch, retrying once at once: a first send can race the worker declaring the
-    same queue (seen with the SQLAlchemy transport). If both fail, the pass after the dispatch
-    timeout re-sends it; one failed send never holds up the others."""
-    for last_try in (False, True):
-        try:
-            dispatch_attempt(celery, attempt_id, host)
-            return
-        except Exception:
-            if last_try:
-                log.exception("could not dispatch attempt %s to %s; it is re-sent after the dispatch timeout", attempt_id, host)
+def execution_backends(sessions: sessionmaker, celery: Celery, settings: Settings) -> dict[str | None, ExecutionBackend]:
+    """By pool: None, Trainyard's own hosts; a cluster pool's name, its backend."""
+    backends: dict[str | None, ExecutionBackend] = {None: HostsBackend(celery)}
+    if settings.slurm_partition:
+        from service.backends.slurm import SlurmBackend
+
+        backends[settings.slurm_pool] = SlurmBackend(sessions, settings)
+        log.info("Slurm pool %r: partition %s", settings.slurm_pool, settings.slurm_partition)
+    return backends
+
+
+def start_placed(backends: dict[str | None, ExecutionBackend], placed: list[tuple[int, str]]) -> None:
+    by_pool: dict[str | None, list[tuple[int, str]]] = {}
+    for attempt_id, host in placed:
+        by_pool.setdefault(pool_of(host), []).append((attempt_id, host))
+    for pool, attempts in by_pool.items():
+        if (backend := backends.get(pool)) is None:
+            log.error("attempts %s are in pool %r, which this scheduler has no backend for", [a for a, _ in attempts], pool)
+            continue
+        backend.start(attempts)
 
 
 def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, stop=lambda: False) -> None:
     """The scheduler process: a pass whenever the doorbell rings (a job queued, devices freed, a
     host registered), and at least every `scheduler_interval_seconds`, until `stop()`."""
     log.info("scheduler started")
+    backends = execution_backends(sessions, celery, settings)
     doorbell = Doorbell(settings.resolved_database_url)
     rang, last_reaped = False, 0.0
     while not stop():
@@ -185,8 +211,9 @@ def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, st
             with sessions() as session:
                 dispatches = schedule_pass(session, settings, reap=reap)
             last_reaped = time.monotonic() if reap else last_reaped
-            for attempt_id, host in dispatches:
-                _send(celery, attempt_id, host)
+            start_placed(backends, dispatches)
+            for backend in backends.values():
+                backend.sync()  # outside the pass's transaction: a cluster's commands are round trips
             advance_sweeps(sessions, settings)  # trials it submits ring the doorbell: placed by the next pass
         except Exception:
             # A database or broker restart must not kill the scheduler; the next pass retries.

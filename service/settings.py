@@ -156,7 +156,25 @@ class WorkerSettings(_FromEnvironment):
     )
 
 
-class Settings(StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings):
+class SlurmSettings(_FromEnvironment):
+    """The scheduler: a Slurm cluster to hand jobs to (service/backends/slurm.py), as the pool that
+    jobs name with `resources.pool`. It calls Slurm's commands (sbatch, squeue, scancel, sinfo), so it
+    runs where they reach the cluster (a login or submit node); the compute nodes need the shared
+    storage below and the API's URL, never the database."""
+
+    slurm_partition: str | None = Field(None, description="The partition jobs are submitted to; unset: no Slurm pool.")
+    slurm_pool: str = Field("slurm", pattern=r"^[a-z][a-z0-9-]{0,39}$", description="The pool's name, as jobs give it in `resources.pool`.")
+    slurm_account: str | None = Field(None, description="sbatch --account; unset: the submitting user's default.")
+    slurm_qos: str | None = Field(None, description="sbatch --qos; unset: the partition's default.")
+    slurm_bin_dir: Path | None = Field(None, description="Where sbatch, squeue, scancel and sinfo are; unset: PATH.")
+    slurm_python: str | None = Field(
+        None, description="The Python with Trainyard installed that the compute nodes run the agent with, on the shared "
+        "software path; unset: the scheduler's own.",
+    )
+    slurm_api_url: str | None = Field(None, description="The API's URL as the compute nodes reach it; unset: api_url.")
+
+
+class Settings(StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings, SlurmSettings):
     """Every group in one object (the same names, `settings.lease_seconds`)."""
 
 

@@ -1,4 +1,4 @@
-"""The server's commands: `up` (the embedded stack), `api`, `scheduler`, `worker`, `db upgrade`,
+"""The server's commands: `up` (the embedded stack), `api`, `scheduler`, `worker`, `slurm-agent`, `db upgrade`,
 `user create|set|revoke|rotate` and `host token|revoke` (service/user_commands.py).
 
 Users run them as `trainyard <command>`: the client's `trainyard.cli` lists them and hands them here."""
@@ -88,6 +88,13 @@ def run_worker_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_slurm_agent_command(args: argparse.Namespace) -> int:
+    from workers.slurm_agent import run_agent
+
+    _configure_logging(f"slurm-agent[{os.environ.get('SLURMD_NODENAME', '?')}]")
+    return run_agent(Settings(), [int(i) for i in args.attempts.split(",")], args.threads)
+
+
 def run_up(args: argparse.Namespace) -> int:
     # Ctrl-C stops it, whatever it inherited: a shell starts a background command (`make test &`) with
     # SIGINT ignored, and Python then installs no KeyboardInterrupt of its own (its children exited, it didn't).
@@ -149,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--address", help="where the other hosts of a multi-node job reach this one (default: this host's IP)")
     worker.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)
     worker.set_defaults(func=run_worker_command)
+
+    agent = command("slurm-agent")
+    agent.add_argument("--attempts", required=True, help="the try's attempt ids in node order (SLURM_NODEID picks this node's)")
+    agent.add_argument("--threads", type=int, help="threads of each CPU process")
+    agent.set_defaults(func=run_slurm_agent_command)
 
     db_commands = command("db").add_subparsers(dest="db_command", required=True)
     db_commands.add_parser("upgrade", help="migrate the schema to the latest version").set_defaults(func=db_upgrade)

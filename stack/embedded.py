@@ -162,12 +162,13 @@ def _running_stack(
     token = prepare_embedded(Settings(data_dir=data_dir, database_url=database_url, broker_url=broker_url))
     # The workers close the API's port to multi-node jobs, as the database's and broker's (workers/egress.py).
     overrides["TRAINYARD_CONTROL_PLANE_PORTS"] = json.dumps([port] if port else [])
+    # For the workers, and for a scheduler that hands jobs to a cluster pool, whose agents are told it.
+    overrides["TRAINYARD_API_URL"] = f"http://127.0.0.1:{port}"
     child_env = {**os.environ, **overrides}
     host_names = [f"local-{i}" for i in range(workers)]
     # The workers get the API's address and each its own token, and no database URL: they speak the
     # worker protocol over HTTP, as hosts elsewhere do (api_schemas/host_api.py).
     worker_env = {name: value for name, value in child_env.items() if name != "TRAINYARD_DATABASE_URL"}
-    worker_env["TRAINYARD_API_URL"] = f"http://127.0.0.1:{port}"
     token_files = host_token_files(Settings(data_dir=data_dir, database_url=database_url), host_names)
     log_dir = data_dir / "logs"
     log_dir.mkdir(exist_ok=True)

@@ -22,6 +22,7 @@ SERVER_COMMANDS = {
     "api": "run the REST API",
     "scheduler": "run the scheduler",
     "worker": "run a worker host",
+    "slurm-agent": "run one node of a Slurm pool's job (started by the batch script the scheduler submits)",
     "db": "database schema",
     "user": "users and tokens",
     "host": "worker hosts' tokens",

@@ -811,8 +811,10 @@ class RunningAttempt:
             over = f"went over its limit of {limit:g} GB (resources.memory_gb)" if limit else "ran out of memory"
             return AttemptStatus.failed, f"out of memory: the job {over}, and the kernel killed a process of it"
         # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
-        # itself), so what counts is that we asked for the stop, not the code we got back.
-        if self.preempted_because or self.exit_code == EXIT_PREEMPTED:
+        # itself), so what counts is that the stop was asked for, not the code we got back: by us,
+        # or by whoever sent SIGTERM to the host's processes, ours and the training's at once (a
+        # cluster preempting its job: workers/slurm_agent.py).
+        if self.preempted_because or self.exit_code == EXIT_PREEMPTED or self.runner.shutting_down.is_set():
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         if self.invalid_spec is not None:
             return AttemptStatus.failed, FinalReason(f"invalid job spec: {self.invalid_spec}")

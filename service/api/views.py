@@ -55,6 +55,9 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
                 created_at=a.created_at,
                 started_at=a.started_at,
                 finished_at=a.finished_at,
+                pool=a.pool,
+                cluster_job_id=a.cluster_job_id,
+                cluster_state=a.cluster_state,
             )
             for a in job.attempts
         ],

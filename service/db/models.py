@@ -177,6 +177,9 @@ class Attempt(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    pool: Mapped[str | None] = mapped_column(String(40), nullable=True, doc="The cluster pool it was handed to; None: a registered host.")
+    cluster_job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, doc="The cluster's id for its try (a Slurm job id).")
+    cluster_state: Mapped[str | None] = mapped_column(String(200), nullable=True, doc="The cluster's state for it, and why it waits.")
 
     job: Mapped[Job] = relationship(back_populates="attempts")
 
@@ -314,6 +317,17 @@ class HostToken(Base):
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class ClusterPool(Base):
+    """A cluster that jobs may name as `resources.pool` (a Slurm partition): what one node of it
+    offers, as its scheduler last read it (migration 0019)."""
+
+    __tablename__ = "cluster_pools"
+    name: Mapped[str] = mapped_column(String(40), primary_key=True)
+    backend: Mapped[str] = mapped_column(String(16), doc="`slurm`")
+    info: Mapped[dict] = mapped_column(JSON, doc="partition, nodes, cpus_per_node, gpus_per_node, memory_mb")
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class WorkerHost(Base):

@@ -98,7 +98,7 @@ class PlacedAttempt:
 
 
 def place_jobs(
-    session: Session, placements: list[tuple[Job, list[tuple[str, list[int] | None]], int]], now: datetime
+    session: Session, placements: list[tuple[Job, list[tuple[str, list[int] | None]], int]], now: datetime, pool: str | None = None
 ) -> list[PlacedAttempt]:
     """Place queued jobs, each on its hosts at once (one attempt per node, node 0 first, each with
     the GPU indices reserved for it there, None or [] on CPU): each job moves to `scheduled` and
@@ -106,11 +106,12 @@ def place_jobs(
     took meanwhile gets none. Returns the attempts created.
 
     Read the jobs in this transaction (queued_jobs does): their row locks then keep anyone else
-    from placing them too until commit."""
+    from placing them too until commit. `pool`: the jobs are handed to that cluster pool, which
+    places their nodes itself; their "host" is then the name their try's token acts as (pool_host)."""
     next_number = state.schedule_jobs(session, [job for job, _, _ in placements], now=now)
     rows = [
         {"job_id": job.id, "number": next_number[job.id], "node_rank": rank, "host_name": host, "slots": slots,
-         "device_ids": gpus or None, "status": AttemptStatus.scheduled, "dispatched_at": now}
+         "device_ids": gpus or None, "status": AttemptStatus.scheduled, "dispatched_at": now, "pool": pool}
         for job, hosts, slots in placements if job.id in next_number
         for rank, (host, gpus) in enumerate(hosts)
     ]
@@ -121,7 +122,7 @@ def place_jobs(
     # JSON array: psycopg converted SQLAlchemy's multi-row VALUES (a placeholder per column per
     # row) afresh each time, a quarter of a pass placing 1,000 jobs.
     if is_postgresql(session):
-        fields = ("job_id", "number", "node_rank", "host_name", "slots", "device_ids")
+        fields = ("job_id", "number", "node_rank", "host_name", "slots", "device_ids", "pool")
         payload = json.dumps([{name: row[name] for name in fields} for row in rows])
         returned = session.execute(_INSERT_ATTEMPTS_JSON, {"rows": payload, "now": now})
         id_of = {(job_id, rank): id for id, job_id, rank in returned}  # RETURNING keeps no order
@@ -132,10 +133,22 @@ def place_jobs(
     return [PlacedAttempt(id, row["job_id"], row["number"], row["host_name"]) for id, row in zip(ids, rows)]
 
 
+def pool_host(pool: str, job_id: int) -> str:
+    """The name a pool job's attempts are placed "on": what the token its try's agents get acts as
+    (a ':' no registered host's name has, so it is never one of theirs)."""
+    return f"{pool}:job{job_id}"
+
+
+def pool_of(host_name: str) -> str | None:
+    """The pool whose attempt's host name this is (pool_host); None for a registered host's."""
+    pool, colon, _ = host_name.partition(":")
+    return pool if colon else None
+
+
 _INSERT_ATTEMPTS_JSON = text("""
-    INSERT INTO attempts (job_id, number, node_rank, host_name, slots, device_ids, status, preempt_requested, dispatched_at, created_at)
-    SELECT r.job_id, r.number, r.node_rank, r.host_name, r.slots, r.device_ids, 'scheduled', false, :now, :now
-    FROM json_to_recordset(CAST(:rows AS json)) AS r(job_id bigint, number int, node_rank int, host_name text, slots int, device_ids json)
+    INSERT INTO attempts (job_id, number, node_rank, host_name, slots, device_ids, pool, status, preempt_requested, dispatched_at, created_at)
+    SELECT r.job_id, r.number, r.node_rank, r.host_name, r.slots, r.device_ids, r.pool, 'scheduled', false, :now, :now
+    FROM json_to_recordset(CAST(:rows AS json)) AS r(job_id bigint, number int, node_rank int, host_name text, slots int, device_ids json, pool text)
     RETURNING id, job_id, node_rank
 """)
 
@@ -158,6 +171,7 @@ def unclaimed_attempts(session: Session, online: set[str], resend_before: dateti
 _UNCLAIMED = {  # by whether the database is PostgreSQL
     postgresql: select(Attempt).where(
         Attempt.status == AttemptStatus.scheduled,
+        Attempt.pool.is_(None),  # a pool's attempts wait in its cluster's queue: service/backends/ looks after them
         or_(none_of(Attempt.host_name, "online", postgresql), Attempt.dispatched_at < bindparam("resend_before")),
     )
     for postgresql in (False, True)

@@ -9,6 +9,7 @@ import io
 import os
 import subprocess
 import tarfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -90,7 +91,7 @@ def script_attempt(tmp_path: Path, command: tuple[str, ...] = ("true",), resourc
     run_dir = tmp_path / "attempt-1"
     (run_dir / "code" / "out").mkdir(parents=True)
     claimed = SimpleNamespace(job_id=1, number=1, node_rank=0, resume_step=None, device_ids=None)
-    runner = SimpleNamespace(settings=Settings(data_dir=tmp_path))  # what of the worker's runner the attempt reads here
+    runner = SimpleNamespace(settings=Settings(data_dir=tmp_path), shutting_down=threading.Event())  # what of the worker's runner the attempt reads here
     process = subprocess.Popen(list(command), stdout=subprocess.PIPE, start_new_session=True)
     return RunningAttempt(runner, claimed, spec, run_dir.resolve(), process)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from service.settings import ApiSettings, LoggingSettings, SchedulerSettings, Settings, StorageSettings, WorkerSettings
+from service.settings import ApiSettings, LoggingSettings, SchedulerSettings, Settings, SlurmSettings, StorageSettings, WorkerSettings
 
-GROUPS = (StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings)
+GROUPS = (StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings, SlurmSettings)
 
 
 def test_every_setting_belongs_to_exactly_one_role_group():

@@ -5,11 +5,12 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from api_schemas import DashboardOut, HostAttemptOut, RunningJobOut, WorkerOut
+from api_schemas import DashboardOut, HostAttemptOut, PoolOut, RunningJobOut, WorkerOut
 from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionDep, SessionsEndWithRoute, SettingsDep
 from service.db.hosts import all_hosts, online_hosts
 from service.db.metrics import latest_metrics
 from service.db.models import utcnow
+from service.db.pools import all_pools
 from service.db.monitoring import active_attempts, job_counts, running_jobs
 
 router = APIRouter(prefix="/v1", tags=["dashboard"], responses=NEEDS_TOKEN, route_class=SessionsEndWithRoute)
@@ -45,6 +46,12 @@ def list_workers(session: SessionDep, user: CurrentUser, settings: SettingsDep) 
         )
         for host in all_hosts(session)
     ]
+
+
+@router.get("/pools", response_model=list[PoolOut])
+def list_pools(session: SessionDep, user: CurrentUser) -> list[PoolOut]:
+    """The cluster pools (a Slurm partition) jobs may run in by naming them as `resources.pool`."""
+    return [PoolOut(name=pool.name, backend=pool.backend, seen_at=pool.seen_at, **pool.info) for pool in all_pools(session)]
 
 
 @router.get("/dashboard", response_model=DashboardOut)

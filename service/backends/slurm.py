@@ -1,0 +1,240 @@
+"""A Slurm partition as a pool. Trainyard decides what runs next; Slurm places it.
+
+A job naming the pool (`resources.pool`) is not placed on hosts by the scheduler's pass: its try
+gets one attempt per node at once, "on" the pool (pool_host), and is handed to Slurm here as one
+batch job asking for its nodes, CPUs, GPUs, memory and time. In the allocation, one agent per node
+(`srun`, workers/slurm_agent.py) takes the attempt of its node (SLURM_NODEID) through the worker
+protocol, with a token that acts only on this job's attempts, and runs it as a registered host
+would: the same sandbox, the same supervisor, checkpoints into the same store.
+
+Both ways, each pass (`sync`):
+- a cancel → `scancel`; the agents also see it in their lease;
+- Slurm ends the try (preemption, `scancel` by an admin, a failed node, a time limit): the agents
+  answer SIGTERM with a checkpoint and report the attempt preempted; what they could not report
+  is ended here (lost: queued again, resuming from the newest checkpoint). Slurm never requeues
+  (`--no-requeue`): a second copy of a try never runs;
+- its state and why a pending one waits (`PENDING (Resources)`) go into the attempt for the API.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import time
+from itertools import groupby
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import sessionmaker
+
+from api_schemas import AttemptStatus, JobStatus, ResourcesConfig
+from service.backends.slurm_commands import BatchJob, SlurmCommands, SlurmError, SlurmJob
+from service.db import state
+from service.db.host_tokens import issue_host_token, revoke_host_token
+from service.db.models import Attempt, Job
+from service.db.pools import record_pool, set_cluster_state, unsettled_attempts
+from service.db.scheduling import pool_host
+from service.logs import job_fields
+from service.settings import Settings
+
+log = logging.getLogger("trainyard.scheduler")
+
+# Slurm states of a job that has not ended yet (COMPLETING: its processes are being cleaned up).
+_LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"}
+# Ended having run the batch script: a try that never claimed its attempt then had an agent that
+# could not start (wrong Python, no shared storage), which another try would not mend.
+_RAN = {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}
+RESUBMIT_AFTER_SECONDS = 10.0  # a try placed but not handed over (sbatch failed, or the scheduler stopped) is sent again after this
+DESCRIBE_EVERY_SECONDS = 60.0
+REAP_AFTER_SECONDS = 30.0  # an allocation left running this long after all its attempts ended is cancelled
+
+
+class SlurmBackend:
+    def __init__(self, sessions: sessionmaker, settings: Settings, commands: SlurmCommands | None = None):
+        self.sessions, self.settings = sessions, settings
+        self.pool, self.partition = settings.slurm_pool, settings.slurm_partition
+        self.slurm = commands or SlurmCommands(settings.slurm_bin_dir)
+        self.described_at = 0.0
+
+    # -- handing tries over --------------------------------------------------------------------
+
+    def start(self, placed: list[tuple[int, str]]) -> None:
+        with self.sessions() as session:
+            rows = session.execute(
+                select(Attempt.job_id, Attempt.number, Attempt.id).where(Attempt.id.in_([a for a, _ in placed])).order_by(Attempt.node_rank)
+            ).all()
+            session.commit()
+        for (job_id, number), attempts in groupby(sorted(rows, key=lambda r: (r.job_id, r.number)), key=lambda r: (r.job_id, r.number)):
+            self._submit(job_id, number, [row.id for row in attempts])
+
+    def _submit(self, job_id: int, number: int, ids: list[int], known: dict[str, SlurmJob] | None = None) -> None:
+        """Hand one try (its attempts' ids in node order) to Slurm, once: a batch job of its name
+        already in Slurm's queue (sent by a pass that stopped before recording it) is taken as
+        this try's."""
+        name = f"trainyard-{job_id}-{number}"
+        fields = job_fields(job_id, ids[0])
+        try:
+            if known is not None and (existing := next((job for job in known.values() if job.name == name), None)):
+                with self.sessions() as session:
+                    set_cluster_state(session, ids, existing.shown, existing.id)
+                return
+            with self.sessions() as session:
+                spec = session.scalar(select(Job.spec).where(Job.id == job_id))
+                directory = self.try_directory(job_id, number)
+                directory.mkdir(parents=True, exist_ok=True)
+                token_file = directory / "token"
+                token_file.touch(mode=0o600)
+                token_file.write_text(issue_host_token(session, pool_host(self.pool, job_id)))  # replaces the last try's
+            batch = self.batch_job(name, ResourcesConfig.model_validate(spec.get("resources", {})), directory, ids)
+            cluster_job_id = self.slurm.submit(batch)
+        except SlurmError as exc:
+            if exc.transient:
+                log.warning("could not hand job %s to Slurm (%s); trying again in %.0f s", job_id, exc, RESUBMIT_AFTER_SECONDS, extra=fields)
+                return
+            log.warning("Slurm refused job %s: %s", job_id, exc, extra=fields)
+            self._end(ids, lambda attempt: (AttemptStatus.failed, f"Slurm refused it: {exc}", False), "REFUSED")
+            return
+        with self.sessions() as session:
+            set_cluster_state(session, ids, "PENDING", cluster_job_id)
+        log.info("job %s attempt %s handed to Slurm as job %s", job_id, number, cluster_job_id, extra=fields)
+
+    def try_directory(self, job_id: int, number: int) -> Path:
+        """On the storage the compute nodes share: the try's token file and Slurm's output."""
+        return self.settings.resolved_work_root / "slurm" / f"job{job_id}-{number}"
+
+    def batch_job(self, name: str, resources: ResourcesConfig, directory: Path, attempt_ids: list[int]) -> BatchJob:
+        s = self.settings
+        hours = resources.max_runtime_hours or s.max_runtime_hours
+        environment = {
+            # Only what a worker host is given: the API and the try's token, the shared paths, the
+            # service's timing (which a registered host learns as it registers).
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "TRAINYARD_API_URL": s.slurm_api_url or s.api_url,
+            "TRAINYARD_HOST_TOKEN_FILE": str(directory / "token"),
+            "TRAINYARD_DATA_DIR": str(s.data_dir.resolve()),
+            "TRAINYARD_ARTIFACT_ROOT": str(s.resolved_artifact_root),
+            "TRAINYARD_DATA_ROOT": str(s.resolved_data_root),
+            "TRAINYARD_WORK_ROOT": str(s.resolved_work_root),
+            "TRAINYARD_PLUGIN_DIR": str(s.resolved_plugin_dir),
+            "TRAINYARD_ENVIRONMENT_ROOT": str(s.resolved_environment_root),
+            "TRAINYARD_HEARTBEAT_SECONDS": str(s.heartbeat_seconds),
+            "TRAINYARD_LEASE_SECONDS": str(s.lease_seconds),
+            "TRAINYARD_DISPATCH_TIMEOUT_SECONDS": str(s.dispatch_timeout_seconds),
+            "TRAINYARD_MAX_RUNTIME_HOURS": str(s.max_runtime_hours),
+            "TRAINYARD_MAX_LOG_LINES_PER_ATTEMPT": str(s.max_log_lines_per_attempt),
+            "TRAINYARD_LOG_FORMAT": s.log_format,
+        }
+        threads = 1  # each process's threads: the CPUs asked per process
+        command = [s.slurm_python or sys.executable, "-m", "trainyard", "slurm-agent", "--attempts", ",".join(map(str, attempt_ids)), "--threads", str(threads)]
+        return BatchJob(
+            name=name, partition=self.partition, nodes=resources.nodes, cpus_per_node=resources.processes_per_node,
+            gpus_per_node=resources.processes_per_node if resources.device == "cuda" else 0, memory_gb=resources.memory_gb,
+            # Past Trainyard's own runtime limit, so the supervisor stops it first and says why.
+            minutes=math.ceil(hours * 60) + 5, output=directory / "slurm-%j.out", environment=environment, command=command,
+            account=s.slurm_account, qos=s.slurm_qos,
+        )
+
+    # -- reconciling -----------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        self._describe_if_due()
+        with self.sessions() as session:
+            tries = [
+                (key, [(a.id, a.status, a.cluster_job_id, a.cluster_state, a.finished_at, a.dispatched_at, a.node_rank) for a in attempts],
+                 attempts[0].job.cancel_requested)
+                for key, attempts in ((key, list(group)) for key, group in groupby(unsettled_attempts(session, self.pool), key=lambda a: (a.job_id, a.number)))
+            ]
+            session.commit()
+        if not tries:
+            return
+        try:
+            queue = self.slurm.queue()  # no transaction open while Slurm answers
+        except SlurmError as exc:
+            log.warning("could not read Slurm's queue (%s); trying again next pass", exc)
+            return
+        for (job_id, number), attempts, cancel_requested in tries:
+            try:
+                self._sync_try(job_id, number, attempts, cancel_requested, queue)
+            except SlurmError as exc:
+                log.warning("job %s attempt %s: %s; trying again next pass", job_id, number, exc, extra=job_fields(job_id))
+
+    def _sync_try(self, job_id: int, number: int, attempts: list[tuple], cancel_requested: bool, queue: dict[str, SlurmJob]) -> None:
+        ids = [attempt[0] for attempt in attempts]
+        active = [attempt for attempt in attempts if attempt[1] in state.ACTIVE_ATTEMPT]
+        cluster_job_id = attempts[0][2]
+        if cluster_job_id is None:  # never handed over: sbatch failed for a while, or the scheduler stopped before it
+            if active and all(time.time() - attempt[5].timestamp() > RESUBMIT_AFTER_SECONDS for attempt in active):
+                self._submit(job_id, number, [a[0] for a in sorted(attempts, key=lambda a: a[6])], known=queue)
+            elif not active:
+                with self.sessions() as session:
+                    set_cluster_state(session, ids, "REFUSED")
+            return
+        slurm_job = queue.get(cluster_job_id)
+        slurm_state = slurm_job.state.split()[0] if slurm_job else "VANISHED"  # gone from Slurm's memory (MinJobAge)
+        live = slurm_state in _LIVE
+        if live and (cancel_requested or (not active and self._ended_long_ago(attempts))):
+            self.slurm.cancel(cluster_job_id)  # its next state, CANCELLED, ends the rest below
+            log.info("cancelled Slurm job %s of job %s", cluster_job_id, job_id, extra=job_fields(job_id))
+        if live:
+            if slurm_job.shown != attempts[0][3]:
+                with self.sessions() as session:
+                    set_cluster_state(session, ids, slurm_job.shown)
+            return
+        # Slurm is done with the try: what its agents did not report ends here.
+        if active:
+            def outcome(attempt: Attempt) -> tuple[AttemptStatus, str, bool]:
+                said = f"Slurm job {cluster_job_id} ended {slurm_state}"
+                if cancel_requested:
+                    return AttemptStatus.cancelled, "cancelled by user", True
+                if attempt.status == AttemptStatus.running:
+                    return AttemptStatus.lost, f"{said} while the attempt ran", True
+                if slurm_state in _RAN:
+                    output = self.try_directory(job_id, number) / f"slurm-{cluster_job_id}.out"
+                    return AttemptStatus.failed, f"{said} before its agent took the attempt (see {output})", False
+                return AttemptStatus.lost, f"{said} before the attempt started", True
+            self._end([attempt[0] for attempt in active], outcome, slurm_state)
+        else:
+            with self.sessions() as session:
+                set_cluster_state(session, ids, slurm_state)
+        self._clean_up(job_id, number)
+
+    def _ended_long_ago(self, attempts: list[tuple]) -> bool:
+        return all(attempt[4] is not None and time.time() - attempt[4].timestamp() > REAP_AFTER_SECONDS for attempt in attempts)
+
+    def _end(self, attempt_ids: list[int], outcome, cluster_state: str) -> None:
+        """End each attempt still active through the state machine with outcome(attempt) → (status, reason, retry)."""
+        with self.sessions() as session:
+            for attempt_id in attempt_ids:
+                attempt = session.get(Attempt, attempt_id, populate_existing=True)
+                if attempt is not None and attempt.status in state.ACTIVE_ATTEMPT:  # a node's end may have ended its gang
+                    status, reason, retry = outcome(attempt)
+                    state.end_attempt(session, attempt.job, attempt, status, reason, retry=retry)
+                    log.warning("job %s attempt %s node %s %s: %s", attempt.job_id, attempt.number, attempt.node_rank, status.value, reason,
+                                extra=job_fields(attempt.job_id, attempt.id))
+            session.commit()
+            set_cluster_state(session, attempt_ids, cluster_state)
+
+    def _clean_up(self, job_id: int, number: int) -> None:
+        """The try's token file goes with it; the job's token once the job is over (a later try
+        gets a new one, which replaces it)."""
+        (self.try_directory(job_id, number) / "token").unlink(missing_ok=True)
+        with self.sessions() as session:
+            if JobStatus(session.scalar(select(Job.status).where(Job.id == job_id))).is_final:
+                revoke_host_token(session, pool_host(self.pool, job_id))
+            session.commit()
+
+    def _describe_if_due(self) -> None:
+        """What one node of the partition offers, for admission to check jobs against (GET /v1/pools)."""
+        if time.monotonic() - self.described_at < DESCRIBE_EVERY_SECONDS:
+            return
+        try:
+            info = self.slurm.partition(self.partition)
+        except SlurmError as exc:
+            log.warning("could not describe Slurm partition %s: %s", self.partition, exc)
+            return
+        with self.sessions() as session:
+            record_pool(session, self.pool, "slurm", info)
+        self.described_at = time.monotonic()
+

@@ -1,0 +1,122 @@
+"""Slurm's own commands, as the Slurm backend uses them: submit a batch job, read the queue, cancel,
+describe a partition. Run with the scheduler's environment (SLURM_CONF, munge) and never inside a
+database transaction: each is a round trip to slurmctld."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+# sbatch's errors that say the controller could not be reached now, not that the job is wrong.
+_TRANSIENT = ("Unable to contact slurm controller", "Socket timed out", "Connection refused", "Resource temporarily unavailable", "Zero Bytes were transmitted")
+
+
+class SlurmError(Exception):
+    def __init__(self, message: str, transient: bool):
+        super().__init__(message)
+        self.transient = transient
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    id: str
+    name: str
+    state: str  # PENDING, RUNNING, COMPLETING, COMPLETED, FAILED, CANCELLED, PREEMPTED, NODE_FAIL…
+    reason: str  # why a pending job waits (Resources, Priority…), or "None"
+
+    @property
+    def shown(self) -> str:
+        return f"{self.state} ({self.reason})" if self.reason and self.reason != "None" else self.state
+
+
+@dataclass(frozen=True)
+class BatchJob:
+    """What one try asks of Slurm, and the command each of its nodes runs (one task per node)."""
+
+    name: str
+    partition: str
+    nodes: int
+    cpus_per_node: int
+    gpus_per_node: int
+    memory_gb: float | None
+    minutes: int
+    output: Path
+    environment: dict[str, str]
+    command: list[str]
+    account: str | None = None
+    qos: str | None = None
+
+    def script(self) -> str:
+        """The batch script. --no-requeue: Trainyard owns restarts, so a preempted or failed try is
+        queued again by the service (resuming from its checkpoint), never run a second time by
+        Slurm. --export=NONE: the compute nodes get only what is exported here (the API's URL, the
+        try's token file, the shared paths), nothing of the scheduler's own environment."""
+        options = [
+            f"--job-name={self.name}", f"--partition={self.partition}", f"--nodes={self.nodes}", "--ntasks-per-node=1",
+            f"--cpus-per-task={self.cpus_per_node}", f"--time={self.minutes}", "--no-requeue", "--export=NONE",
+            f"--output={self.output}",
+        ]
+        if self.gpus_per_node:
+            options.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.memory_gb:
+            options.append(f"--mem={max(1, round(self.memory_gb * 1024))}M")
+        if self.account:
+            options.append(f"--account={self.account}")
+        if self.qos:
+            options.append(f"--qos={self.qos}")
+        lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options)]
+        lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(self.environment.items())]
+        # srun inherits --export=NONE from sbatch unless told: the tasks get the script's environment.
+        lines.append("exec srun --export=ALL --kill-on-bad-exit=1 --ntasks-per-node=1 " + shlex.join(self.command))
+        return "\n".join(lines) + "\n"
+
+
+class SlurmCommands:
+    def __init__(self, bin_dir: Path | None = None, timeout_seconds: float = 30.0):
+        self.bin_dir, self.timeout_seconds = bin_dir, timeout_seconds
+
+    def _run(self, name: str, *args: str, stdin: str | None = None) -> str:
+        command = [str(self.bin_dir / name) if self.bin_dir else name, *args]
+        try:
+            result = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=self.timeout_seconds)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SlurmError(f"{name}: {exc}", transient=True) from exc
+        if result.returncode != 0:
+            message = (result.stderr or result.stdout).strip() or f"exit status {result.returncode}"
+            raise SlurmError(f"{name}: {message}", transient=any(text in message for text in _TRANSIENT))
+        return result.stdout
+
+    def submit(self, job: BatchJob) -> str:
+        """The new Slurm job's id."""
+        return self._run("sbatch", "--parsable", stdin=job.script()).strip().split(";")[0]
+
+    def queue(self) -> dict[str, SlurmJob]:
+        """Our jobs Slurm still knows, by id: pending, running and, for MinJobAge after, ended."""
+        out = self._run("squeue", "--me", "--states=all", "--noheader", "--format=%i|%j|%T|%r")
+        jobs = [SlurmJob(*line.split("|", 3)) for line in out.splitlines() if line.count("|") >= 3]
+        return {job.id: job for job in jobs}
+
+    def cancel(self, job_id: str) -> None:
+        self._run("scancel", job_id)
+
+    def partition(self, name: str) -> dict:
+        """What the partition offers: nodes, and the most CPUs, GPUs and memory one node has."""
+        out = self._run("sinfo", "--noheader", f"--partition={name}", "--format=%D|%c|%m|%G")
+        nodes = cpus = memory = gpus = 0
+        for line in out.splitlines():
+            count, node_cpus, node_memory, gres = (line.split("|") + ["", "", "", ""])[:4]
+            nodes += int(count or 0)
+            cpus = max(cpus, _number(node_cpus))
+            memory = max(memory, _number(node_memory))
+            gpus = max([gpus, *(int(found) for found in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres))])
+        if nodes == 0:
+            raise SlurmError(f"sinfo: no partition {name!r}, or it has no nodes", transient=False)
+        return {"partition": name, "nodes": nodes, "cpus_per_node": cpus, "gpus_per_node": gpus, "memory_mb": memory}
+
+
+def _number(text: str) -> int:
+    found = re.match(r"\d+", text.strip())
+    return int(found.group()) if found else 0

@@ -1,0 +1,165 @@
+"""Jobs in a Slurm pool, on a real Slurm cluster (tests/slurm_cluster.py: slurmctld and two slurmd
+nodes on this machine, loopback only). The stack runs no worker host of its own: every job here
+is handed to Slurm by the scheduler, and run in the allocation by one agent per node
+(workers/slurm_agent.py) that reaches the service only over its API, with its try's token."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+import pytest
+import torch
+
+from stack.embedded import embedded_stack
+from tests.e2e.test_end_to_end import wait_for, wait_for_step
+from tests.e2e.test_faults import final_weights
+from tests.helpers import tiny_spec
+from tests.slurm_cluster import NODES, SlurmCluster, SlurmUnavailable
+from workers.supervisor import free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+STEPS = 30
+BASE = {"training.max_steps": STEPS, "training.eval_every": 10, "checkpoint.every_steps": 5, "checkpoint.keep_last": 10, "resources.pool": "slurm"}
+FINAL = {"succeeded", "failed", "cancelled"}
+
+
+@pytest.fixture(scope="module")
+def slurm_stack(tmp_path_factory):
+    """A Slurm cluster, and a stack whose scheduler hands `resources.pool: slurm` jobs to its `batch` partition."""
+    try:
+        cluster = SlurmCluster.start_new()
+    except SlurmUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"no Slurm cluster: {exc}")
+        pytest.skip(f"no Slurm cluster: {exc}")
+    saved = dict(os.environ)
+    os.environ.update({
+        "SLURM_CONF": str(cluster.conf), "TRAINYARD_SLURM_PARTITION": "batch",
+        "TRAINYARD_HEARTBEAT_SECONDS": "1",  # how often an agent looks at its lease (5 s in production)
+    })
+    try:
+        with embedded_stack(tmp_path_factory.mktemp("yard"), free_port(), workers=0) as info:
+            with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+                deadline = time.monotonic() + 30
+                while not client.get("/v1/pools").json():  # the scheduler describes the partition as it starts
+                    assert time.monotonic() < deadline, "the scheduler did not describe the Slurm pool"
+                    time.sleep(0.2)
+                yield cluster, client
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        cluster.stop()
+
+
+def slurm_jobs(cluster: SlurmCluster, states: str = "PENDING,RUNNING,COMPLETING") -> dict[str, str]:
+    out = cluster.run("squeue", "--noheader", f"--states={states}", "--format=%i|%j")
+    return dict(line.split("|") for line in out.split())
+
+
+def test_the_pool_and_what_it_refuses(slurm_stack):
+    cluster, client = slurm_stack
+    [pool] = client.get("/v1/pools").json()
+    assert (pool["name"], pool["backend"], pool["partition"], pool["nodes"]) == ("slurm", "slurm", "batch", len(NODES))
+    # More nodes than the partition has: refused at submit, naming the field; as is a pool nobody runs.
+    answer = client.post("/v1/jobs", json=tiny_spec(**{**BASE, "resources.nodes": 3}))
+    assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][-2:] == ["resources", "nodes"], answer.text
+    answer = client.post("/v1/jobs", json=tiny_spec(**{**BASE, "resources.pool": "gpu-cluster"}))
+    assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][-2:] == ["resources", "pool"], answer.text
+
+
+def test_a_two_node_job_in_slurm_trains_like_one_node_with_two_processes(slurm_stack):
+    cluster, client = slurm_stack
+    two_nodes = tiny_spec(**{**BASE, "name": "slurm-two-nodes", "resources.nodes": 2, "resources.processes_per_node": 1})
+    one_node = tiny_spec(**{**BASE, "name": "slurm-one-node", "resources.nodes": 1, "resources.processes_per_node": 2})
+    gang_id = client.post("/v1/jobs", json=two_nodes).json()["id"]
+    single_id = client.post("/v1/jobs", json=one_node).json()["id"]  # queued in Slurm behind it: the nodes have 2 CPUs each
+    gang, single = wait_for(client, gang_id, FINAL, timeout=300), wait_for(client, single_id, FINAL, timeout=300)
+    assert gang["status"] == "succeeded", gang
+    assert single["status"] == "succeeded", single
+
+    # Slurm placed the gang: one attempt per node, both in the same Slurm job, which ended COMPLETED.
+    attempts = sorted(gang["attempts"], key=lambda a: a["node_rank"])
+    assert [(a["node_rank"], a["pool"], a["status"]) for a in attempts] == [(0, "slurm", "succeeded"), (1, "slurm", "succeeded")]
+    assert attempts[0]["cluster_job_id"] == attempts[1]["cluster_job_id"] is not None
+    deadline = time.monotonic() + 20
+    while client.get(f"/v1/jobs/{gang_id}").json()["attempts"][0]["cluster_state"] != "COMPLETED":
+        assert time.monotonic() < deadline, client.get(f"/v1/jobs/{gang_id}").json()["attempts"]
+        time.sleep(0.5)
+
+    # Same samples, same world size: the same losses and weights; metrics and checkpoints listed as for any job.
+    names = {"names": "train_loss,eval_loss"}
+    gang_series = client.get(f"/v1/jobs/{gang_id}/metrics", params=names).json()["series"]
+    single_series = client.get(f"/v1/jobs/{single_id}/metrics", params=names).json()["series"]
+    assert gang_series["train_loss"]["steps"] == list(range(1, STEPS + 1))
+    for name in names["names"].split(","):
+        assert gang_series[name]["values"] == pytest.approx(single_series[name]["values"], rel=1e-5)
+    assert [c["step"] for c in client.get(f"/v1/jobs/{gang_id}/checkpoints").json()] == [5, 10, 15, 20, 25, 30]
+    gang_weights, single_weights = final_weights(client, gang_id), final_weights(client, single_id)
+    for name in gang_weights:
+        torch.testing.assert_close(gang_weights[name], single_weights[name], rtol=1e-5, atol=1e-6)
+
+
+def test_cancelling_a_running_slurm_job_ends_its_slurm_job_within_seconds(slurm_stack):
+    cluster, client = slurm_stack
+    spec = tiny_spec(**{**BASE, "name": "slurm-cancel", "training.max_steps": 100_000, "checkpoint.every_steps": 100_000})
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    wait_for_step(client, job_id, 3)
+    [attempt] = client.get(f"/v1/jobs/{job_id}").json()["attempts"]
+    assert attempt["cluster_state"] == "RUNNING" and attempt["cluster_job_id"] in slurm_jobs(cluster)
+    asked = time.monotonic()
+    assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
+    while attempt["cluster_job_id"] in slurm_jobs(cluster):
+        assert time.monotonic() - asked < 10, slurm_jobs(cluster)
+        time.sleep(0.2)
+    assert wait_for(client, job_id, FINAL, timeout=30)["status"] == "cancelled"
+
+
+def test_preempted_by_slurm_a_job_checkpoints_and_resumes_to_the_same_weights(slurm_stack, tmp_path):
+    cluster, client = slurm_stack
+    steps = 4000  # a few seconds: long enough for Slurm to preempt it mid-run
+    spec = {**BASE, "training.max_steps": steps, "training.eval_every": 2000, "checkpoint.every_steps": 10_000}
+    reference_id = client.post("/v1/jobs", json=tiny_spec(**spec, name="slurm-straight")).json()["id"]
+    assert wait_for(client, reference_id, FINAL, timeout=300)["status"] == "succeeded"
+
+    job_id = client.post("/v1/jobs", json=tiny_spec(**spec, name="slurm-preempted")).json()["id"]
+    wait_for_step(client, job_id, 10)
+    # A higher-priority partition's job wants both nodes' CPUs: Slurm preempts ours (SIGTERM, grace time).
+    urgent = cluster.run("sbatch", "--parsable", "--partition=urgent", "--nodes=2", "--ntasks-per-node=2", f"--output={tmp_path}/urgent.out", "--wrap=sleep 8").strip()
+    job = wait_for(client, job_id, FINAL, timeout=300)
+    assert job["status"] == "succeeded", job
+    first, second = sorted(job["attempts"], key=lambda a: a["number"])
+    assert first["status"] == "preempted" and second["status"] == "succeeded" and job["restarts"] == 0
+    assert 10 <= second["resumed_from_step"] < steps  # from the checkpoint taken as it was preempted
+    assert first["cluster_job_id"] != second["cluster_job_id"]
+    assert urgent not in slurm_jobs(cluster)
+    # Slurm never ran the preempted try again: only Trainyard's second try trained after it.
+    steps_seen = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]["steps"]
+    assert steps_seen == list(range(1, steps + 1))
+    reference, preempted = final_weights(client, reference_id), final_weights(client, job_id)
+    for name in reference:
+        torch.testing.assert_close(preempted[name], reference[name], rtol=1e-5, atol=1e-6)
+
+
+def test_an_agent_killed_on_a_node_loses_the_attempt_and_the_job_resumes_from_its_checkpoint(slurm_stack):
+    cluster, client = slurm_stack
+    spec = tiny_spec(**{**BASE, "name": "slurm-kill-9", "training.max_steps": 40, "checkpoint.every_steps": 5, "max_restarts": 2})
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    wait_for_step(client, job_id, 12)
+    [attempt] = client.get(f"/v1/jobs/{job_id}").json()["attempts"]
+    agents = subprocess.run(["pgrep", "-f", f"slurm-agent --attempts {attempt['id']}"], capture_output=True, text=True).stdout.split()
+    assert agents, "no agent process found"
+    for pid in agents:
+        os.kill(int(pid), signal.SIGKILL)
+    job = wait_for(client, job_id, FINAL, timeout=300)
+    assert job["status"] == "succeeded", job
+    first, second = sorted(job["attempts"], key=lambda a: a["number"])
+    assert first["status"] == "lost" and "Slurm job" in first["failure_reason"], first
+    # From the newest checkpoint the service had when the node died (one being taken in may not count yet).
+    assert second["resumed_from_step"] in range(5, 40, 5) and job["restarts"] == 1
+    steps_seen = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]["steps"]
+    assert steps_seen == list(range(1, 41))  # each step once: a step trained again overwrote its own row

@@ -1,0 +1,73 @@
+"""One node of a Slurm pool's try (service/backends/slurm.py): started by `srun`, one per node of
+the allocation, it runs its node's attempt as a registered host runs one, with the same
+supervisor and sandbox, speaking the worker protocol to the API with the try's token.
+
+From Slurm's environment: which node this is (SLURM_NODEID picks its attempt from the try's, in
+node order) and its name (SLURMD_NODENAME), whose address (`scontrol`'s NodeAddr) node 0 gives
+the other nodes to meet at. SIGTERM (a cancel, Slurm preempting the job, its time limit) is a host
+going away: the training checkpoints and stops, and the attempt is reported preempted, so the
+service queues the job again and it resumes from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+
+from service.settings import Settings
+from workers.host_client import HostClient, ServiceUnreachable, read_token
+from workers.sandbox import HostSandbox
+from workers.supervisor import AttemptRunner
+
+log = logging.getLogger("trainyard.worker")
+
+
+def node_address(node_name: str) -> str:
+    """Where the other nodes reach this one: its NodeAddr in Slurm (which defaults to its name)."""
+    try:
+        out = subprocess.run(["scontrol", "--oneliner", "show", "node", node_name], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    if found := re.search(r"\bNodeAddr=(\S+)", out):
+        return found.group(1)
+    try:
+        return socket.gethostbyname(node_name)
+    except OSError:
+        return "127.0.0.1"
+
+
+def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None) -> int:
+    """Run this node's attempt to its end; the exit status is 0 however the attempt ended (the
+    service knows how), 2 if this node has none of the try's attempts or no token."""
+    node = int(os.environ.get("SLURM_NODEID", "0"))
+    if not 0 <= node < len(attempt_ids):
+        log.error("node %s of a try of %s attempts: nothing to run here", node, len(attempt_ids))
+        return 2
+    token = read_token(settings.host_token, settings.host_token_file)
+    if not token:
+        log.error("no token: TRAINYARD_HOST_TOKEN_FILE %s is empty or gone", settings.host_token_file)
+        return 2
+    node_name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    service = HostClient(settings.api_url, token)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    runner = AttemptRunner(settings, service, node_name, node_address(node_name), HostSandbox.detect(unsafe=False), cpu_threads=threads)
+    signal.signal(signal.SIGTERM, lambda *_: runner.preempt_all())
+    # The API may be restarting as the allocation starts: wait for it as long as a dispatch lasts.
+    deadline = time.monotonic() + settings.dispatch_timeout_seconds
+    while True:
+        try:
+            runner.run(attempt_ids[node])
+            break
+        except ServiceUnreachable:
+            if time.monotonic() > deadline:
+                raise
+            log.warning("the service is out of reach; trying again")
+            time.sleep(2)
+    runner.ingest.shutdown(wait=True)
+    service.close()
+    return 0
