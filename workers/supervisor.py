@@ -104,6 +104,7 @@ class EventTail:
 
     def __init__(self, path: Path):
         self.path, self.offset = path, 0
+        self.skipped = 0  # lines that are no event: the file is the job's to write, whatever it writes
 
     def read(self) -> list[MetricsEvent | CheckpointEvent | InvalidSpecEvent]:
         try:  # not through a link: the file is the job's, and this process may read more than it
@@ -112,7 +113,15 @@ class EventTail:
                 data = f.read()
         except OSError:
             return []
-        events, used = decode_events(data)  # a half-written last line waits for the next read
+        try:
+            events, used = decode_events(data)  # a half-written last line waits for the next read
+        except ValueError:  # some line is no event: the others are kept, line by line
+            events, used = [], data.rfind(b"\n") + 1
+            for line in data[:used].splitlines(keepends=True):
+                try:
+                    events += decode_events(line)[0]
+                except ValueError:
+                    self.skipped += 1
         self.offset += used
         return events
 
@@ -654,7 +663,10 @@ class RunningAttempt:
 
     def _take_events(self) -> None:
         """Move the metrics and checkpoints the training reported since the last round into the outbox."""
-        for event in self.events.read():
+        events = self.events.read()
+        if self.events.skipped:
+            self._note_once("not-events", "trainyard: lines of the job's events file that are no event were skipped (the file is Trainyard's: write metrics with accelerator.log)")
+        for event in events:
             if isinstance(event, InvalidSpecEvent):
                 self.invalid_spec = event.message
                 continue

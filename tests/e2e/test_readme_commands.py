@@ -44,6 +44,8 @@ SKIPPED_BLOCKS = {
     ".venv/bin/trainyard up &": "train.py stands for the reader's own script (examples/'s scripts run as jobs in tests/e2e/test_scripts.py)",
     "export TRAINYARD_DATABASE_URL=postgresql+psycopg://trainyard:pass@db:5432/trainyard":
         "production mode: PostgreSQL and Redis at docker-compose.yml's hosts `db` and `redis`, /shared volumes, a GPU",
+    "export TRAINYARD_SLURM_PARTITION=gpu TRAINYARD_SLURM_ACCOUNT=ml-team":
+        "a Slurm cluster's login node and its `gpu` partition (tests/e2e/test_slurm.py runs the pool on a throwaway cluster)",
 }
 
 

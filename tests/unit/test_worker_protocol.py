@@ -46,3 +46,19 @@ def test_a_line_of_an_unknown_type_is_skipped_and_a_line_that_is_no_event_is_an_
     for broken in (b'{"type": "metrics", "step": 1}\n', b'{"step": 1}\n', b"not json\n"):
         with pytest.raises(ValueError):
             decode_events(broken)
+
+
+def test_the_supervisor_skips_lines_of_the_events_file_that_are_no_event(tmp_path: Path):
+    """The events file is in the job's own directory: a hostile or careless job may write anything
+    there. The supervisor keeps every real event around such lines and goes on (it raised, and the
+    attempt lost its supervisor)."""
+    from workers.supervisor import EventTail
+
+    path = tmp_path / "events.jsonl"
+    good = [MetricsEvent(step=1, values={"loss": 2.0}), MetricsEvent(step=2, values={"loss": 1.5})]
+    path.write_text(encode_event(good[0]) + '{"type": "metrics", "step": "NaN"}\nnot json at all\n' + encode_event(good[1]) + '{"type": "met')
+    tail = EventTail(path)
+    assert tail.read() == good and tail.skipped == 2
+    with open(path, "a") as f:  # the half-written line completes, as an event after all
+        f.write('rics", "step": 3, "values": {"loss": 1.0}}\n')
+    assert tail.read() == [MetricsEvent(step=3, values={"loss": 1.0})] and tail.skipped == 2
