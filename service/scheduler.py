@@ -21,7 +21,7 @@ from api_schemas import AttemptStatus, JobSpec, ResourcesConfig
 from service.db import state
 from service.db.doorbell import Doorbell
 from service.db.models import Attempt, Job, utcnow
-from service.backends import ExecutionBackend
+from service.backends import ExecutionBackend, cluster_pools
 from service.backends.hosts import HostsBackend
 from service.db.scheduling import (
     expired_leases,
@@ -88,7 +88,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
         # again for each of 10,000 jobs cost a tenth of the pass.
         resources = ResourcesConfig.model_validate(job.spec.get("resources", {}))
         if resources.pool is not None:
-            if resources.pool != (settings.slurm_pool if settings.slurm_partition else None):
+            if resources.pool not in cluster_pools(settings):
                 set_waiting_reason(job, f"waiting for pool {resources.pool!r}, which this scheduler is not configured to run")
                 continue
             # Its cluster places it (and queues it, if full): handed over in this order, at once.
@@ -177,7 +177,7 @@ def queue_order(jobs: list[Job], now: datetime, aging_seconds: float) -> list[Jo
 def execution_backends(sessions: sessionmaker, celery: Celery, settings: Settings) -> dict[str | None, ExecutionBackend]:
     """By pool: None, Trainyard's own hosts; a cluster pool's name, its backend."""
     backends: dict[str | None, ExecutionBackend] = {None: HostsBackend(celery)}
-    if settings.slurm_partition:
+    if settings.slurm_pool in cluster_pools(settings):
         from service.backends.slurm import SlurmBackend
 
         backends[settings.slurm_pool] = SlurmBackend(sessions, settings)
@@ -212,8 +212,9 @@ def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, st
                 dispatches = schedule_pass(session, settings, reap=reap)
             last_reaped = time.monotonic() if reap else last_reaped
             start_placed(backends, dispatches)
-            for backend in backends.values():
-                backend.sync()  # outside the pass's transaction: a cluster's commands are round trips
+            if reap:  # with the pass's own reaping, not on every ring: a cluster's commands are round trips
+                for backend in backends.values():
+                    backend.sync()  # outside the pass's transaction
             advance_sweeps(sessions, settings)  # trials it submits ring the doorbell: placed by the next pass
         except Exception:
             # A database or broker restart must not kill the scheduler; the next pass retries.

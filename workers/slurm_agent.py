@@ -68,6 +68,5 @@ def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None) -
                 raise
             log.warning("the service is out of reach; trying again")
             time.sleep(2)
-    runner.ingest.shutdown(wait=True)
     service.close()
     return 0

@@ -19,6 +19,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from service.settings import Settings
+
+
+def cluster_pools(settings: Settings) -> set[str]:
+    """The names of the cluster pools this scheduler runs: the Slurm pool's, if a partition is set."""
+    return {settings.slurm_pool} if settings.slurm_partition else set()
+
 
 class ExecutionBackend(Protocol):
     def start(self, placed: list[tuple[int, str]]) -> None:

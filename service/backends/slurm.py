@@ -23,6 +23,8 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
+from datetime import datetime
 from itertools import groupby
 from pathlib import Path
 
@@ -49,6 +51,33 @@ _RAN = {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}
 RESUBMIT_AFTER_SECONDS = 10.0  # a try placed but not handed over (sbatch failed, or the scheduler stopped) is sent again after this
 DESCRIBE_EVERY_SECONDS = 60.0
 REAP_AFTER_SECONDS = 30.0  # an allocation left running this long after all its attempts ended is cancelled
+
+
+@dataclass(frozen=True)
+class Try:
+    """One try of a pool job as the database had it when a sync began: its attempts in node order."""
+
+    job_id: int
+    number: int
+    ids: list[int]
+    active: bool  # some attempt still scheduled or running
+    cancel_requested: bool
+    cluster_job_id: str | None
+    cluster_state: str | None
+    handed_at: datetime  # when the pass placed it
+    finished_at: list[datetime | None]
+
+    @classmethod
+    def of(cls, attempts: list[Attempt]) -> Try:
+        attempts = sorted(attempts, key=lambda a: a.node_rank)
+        first = attempts[0]
+        return cls(
+            first.job_id, first.number, [a.id for a in attempts], any(a.status in state.ACTIVE_ATTEMPT for a in attempts),
+            first.job.cancel_requested, first.cluster_job_id, first.cluster_state, first.dispatched_at, [a.finished_at for a in attempts],
+        )
+
+    def ended_before(self, moment: float) -> bool:
+        return all(finished is not None and finished.timestamp() < moment for finished in self.finished_at)
 
 
 class SlurmBackend:
@@ -94,7 +123,8 @@ class SlurmBackend:
                 log.warning("could not hand job %s to Slurm (%s); trying again in %.0f s", job_id, exc, RESUBMIT_AFTER_SECONDS, extra=fields)
                 return
             log.warning("Slurm refused job %s: %s", job_id, exc, extra=fields)
-            self._end(ids, lambda attempt: (AttemptStatus.failed, f"Slurm refused it: {exc}", False), "REFUSED")
+            refusal = f"Slurm refused it: {exc}"
+            self._end(ids, lambda attempt: (AttemptStatus.failed, refusal, False), "REFUSED")
             return
         with self.sessions() as session:
             set_cluster_state(session, ids, "PENDING", cluster_job_id)
@@ -141,11 +171,7 @@ class SlurmBackend:
     def sync(self) -> None:
         self._describe_if_due()
         with self.sessions() as session:
-            tries = [
-                (key, [(a.id, a.status, a.cluster_job_id, a.cluster_state, a.finished_at, a.dispatched_at, a.node_rank) for a in attempts],
-                 attempts[0].job.cancel_requested)
-                for key, attempts in ((key, list(group)) for key, group in groupby(unsettled_attempts(session, self.pool), key=lambda a: (a.job_id, a.number)))
-            ]
+            tries = [Try.of(list(attempts)) for _, attempts in groupby(unsettled_attempts(session, self.pool), key=lambda a: (a.job_id, a.number))]
             session.commit()
         if not tries:
             return
@@ -154,54 +180,48 @@ class SlurmBackend:
         except SlurmError as exc:
             log.warning("could not read Slurm's queue (%s); trying again next pass", exc)
             return
-        for (job_id, number), attempts, cancel_requested in tries:
+        for one in tries:
             try:
-                self._sync_try(job_id, number, attempts, cancel_requested, queue)
+                self._sync_try(one, queue)
             except SlurmError as exc:
-                log.warning("job %s attempt %s: %s; trying again next pass", job_id, number, exc, extra=job_fields(job_id))
+                log.warning("job %s attempt %s: %s; trying again next pass", one.job_id, one.number, exc, extra=job_fields(one.job_id))
 
-    def _sync_try(self, job_id: int, number: int, attempts: list[tuple], cancel_requested: bool, queue: dict[str, SlurmJob]) -> None:
-        ids = [attempt[0] for attempt in attempts]
-        active = [attempt for attempt in attempts if attempt[1] in state.ACTIVE_ATTEMPT]
-        cluster_job_id = attempts[0][2]
-        if cluster_job_id is None:  # never handed over: sbatch failed for a while, or the scheduler stopped before it
-            if active and all(time.time() - attempt[5].timestamp() > RESUBMIT_AFTER_SECONDS for attempt in active):
-                self._submit(job_id, number, [a[0] for a in sorted(attempts, key=lambda a: a[6])], known=queue)
-            elif not active:
+    def _sync_try(self, one: Try, queue: dict[str, SlurmJob]) -> None:
+        job_id, number, ids = one.job_id, one.number, one.ids
+        if one.cluster_job_id is None:  # never handed over: sbatch failed for a while, or the scheduler stopped before it
+            if one.active and time.time() - one.handed_at.timestamp() > RESUBMIT_AFTER_SECONDS:
+                self._submit(job_id, number, ids, known=queue)
+            elif not one.active:
                 with self.sessions() as session:
                     set_cluster_state(session, ids, "REFUSED")
             return
-        slurm_job = queue.get(cluster_job_id)
+        slurm_job = queue.get(one.cluster_job_id)
         slurm_state = slurm_job.state.split()[0] if slurm_job else "VANISHED"  # gone from Slurm's memory (MinJobAge)
-        live = slurm_state in _LIVE
-        if live and (cancel_requested or (not active and self._ended_long_ago(attempts))):
-            self.slurm.cancel(cluster_job_id)  # its next state, CANCELLED, ends the rest below
-            log.info("cancelled Slurm job %s of job %s", cluster_job_id, job_id, extra=job_fields(job_id))
-        if live:
-            if slurm_job.shown != attempts[0][3]:
+        if slurm_state in _LIVE:
+            if one.cancel_requested or (not one.active and one.ended_before(time.time() - REAP_AFTER_SECONDS)):
+                self.slurm.cancel(one.cluster_job_id)  # its next state, CANCELLED, ends the rest below
+                log.info("cancelled Slurm job %s of job %s", one.cluster_job_id, job_id, extra=job_fields(job_id))
+            if slurm_job.shown != one.cluster_state:
                 with self.sessions() as session:
                     set_cluster_state(session, ids, slurm_job.shown)
             return
         # Slurm is done with the try: what its agents did not report ends here.
-        if active:
+        if one.active:
             def outcome(attempt: Attempt) -> tuple[AttemptStatus, str, bool]:
-                said = f"Slurm job {cluster_job_id} ended {slurm_state}"
-                if cancel_requested:
+                said = f"Slurm job {one.cluster_job_id} ended {slurm_state}"
+                if one.cancel_requested:
                     return AttemptStatus.cancelled, "cancelled by user", True
                 if attempt.status == AttemptStatus.running:
                     return AttemptStatus.lost, f"{said} while the attempt ran", True
                 if slurm_state in _RAN:
-                    output = self.try_directory(job_id, number) / f"slurm-{cluster_job_id}.out"
+                    output = self.try_directory(job_id, number) / f"slurm-{one.cluster_job_id}.out"
                     return AttemptStatus.failed, f"{said} before its agent took the attempt (see {output})", False
                 return AttemptStatus.lost, f"{said} before the attempt started", True
-            self._end([attempt[0] for attempt in active], outcome, slurm_state)
+            self._end(ids, outcome, slurm_state)
         else:
             with self.sessions() as session:
                 set_cluster_state(session, ids, slurm_state)
         self._clean_up(job_id, number)
-
-    def _ended_long_ago(self, attempts: list[tuple]) -> bool:
-        return all(attempt[4] is not None and time.time() - attempt[4].timestamp() > REAP_AFTER_SECONDS for attempt in attempts)
 
     def _end(self, attempt_ids: list[int], outcome, cluster_state: str) -> None:
         """End each attempt still active through the state machine with outcome(attempt) → (status, reason, retry)."""

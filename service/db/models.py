@@ -177,7 +177,7 @@ class Attempt(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
-    pool: Mapped[str | None] = mapped_column(String(40), nullable=True, doc="The cluster pool it was handed to; None: a registered host.")
+    pool: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True, doc="The cluster pool it was handed to; None: a registered host.")
     cluster_job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, doc="The cluster's id for its try (a Slurm job id).")
     cluster_state: Mapped[str | None] = mapped_column(String(200), nullable=True, doc="The cluster's state for it, and why it waits.")
 

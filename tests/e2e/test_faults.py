@@ -97,6 +97,22 @@ def assert_same_run(client: httpx.Client, job_id: int, reference: Reference, max
     assert all(torch.equal(resumed[name], straight[name]) for name in straight)
 
 
+def assert_trained_alike(client: httpx.Client, job_id: int, other_id: int, max_steps: int, names: tuple[str, ...] = ("train_loss", "eval_loss")) -> None:
+    """Two placements of the same samples at the same world size (2 nodes × 1 process, 1 × 2): every
+    step once, the same series and final weights to float tolerance (the all-reduce sums in another order)."""
+    params = {"names": ",".join(names)}
+    series = client.get(f"/v1/jobs/{job_id}/metrics", params=params).json()["series"]
+    other = client.get(f"/v1/jobs/{other_id}/metrics", params=params).json()["series"]
+    assert series["train_loss"]["steps"] == list(range(1, max_steps + 1))
+    for name in names:
+        assert series[name]["steps"] == other[name]["steps"]
+        assert series[name]["values"] == pytest.approx(other[name]["values"], rel=1e-5)
+    weights, other_weights = final_weights(client, job_id), final_weights(client, other_id)
+    assert weights.keys() == other_weights.keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], other_weights[name], rtol=1e-5, atol=1e-6)
+
+
 def killed_and_resumed(job: dict, dead_host: str) -> tuple[dict, dict]:
     """The attempt that was killed and the one that finished the job. Between them there may be
     attempts placed on the dead host in the seconds before it counted as offline, given back unstarted."""

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-import torch
 from sqlalchemy import select
 
 from service.db.models import Attempt
@@ -20,7 +19,7 @@ from stack.embedded import embedded_stack, host_cores, stop_children, wait_for_w
 from tests.conftest import IN_CI
 from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
-from tests.e2e.test_faults import assert_same_run, final_weights, run_reference, training_ranks
+from tests.e2e.test_faults import assert_same_run, assert_trained_alike, run_reference, training_ranks
 from tests.helpers import tiny_spec
 from workers.launch import attempt_dir
 from workers.supervisor import free_port
@@ -91,15 +90,7 @@ def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_
     single = wait_for(client, single_id, {"succeeded", "failed", "cancelled"})
     assert single["status"] == "succeeded", single["failure_reason"]
 
-    names = {"names": "train_loss,eval_loss"}
-    gang_series = client.get(f"/v1/jobs/{gang_id}/metrics", params=names).json()["series"]
-    single_series = client.get(f"/v1/jobs/{single_id}/metrics", params=names).json()["series"]
-    assert gang_series["train_loss"]["steps"] == list(range(1, STEPS + 1))
-    for name in names["names"].split(","):
-        assert gang_series[name]["values"] == pytest.approx(single_series[name]["values"], rel=1e-5)
-    gang_weights, single_weights = final_weights(client, gang_id), final_weights(client, single_id)
-    for name in gang_weights:
-        torch.testing.assert_close(gang_weights[name], single_weights[name], rtol=1e-5, atol=1e-6)
+    assert_trained_alike(client, gang_id, single_id, STEPS)
 
 
 def test_a_rank_that_dies_ends_the_whole_gang_which_resumes_on_both_hosts_with_every_step_once(two_hosts):

@@ -17,11 +17,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import torch
 
 from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
-from tests.e2e.test_faults import FAULT_SPEC, final_weights, stack_pids_matching, wait_until_training
+from tests.e2e.test_faults import FAULT_SPEC, assert_trained_alike, final_weights, stack_pids_matching, wait_until_training
 from tests.e2e.test_scripts import upload_code
 from tests.helpers import spec_dict, tiny_spec
 from workers.supervisor import free_port
@@ -57,17 +56,7 @@ def test_a_two_node_job_trains_like_one_node_with_two_processes(tmp_path):
             assert not any(line["line"].startswith("[default") for line in logs)
 
             # Same samples, same world size: the same losses and the same weights.
-            names = {"names": "train_loss,eval_loss,lr"}
-            gang_series = client.get(f"/v1/jobs/{gang_id}/metrics", params=names).json()["series"]
-            single_series = client.get(f"/v1/jobs/{single_id}/metrics", params=names).json()["series"]
-            assert gang_series["train_loss"]["steps"] == list(range(1, STEPS + 1))
-            for name in ["train_loss", "eval_loss", "lr"]:
-                assert gang_series[name]["steps"] == single_series[name]["steps"]
-                assert gang_series[name]["values"] == pytest.approx(single_series[name]["values"], rel=1e-5)
-            gang_weights, single_weights = final_weights(client, gang_id), final_weights(client, single_id)
-            assert gang_weights.keys() == single_weights.keys()
-            for name in gang_weights:
-                torch.testing.assert_close(gang_weights[name], single_weights[name], rtol=1e-5, atol=1e-6)
+            assert_trained_alike(client, gang_id, single_id, STEPS, names=("train_loss", "eval_loss", "lr"))
 
 
 def test_cancelling_a_two_node_job_stops_every_rank_on_both_hosts_within_seconds(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ import torch
 
 from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
-from tests.e2e.test_faults import final_weights
+from tests.e2e.test_faults import assert_trained_alike, final_weights
 from tests.helpers import tiny_spec
 from tests.slurm_cluster import NODES, SlurmCluster, SlurmUnavailable
 from workers.supervisor import free_port
@@ -91,17 +91,9 @@ def test_a_two_node_job_in_slurm_trains_like_one_node_with_two_processes(slurm_s
         assert time.monotonic() < deadline, client.get(f"/v1/jobs/{gang_id}").json()["attempts"]
         time.sleep(0.5)
 
-    # Same samples, same world size: the same losses and weights; metrics and checkpoints listed as for any job.
-    names = {"names": "train_loss,eval_loss"}
-    gang_series = client.get(f"/v1/jobs/{gang_id}/metrics", params=names).json()["series"]
-    single_series = client.get(f"/v1/jobs/{single_id}/metrics", params=names).json()["series"]
-    assert gang_series["train_loss"]["steps"] == list(range(1, STEPS + 1))
-    for name in names["names"].split(","):
-        assert gang_series[name]["values"] == pytest.approx(single_series[name]["values"], rel=1e-5)
+    # Same samples, same world size: the same losses and weights; checkpoints listed as for any job.
+    assert_trained_alike(client, gang_id, single_id, STEPS)
     assert [c["step"] for c in client.get(f"/v1/jobs/{gang_id}/checkpoints").json()] == [5, 10, 15, 20, 25, 30]
-    gang_weights, single_weights = final_weights(client, gang_id), final_weights(client, single_id)
-    for name in gang_weights:
-        torch.testing.assert_close(gang_weights[name], single_weights[name], rtol=1e-5, atol=1e-6)
 
 
 def test_cancelling_a_running_slurm_job_ends_its_slurm_job_within_seconds(slurm_stack):

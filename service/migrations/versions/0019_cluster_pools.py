@@ -25,9 +25,11 @@ def upgrade() -> None:
         batch.add_column(sa.Column('pool', sa.String(40), nullable=True))
         batch.add_column(sa.Column('cluster_job_id', sa.String(64), nullable=True))
         batch.add_column(sa.Column('cluster_state', sa.String(200), nullable=True))
+    op.create_index('ix_attempts_pool', 'attempts', ['pool'])  # each sync reads the pool's unsettled attempts
 
 
 def downgrade() -> None:
+    op.drop_index('ix_attempts_pool', 'attempts')
     with op.batch_alter_table('attempts') as batch:
         batch.drop_column('cluster_state')
         batch.drop_column('cluster_job_id')
