@@ -130,7 +130,7 @@ def _check_pool(session: Session, resources: ResourcesConfig) -> None:
     per_node = info["gpus_per_node"] if resources.device == "cuda" else info["cpus_per_node"]
     if resources.processes_per_node > per_node:
         what = "GPUs" if resources.device == "cuda" else "CPUs"
-        raise bad_field(("resources", "processes_per_node"), f"{resources.processes_per_node} processes: a node of pool {pool.name!r} has {per_node} {what}")
+        raise bad_field(("resources", "processes_per_node"), f"{resources.processes_per_node} process{'es' if resources.processes_per_node != 1 else ''}: a node of pool {pool.name!r} has {per_node} {what}")
 
 
 def _check_data(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:
