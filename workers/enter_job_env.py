@@ -14,7 +14,8 @@ which the job can't override.
 
 `--init`: this process is PID 1 of the attempt's PID namespace (bwrap --as-pid-1). It runs COMMAND
 as its child, reaps whatever is left to it, and exits with COMMAND's status as soon as COMMAND
-ends: the kernel then kills every other process of the namespace. Bubblewrap's own PID 1 would
+ends: the kernel then kills every other process of the namespace (asked to stop, it first lets
+them end, up to a grace: they may be saving a checkpoint). Bubblewrap's own PID 1 would
 wait for all of them: a script's daemonised helper kept a finished job `running` for minutes, and
 its worker from stopping. Signals are the training's: SIGTERM reaches COMMAND through the process
 group, and this process only outlives it (as PID 1 it would otherwise ignore them). Without
@@ -28,8 +29,10 @@ import json
 import os
 import signal
 import sys
+import time
 
 PR_SET_DUMPABLE = 4  # <linux/prctl.h>
+STOP_GRACE_SECONDS = 60.0  # at most; the worker's own stop, and a cluster's grace time, end it sooner
 
 
 def main(argv: list[str]) -> None:
@@ -43,8 +46,9 @@ def main(argv: list[str]) -> None:
     env.update(os.environ)  # the sandbox's own (bwrap --setenv): the job doesn't override those
     if not init:
         os.execvpe(command[0], command, env)
+    stopping = []
     for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(stop, lambda *_: None)  # a handler, not SIG_IGN, which the command would inherit
+        signal.signal(stop, lambda *_: stopping.append(True))  # a handler, not SIG_IGN, which the command would inherit
     child = os.fork()
     if child == 0:
         try:
@@ -56,7 +60,24 @@ def main(argv: list[str]) -> None:
     while True:
         pid, status = os.wait()  # orphans of the namespace are reaped here too
         if pid == child:
-            sys.exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+            break
+    if stopping:
+        outlive_the_others()
+    sys.exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def outlive_the_others(grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """Asked to stop, COMMAND may end before the processes that do the stopping: Accelerate's
+    single-process launcher dies of the SIGTERM its training answers with a checkpoint, when the
+    signal reaches every process at once (a cluster preempting its job; a group's SIGTERM). Those
+    are given their grace before this process's exit ends the namespace."""
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG) == (0, 0):
+                time.sleep(0.05)
+        except ChildProcessError:  # none left
+            return
 
 
 if __name__ == "__main__":
