@@ -139,10 +139,12 @@ def test_preempted_by_slurm_a_job_checkpoints_and_resumes_to_the_same_weights(sl
 
 def test_an_agent_killed_on_a_node_loses_the_attempt_and_the_job_resumes_from_its_checkpoint(slurm_stack):
     cluster, client = slurm_stack
-    spec = tiny_spec(**{**BASE, "name": "slurm-kill-9", "training.max_steps": 40, "checkpoint.every_steps": 5, "max_restarts": 2})
+    # Long enough to be killed mid-run on a loaded machine (40 steps were all trained, and their last
+    # checkpoint registered, by the time the first checkpoint was seen): killed once one is registered.
+    steps, every = 4000, 100
+    spec = tiny_spec(**{**BASE, "name": "slurm-kill-9", "training.max_steps": steps, "training.eval_every": 2000, "checkpoint.every_steps": every, "max_restarts": 2})
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
-    wait_for_step(client, job_id, 12)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while not (saved := client.get(f"/v1/jobs/{job_id}/checkpoints").json()):  # on a busy machine, registered a little later
         assert time.monotonic() < deadline, "no checkpoint registered"
         time.sleep(0.2)
@@ -156,6 +158,6 @@ def test_an_agent_killed_on_a_node_loses_the_attempt_and_the_job_resumes_from_it
     first, second = sorted(job["attempts"], key=lambda a: a["number"])
     assert first["status"] == "lost" and "Slurm job" in first["failure_reason"], first
     # From the newest checkpoint the service had when the node died (one being taken in may not count yet).
-    assert second["resumed_from_step"] in range(max(c["step"] for c in saved), 40, 5) and job["restarts"] == 1
+    assert second["resumed_from_step"] in range(max(c["step"] for c in saved), steps, every) and job["restarts"] == 1
     steps_seen = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]["steps"]
-    assert steps_seen == list(range(1, 41))  # each step once: a step trained again overwrote its own row
+    assert steps_seen == list(range(1, steps + 1))  # each step once: a step trained again overwrote its own row
