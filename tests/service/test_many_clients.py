@@ -200,8 +200,9 @@ def test_hundreds_of_followers_all_see_the_end_and_the_api_keeps_answering(serve
     late = sorted(round(t - finished, 2) for t in ended_at)
     assert len(ended_at) == followers and late[-1] < 5, late[-20:]
     # A stalled API (the issue's: followers holding the pool) times out at 30 s; on two shared
-    # cores with hundreds of streams reconnecting, a few seconds is slow, not stalled.
-    assert slowest_health < 5.0, slowest_health
+    # cores with hundreds of streams reconnecting, several seconds is slow, not stalled (a CI run
+    # beside a training benchmark saw 6.6 s): the bound tells the two apart, it measures no speed.
+    assert slowest_health < 15.0, slowest_health
 
 
 @pytest.mark.parametrize("settings_overrides", [{"events_poll_seconds": 60.0, "events_heartbeat_seconds": 1.0}])
