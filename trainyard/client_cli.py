@@ -183,16 +183,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     if job.failure_reason:
         print("  reason    " + job.failure_reason.replace("\n", "\n" + " " * 12))  # keeps a multi-line reason indented
     if job.attempts:
+        # A cluster pool's attempts say which cluster job runs them and what the cluster says of it.
+        pooled = any(a.pool for a in job.attempts)
         print()
         print_table(
-            ["ATTEMPT", "HOST", "PROCESSES", "STATUS", "RESUMED FROM", "STARTED", "FINISHED"],
+            ["ATTEMPT", "HOST", "PROCESSES", "STATUS", *(["CLUSTER"] if pooled else []), "RESUMED FROM", "STARTED", "FINISHED"],
             [
-                [a.number, a.host_name, a.processes, a.status.value, "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}",
-                 local_time(a.started_at), local_time(a.finished_at)]
+                [a.number, a.host_name, a.processes, a.status.value, *([cluster_text(a)] if pooled else []),
+                 "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}", local_time(a.started_at), local_time(a.finished_at)]
                 for a in job.attempts
             ],
         )
     return 0
+
+
+def cluster_text(attempt) -> str:
+    """`slurm job 812: PENDING (Resources)`: the pool, its job id and state, as far as known."""
+    if not attempt.pool:
+        return "-"
+    job_id = f" job {attempt.cluster_job_id}" if attempt.cluster_job_id else ""
+    return f"{attempt.pool}{job_id}: {attempt.cluster_state}" if attempt.cluster_state else attempt.pool + job_id
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

@@ -464,9 +464,12 @@ function jobSummary(job) {
 }
 
 function attemptsTable(job) {
-  return table(["#", "node", "host", "processes", "status", "resumed from step", "started", "finished", "reason"],
-    job.attempts.map(a => [String(a.number), String(a.node_rank), a.host_name || "–", String(a.processes), statusBadge(a.status), a.resumed_from_step == null ? "–" : String(a.resumed_from_step),
-      when(a.started_at), when(a.finished_at), el("td", { class: "reason" }, a.failure_reason || "")]));
+  // A cluster pool's attempts say which cluster job runs them and what the cluster says of it.
+  const pooled = job.attempts.some(a => a.pool);
+  const cluster = a => a.pool ? a.pool + (a.cluster_job_id ? " job " + a.cluster_job_id : "") + (a.cluster_state ? ": " + a.cluster_state : "") : "–";
+  return table(["#", "node", "host", "processes", "status", ...(pooled ? ["cluster"] : []), "resumed from step", "started", "finished", "reason"],
+    job.attempts.map(a => [String(a.number), String(a.node_rank), a.host_name || "–", String(a.processes), statusBadge(a.status), ...(pooled ? [cluster(a)] : []),
+      a.resumed_from_step == null ? "–" : String(a.resumed_from_step), when(a.started_at), when(a.finished_at), el("td", { class: "reason" }, a.failure_reason || "")]));
 }
 
 function checkpointsTable(checkpoints) {

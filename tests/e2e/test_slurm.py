@@ -5,9 +5,11 @@ is handed to Slurm by the scheduler, and run in the allocation by one agent per 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from stack.embedded import embedded_stack
+from tests.browser import ARTIFACTS
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.e2e.test_faults import assert_trained_alike, final_weights
 from tests.helpers import tiny_spec
@@ -72,7 +75,7 @@ def test_the_pool_and_what_it_refuses(slurm_stack):
     assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][-2:] == ["resources", "pool"], answer.text
 
 
-def test_a_two_node_job_in_slurm_trains_like_one_node_with_two_processes(slurm_stack):
+def test_a_two_node_job_in_slurm_trains_like_one_node_with_two_processes(slurm_stack, browser):
     cluster, client = slurm_stack
     two_nodes = tiny_spec(**{**BASE, "name": "slurm-two-nodes", "resources.nodes": 2, "resources.processes_per_node": 1})
     one_node = tiny_spec(**{**BASE, "name": "slurm-one-node", "resources.nodes": 1, "resources.processes_per_node": 2})
@@ -90,6 +93,23 @@ def test_a_two_node_job_in_slurm_trains_like_one_node_with_two_processes(slurm_s
     while client.get(f"/v1/jobs/{gang_id}").json()["attempts"][0]["cluster_state"] != "COMPLETED":
         assert time.monotonic() < deadline, client.get(f"/v1/jobs/{gang_id}").json()["attempts"]
         time.sleep(0.5)
+
+    # The CLI and the page say which Slurm job ran it and what Slurm says of it.
+    shown = f"slurm job {attempts[0]['cluster_job_id']}: COMPLETED"
+    token = client.headers["Authorization"].split()[1]
+    status = subprocess.run(
+        [sys.executable, "-m", "trainyard", "--server", str(client.base_url), "--token", token, "status", str(gang_id)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert status.returncode == 0 and status.stdout.count(shown) == 2, status.stdout + status.stderr
+    page = browser.new_page()
+    page.goto(f"{client.base_url}/dashboard")
+    page.evaluate(f"localStorage.setItem('trainyard-token', {json.dumps(token)})")
+    page.goto(f"{client.base_url}/dashboard#/jobs/{gang_id}")
+    page.locator("td", has_text=shown).first.wait_for(timeout=30_000)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "slurm-job.png"), full_page=True)
+    assert page.locator("td", has_text=shown).count() == 2
 
     # Same samples, same world size: the same losses and weights; checkpoints listed as for any job.
     assert_trained_alike(client, gang_id, single_id, STEPS)
