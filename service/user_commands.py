@@ -12,11 +12,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-
-from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
+from typing import TYPE_CHECKING
 
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 
 class CommandError(Exception):
@@ -27,6 +28,8 @@ class CommandError(Exception):
 def admin_session(settings: Settings) -> Iterator[Session]:
     """A session on the service's database; a missing embedded database is an error that says where
     it looked, not a traceback."""
+    from sqlalchemy.engine import make_url  # here: the module is imported by every server command, a Slurm node's agent too
+
     from service.db.session import session_factory
 
     url = settings.resolved_database_url

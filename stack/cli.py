@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-from stack.embedded import StackRefused, embedded_stack
 from service.settings import Settings
 from service.user_commands import add_host_commands, add_user_commands
 from trainyard.cli import SERVER_COMMANDS
@@ -99,6 +98,8 @@ def run_up(args: argparse.Namespace) -> int:
     # Ctrl-C stops it, whatever it inherited: a shell starts a background command (`make test &`) with
     # SIGINT ignored, and Python then installs no KeyboardInterrupt of its own (its children exited, it didn't).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from stack.embedded import StackRefused  # here, not above: every server command, a Slurm node's agent too, imports this module
+
     try:
         return _run_stack(args)
     except StackRefused as refused:
@@ -107,6 +108,8 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _run_stack(args: argparse.Namespace) -> int:
+    from stack.embedded import embedded_stack
+
     with embedded_stack(
         Path(args.data_dir), args.port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox
     ) as stack:
