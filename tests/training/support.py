@@ -110,9 +110,12 @@ def entry_point(spec_file: Path, data_root: Path, run_dir: Path, resume_from: Pa
 
 
 def read_events(path: Path) -> list[dict]:
+    """The events written so far: complete lines only (a test reading while the training appends
+    can catch the last line half written)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = path.read_text().rpartition("\n")[0]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 # --- The reference: what the engine should compute, written as a plain PyTorch loop ---------------
