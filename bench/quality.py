@@ -1,24 +1,29 @@
-"""How well the Trainyard loop learns, against a plain nanoGPT-style loop, in the same run.
+"""How well a Trainyard job learns, against a plain PyTorch loop that shares none of its code.
 
-    .venv/bin/python bench/quality.py [--steps 2000] [--seeds 1337 1338 1339]
+    .venv/bin/python bench/quality.py [--steps 2000] [--seeds 1337 1338 1339] [--model tie_embeddings=true ...]
 
-Both train the README's example job (examples/shakespeare-char.json: nanoGPT's CPU "baby GPT",
-4 × 4 × 128, block 64, batch 12, AdamW lr 1e-3 wd 0.1 β2 0.99, 100 warmup steps and cosine to
-1e-4, clip 1.0) for the same number of steps, once per seed:
+Both train the README's example recipe (examples/shakespeare-char.json: nanoGPT's CPU "baby GPT",
+4 layers × 4 heads × 128 wide, block 64, batch 12, AdamW lr 1e-3 wd 0.1 betas (0.9, 0.99), 100
+warmup steps then cosine to 1e-4, gradient norm clipped at 1.0) for the same steps, once per seed:
 
-- Trainyard: the training loop as a worker runs it (`python -m workers.training`, one process);
-- the peer: nanoGPT's loop, written out below: every batch drawn at fresh random offsets
-  (`get_batch`), the same GPT module, the same optimizer groups and schedule.
+- Trainyard: the job's spec run as a worker runs it (`python -m workers.training`, one process),
+  its model, optimizer, schedule and data order all the project's own; `--model` overrides fields
+  of the spec's `model` (to measure its options);
+- the peer: the recipe written out below from scratch, nanoGPT's way: a GPT of torch's own layers
+  (`nn.TransformerEncoderLayer`, pre-norm, GELU, separate output head, torch's default init),
+  batches drawn at fresh random offsets, its own AdamW groups and learning-rate function.
 
-Each final model is then scored the same way: the mean loss over every window of the whole
-validation split (not the loop's `eval_batches` sample). Prints one JSON line: each side's mean
-over the seeds and their difference. Target: Trainyard's mean ≤ the peer's.
+One evaluator, also written below, scores every final model: the mean cross-entropy per token over
+every non-overlapping window of the whole validation split (the last 10% of the text), not the
+job's own `eval_loss`. Prints one JSON line: each side's runs, mean ± std, and the gap in the peer's
+stds. Target: Trainyard's mean ≤ the peer's mean + 1 peer std.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -28,88 +33,156 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from api_schemas import JobSpec  # noqa: E402
 from api_schemas.worker_protocol import EVENTS_FILE_ENV  # noqa: E402
-from workers.training import GPT, eval_dataloader, evaluate, load_model, load_text_corpus, lr_at  # noqa: E402
-from workers.training.loop import make_optimizer  # noqa: E402
+from workers.training import load_model_from_checkpoint  # noqa: E402
+
+EXAMPLE = REPO / "examples" / "shakespeare-char.json"
 
 
-def example_spec(steps: int, seed: int, windows: str) -> JobSpec:
-    spec = json.loads((REPO / "examples" / "shakespeare-char.json").read_text())
-    spec["dataset"]["windows"] = windows
-    spec["training"].update(max_steps=steps, seed=seed, eval_every=steps, eval_batches=None)
-    spec["checkpoint"] = {"every_steps": steps, "keep_last": 1}
-    if spec["schedule"]["warmup_steps"] >= steps:
-        spec["schedule"]["warmup_steps"] = steps // 10
-    return JobSpec.model_validate(spec)
+# --- the peer: nothing below comes from the project ---------------------------------------------
 
 
-def trainyard_model(spec: JobSpec, data_root: Path, vocab_size: int) -> torch.nn.Module:
-    """The loop exactly as a worker launches it, one process; its last checkpoint's weights."""
-    with tempfile.TemporaryDirectory() as scratch:
-        run_dir, spec_file = Path(scratch) / "run", Path(scratch) / "spec.json"
-        spec_file.write_text(spec.model_dump_json())
-        env = {**os.environ, EVENTS_FILE_ENV: str(Path(scratch) / "events.jsonl")}
-        command = [sys.executable, "-m", "workers.training", "--spec", str(spec_file), "--data-root", str(data_root), "--run-dir", str(run_dir)]
-        subprocess.run(command, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
-        weights = max(run_dir.rglob("model.safetensors"), key=lambda path: path.parent.name)
-        return load_model(spec, vocab_size, weights)
+class PlainGPT(nn.Module):
+    """A small GPT from torch's building blocks: learned positions, pre-norm encoder layers run
+    causally, a final norm and an output head of its own. Every layer keeps torch's default init."""
+
+    def __init__(self, vocab: int, block: int, width: int, layers: int, heads: int):
+        super().__init__()
+        self.token, self.position = nn.Embedding(vocab, width), nn.Embedding(block, width)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+            for _ in range(layers)
+        )
+        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(length)
+        x = self.token(idx) + self.position(torch.arange(length))
+        for layer in self.layers:
+            x = layer(x, src_mask=mask, is_causal=True)
+        return self.head(self.norm(x))
 
 
-def peer_model(spec: JobSpec, train_tokens: torch.Tensor, vocab_size: int) -> torch.nn.Module:
-    """nanoGPT's train.py on CPU, reduced to what this recipe uses."""
-    cfg, block = spec.training, spec.model.block_size
-    torch.manual_seed(cfg.seed)
-    model = GPT(spec.model, vocab_size).train()
-    optimizer = make_optimizer(model, spec)
+def peer_model(recipe: dict, train: torch.Tensor, vocab: int, seed: int) -> nn.Module:
+    """nanoGPT's train.py on the CPU, reduced to what the recipe uses."""
+    m, t, o, s = recipe["model"], recipe["training"], recipe["optimizer"], recipe["schedule"]
+    block, batch, steps = m["block_size"], t["micro_batch_size"], t["max_steps"]
+    torch.manual_seed(seed)
+    model = PlainGPT(vocab, block, m["n_embd"], m["n_layer"], m["n_head"]).train()
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o["lr"], betas=tuple(o["betas"]),
+    )
 
-    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(len(train_tokens) - block, (cfg.micro_batch_size,))
-        x = torch.stack([train_tokens[i : i + block] for i in starts])
-        y = torch.stack([train_tokens[i + 1 : i + 1 + block] for i in starts])
-        return x, y
+    def lr_at(step: int) -> float:  # linear warmup, then cosine down to min_lr at the last step
+        warmup, peak, low = s["warmup_steps"], o["lr"], s["min_lr"]
+        if step < warmup:
+            return peak * (step + 1) / warmup
+        progress = (step - warmup) / max(1, steps - warmup)
+        return low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
 
-    for step in range(cfg.max_steps):
+    for step in range(steps):
+        starts = torch.randint(len(train) - block, (batch,))
+        x = torch.stack([train[i : i + block] for i in starts])
+        y = torch.stack([train[i + 1 : i + 1 + block] for i in starts])
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, spec)
-        _, loss = model(*get_batch())
+            group["lr"] = lr_at(step)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip_norm"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return model.eval()
+
+
+@torch.no_grad()
+def full_split_loss(logits_of, val: torch.Tensor, block: int, batch: int = 64) -> float:
+    """Mean cross-entropy per token over every non-overlapping window of `val`."""
+    windows = (len(val) - 1) // block
+    total = 0.0
+    for first in range(0, windows, batch):
+        starts = range(first * block, min(windows, first + batch) * block, block)
+        x = torch.stack([val[i : i + block] for i in starts])
+        y = torch.stack([val[i + 1 : i + 1 + block] for i in starts])
+        total += F.cross_entropy(logits_of(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+    return total / (windows * block)
+
+
+# --- Trainyard: the job as a worker runs it ------------------------------------------------------
+
+
+def trainyard_checkpoint(recipe: dict, scratch: Path) -> Path:
+    """Run the spec with the loop exactly as a worker launches it; its last checkpoint's directory."""
+    run_dir, spec_file = scratch / "run", scratch / "spec.json"
+    spec_file.write_text(json.dumps(recipe))
+    # One thread, as a worker runs a one-slot CPU job: two threads spin against whatever else runs.
+    env = {**os.environ, EVENTS_FILE_ENV: str(scratch / "events.jsonl"), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "workers.training", "--spec", str(spec_file), "--data-root", str(REPO / "data"), "--run-dir", str(run_dir)]
+    subprocess.run(command, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+    return max((path.parent for path in run_dir.rglob("model.safetensors")), key=lambda path: path.name)
+
+
+def parse_value(text: str):
+    return json.loads(text) if text in ("true", "false", "null") or text.lstrip("-").replace(".", "", 1).isdigit() else text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1337, 1338, 1339])
-    parser.add_argument("--windows", choices=["random", "aligned"], default="random", help="the job's dataset.windows (aligned: as before)")
+    parser.add_argument("--model", nargs="*", default=[], metavar="FIELD=VALUE", help="override the job's model fields")
+    parser.add_argument("--sides", nargs="+", choices=["trainyard", "peer"], default=["trainyard", "peer"])
     args = parser.parse_args()
+    torch.set_num_threads(1)  # as a worker runs a one-slot job; both sides alike
 
-    data_root = REPO / "data"
-    results: dict[str, list[float]] = {"trainyard": [], "peer": []}
+    recipe = json.loads(EXAMPLE.read_text())
+    recipe["model"].update(dict((k, parse_value(v)) for k, v in (item.split("=", 1) for item in args.model)))
+    recipe["training"].update(max_steps=args.steps, eval_every=args.steps)
+    recipe["checkpoint"] = {"every_steps": args.steps, "keep_last": 1}
+    recipe["schedule"]["warmup_steps"] = min(recipe["schedule"]["warmup_steps"], args.steps // 10)
+
+    # The peer's own tokens: one id per distinct character, the last val_fraction held out.
+    text = (REPO / "data" / recipe["dataset"]["path"]).read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    ids = {c: i for i, c in enumerate(chars)}
+    tokens = torch.tensor([ids[c] for c in text])
+    split = int(len(tokens) * (1 - recipe["dataset"]["val_fraction"]))
+    train, val, block = tokens[:split], tokens[split:], recipe["model"]["block_size"]
+
+    results: dict[str, list[float]] = {side: [] for side in args.sides}
     started = time.perf_counter()
     for seed in args.seeds:
-        spec = example_spec(args.steps, seed, args.windows)
-        corpus = load_text_corpus(spec.dataset, data_root)
-        validation = eval_dataloader(corpus.val, spec)  # every validation window, eval_batches is null
-        vocab = corpus.tokenizer.vocab_size
-        results["trainyard"].append(evaluate(trainyard_model(spec, data_root, vocab), validation))
-        results["peer"].append(evaluate(peer_model(spec, corpus.train, vocab), validation))
-        print(f"seed {seed}: trainyard {results['trainyard'][-1]:.4f}, peer {results['peer'][-1]:.4f}", file=sys.stderr)
-    trainyard, peer = statistics.mean(results["trainyard"]), statistics.mean(results["peer"])
-    print(json.dumps({
-        "benchmark": "quality", "steps": args.steps, "windows": args.windows, "seeds": args.seeds,
-        "trainyard_val_loss": round(trainyard, 4), "peer_val_loss": round(peer, 4),
-        "trainyard_runs": [round(v, 4) for v in results["trainyard"]], "peer_runs": [round(v, 4) for v in results["peer"]],
-        "difference": round(trainyard - peer, 4), "target": "trainyard_val_loss <= peer_val_loss",
-        "met": trainyard <= peer, "seconds": round(time.perf_counter() - started, 1),
-    }))
+        recipe["training"]["seed"] = seed
+        if "trainyard" in results:
+            with tempfile.TemporaryDirectory() as scratch:
+                model, tokenizer, _ = load_model_from_checkpoint(trainyard_checkpoint(recipe, Path(scratch)))
+            assert tokenizer.chars == chars, "the job's vocabulary is not the evaluator's"
+            results["trainyard"].append(full_split_loss(lambda x: model(x)[0], val, block))
+        if "peer" in results:
+            peer = peer_model(recipe, train, len(chars), seed)
+            results["peer"].append(full_split_loss(peer, val, block))
+        print(f"seed {seed}: " + ", ".join(f"{side} {runs[-1]:.4f}" for side, runs in results.items()), file=sys.stderr)
+
+    line = {"benchmark": "quality", "steps": args.steps, "seeds": args.seeds, "model": recipe["model"]}
+    for side, runs in results.items():
+        line[f"{side}_runs"] = [round(v, 4) for v in runs]
+        line[f"{side}_mean"] = round(statistics.mean(runs), 4)
+        line[f"{side}_std"] = round(statistics.stdev(runs), 4) if len(runs) > 1 else None
+    if len(results) == 2 and line["peer_std"]:
+        line["gap_in_peer_stds"] = round((line["trainyard_mean"] - line["peer_mean"]) / line["peer_std"], 2)
+        line["target"] = "trainyard_mean <= peer_mean + 1 peer std"
+        line["met"] = line["trainyard_mean"] <= line["peer_mean"] + line["peer_std"]
+    line["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -116,8 +116,8 @@ def check_weights(model_file: Path, spec: JobSpec, reported_eval: tuple[int, flo
     parameters = sum(p.numel() for p in model.parameters())
     print(f"loaded the weights into a fresh GPT ({parameters / 1e6:.2f}M parameters)")
 
-    # The same fixed validation windows training evaluates on, so the two numbers are comparable.
-    loss = evaluate(model, eval_dataloader(corpus.val, spec))
+    # The whole validation split, as the job's last evaluation read it, so the two numbers are comparable.
+    loss = evaluate(model, eval_dataloader(corpus.val, spec, whole=True))
     reported = f"the job reported {reported_eval[1]:.4f} at step {reported_eval[0]}" if reported_eval else "the job reported none"
     print(f"eval loss of the downloaded weights: {loss:.4f} ({reported})")
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import sqlalchemy as sa
 from alembic import command
 
+from api_schemas import JobSpec
 from service.db.migrate import alembic_config, upgrade
+from tests.helpers import spec_dict
 
 
 def test_a_database_with_users_and_jobs_upgrades_from_0003_to_head(empty_database_url):
@@ -30,3 +34,47 @@ def test_a_database_with_users_and_jobs_upgrades_from_0003_to_head(empty_databas
         assert connection.execute(sa.text("SELECT name, can_run_code FROM users")).all() == [("alice", False)]
         assert connection.execute(sa.text("SELECT id, owner_id FROM jobs")).all() == [(7, 1)]
     engine.dispose()
+
+
+def test_gpt_specs_stored_before_the_untied_default_keep_their_tied_head(empty_database_url):
+    # A job queued (or to resume) and a sweep's base written when every gpt had a tied head: read
+    # with today's default they would build an untied one, which their checkpoints don't fit.
+    command.upgrade(alembic_config(empty_database_url), "0019")
+    old_gpt = {"kind": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16, "dropout": 0.0, "bias": False}
+    engine = sa.create_engine(empty_database_url)
+    specs = {
+        1: {"name": "old", "model": old_gpt},
+        2: {"name": "classifier", "model": {"kind": "mlp", "num_labels": 2}},
+        3: {"name": "script", "script": {"command": "train.py"}},
+    }
+    with engine.begin() as connection:
+        connection.execute(sa.text(
+            "INSERT INTO users (id, name, token_hash, is_admin, can_run_code, created_at) VALUES (1, 'alice', 'x', false, false, CURRENT_TIMESTAMP)"
+        ))
+        for job_id, spec in specs.items():
+            connection.execute(
+                sa.text(
+                    "INSERT INTO jobs (id, owner_id, name, spec, status, priority, max_steps, step, restarts, cancel_requested, created_at)"
+                    " VALUES (:id, 1, 'job', :spec, 'queued', 0, 10, 0, 0, false, CURRENT_TIMESTAMP)"
+                ),
+                {"id": job_id, "spec": json.dumps(spec)},
+            )
+        connection.execute(
+            sa.text("INSERT INTO sweeps (id, owner_id, name, spec, status, created_at) VALUES (1, 1, 's', :spec, 'running', CURRENT_TIMESTAMP)"),
+            {"spec": json.dumps({"name": "s", "base": {"name": "b", "model": old_gpt}})},
+        )
+    engine.dispose()
+
+    upgrade(empty_database_url)
+
+    engine = sa.create_engine(empty_database_url)
+    with engine.connect() as connection:
+        stored = {row[0]: json.loads(row[1]) if isinstance(row[1], str) else row[1] for row in connection.execute(sa.text("SELECT id, spec FROM jobs"))}
+        sweep = connection.execute(sa.text("SELECT spec FROM sweeps")).scalar_one()
+    engine.dispose()
+    tied = {**old_gpt, "tie_embeddings": True, "init": "gpt2"}
+    assert stored[1]["model"] == tied
+    assert stored[2] == specs[2] and stored[3] == specs[3]
+    assert (json.loads(sweep) if isinstance(sweep, str) else sweep)["base"]["model"] == tied
+    # What a job submits now says what it asks for, and is read as it says.
+    assert JobSpec.model_validate(spec_dict()).model.tie_embeddings is False

@@ -55,11 +55,28 @@ def test_the_final_checkpoint_holds_weights_state_spec_tokenizer_and_a_manifest_
     assert json.loads((final / "trainer_state.json").read_text()) == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS, "processes": 1}
     model, tokenizer, saved_spec = load_model_from_checkpoint(final)
     assert saved_spec == spec
-    # The tied head is saved once (no "Removed shared tensor" warning from Accelerate) and loaded back tied.
+    assert not spec.model.tie_embeddings and not torch.equal(model.lm_head.weight, model.wte.weight)
+    assert tokenizer.to_json() == load_text_corpus(spec.dataset, data_root).tokenizer.to_json()
+
+
+def test_a_tied_head_is_saved_once_and_a_checkpoint_from_before_the_option_loads_tied(tmp_path):
+    data_root = tmp_path / "data"
+    spec = job_spec(**{
+        "dataset.path": write_corpus(data_root), "model.tie_embeddings": True, "training.max_steps": 3, "checkpoint.every_steps": 3,
+    })
+    final = run_training(spec, data_root, tmp_path / "run").checkpoints[3]
+    # Saved once (no "Removed shared tensor" warning from Accelerate), loaded back tied.
     for weights in (final / MODEL_FILE, final / "state" / MODEL_FILE):
         assert "wte.weight" in load_file(weights) and "lm_head.weight" not in load_file(weights)
+    model, _, _ = load_model_from_checkpoint(final)
     assert model.lm_head.weight is model.wte.weight
-    assert tokenizer.to_json() == load_text_corpus(spec.dataset, data_root).tokenizer.to_json()
+
+    # A checkpoint written before model.tie_embeddings existed (every head was tied) says nothing of it.
+    written = json.loads((final / "spec.json").read_text())
+    del written["model"]["tie_embeddings"], written["model"]["init"]
+    (final / "spec.json").write_text(json.dumps(written))
+    model, _, spec_read = load_model_from_checkpoint(final)
+    assert spec_read.model.tie_embeddings and model.lm_head.weight is model.wte.weight
 
 
 @pytest.mark.parametrize("victim", [MODEL_FILE, "state", "trainer_state.json", "spec.json", "tokenizer.json"])
@@ -88,7 +105,8 @@ def test_weights_loaded_into_a_fresh_model_reproduce_the_reported_eval_loss(trai
     assert set(tensors) == set(GPT(spec.model, corpus.tokenizer.vocab_size).state_dict())
 
     model = load_model(spec, corpus.tokenizer.vocab_size, weights_file)  # strict load_state_dict
-    recomputed = evaluate(model, eval_dataloader(corpus.val, spec))
+    # The last evaluation reads the whole validation split, the others a sample spread over it.
+    recomputed = evaluate(model, eval_dataloader(corpus.val, spec, whole=step == STEPS))
     assert recomputed == pytest.approx(run.steps[step]["eval_loss"], abs=1e-4)  # measured: equal
     assert all(t.dtype == torch.float32 for t in tensors.values())
 

@@ -73,9 +73,18 @@ def test_evaluation_with_no_eval_batches_reads_every_validation_window_once_in_o
     assert starts == list(range(0, 96, 8))
 
 
-def test_evaluation_reads_the_first_eval_batches_of_validation_windows_in_order():
-    spec = job_spec(**{"model.block_size": 8, "training.micro_batch_size": 3, "training.eval_batches": 2})
-    val = torch.arange(100)
-    batches = list(eval_dataloader(val, spec))
-    assert [len(inputs) for inputs, _ in batches] == [3, 3]
-    assert [int(x[0]) for inputs, _ in batches for x in inputs] == [0, 8, 16, 24, 32, 40]
+def test_evaluation_reads_eval_batches_of_windows_spread_over_the_whole_validation_split():
+    # The start of a split is no fair sample of it: the windows are spread evenly, the same for any seed.
+    overrides = {"model.block_size": 8, "training.micro_batch_size": 3, "training.eval_batches": 2}
+    spec = job_spec(**overrides)
+    val = torch.arange(100)  # 12 windows
+
+    def starts(loader) -> list[int]:
+        return [int(x[0]) for inputs, _ in loader for x in inputs]
+
+    assert [len(inputs) for inputs, _ in eval_dataloader(val, spec)] == [3, 3]
+    assert starts(eval_dataloader(val, spec)) == [0, 16, 32, 48, 64, 80]
+    assert starts(eval_dataloader(val, job_spec(**overrides, **{"training.seed": 9}))) == [0, 16, 32, 48, 64, 80]
+    # The last evaluation, and an eval_batches that covers the split, read every window once.
+    assert starts(eval_dataloader(val, spec, whole=True)) == list(range(0, 96, 8))
+    assert starts(eval_dataloader(val, job_spec(**{**overrides, "training.eval_batches": 5}))) == list(range(0, 96, 8))

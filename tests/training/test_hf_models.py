@@ -49,7 +49,7 @@ def test_an_hf_classifier_learns_and_its_checkpoint_reloads_into_a_fresh_model_t
     model, _, loaded_spec = load_model_from_checkpoint(checkpoint)  # strict load_state_dict into a fresh model
     assert isinstance(model.hf, transformers.DistilBertForSequenceClassification)
     corpus = load_labelled_corpus(loaded_spec.dataset, loaded_spec.model, labelled_root)
-    metrics = evaluate_metrics(model, eval_dataloader(corpus.val, loaded_spec))
+    metrics = evaluate_metrics(model, eval_dataloader(corpus.val, loaded_spec, whole=True))  # the last step's: the whole split
     assert metrics == pytest.approx({"eval_loss": run.steps[40]["eval_loss"], "eval_accuracy": run.steps[40]["eval_accuracy"]}, abs=1e-5)
 
 
@@ -65,7 +65,7 @@ def test_an_hf_causal_lm_trains_and_its_checkpoint_reproduces_the_reported_eval_
     model, tokenizer, loaded_spec = load_model_from_checkpoint(run.checkpoints[30])
     assert isinstance(model.hf, transformers.GPT2LMHeadModel) and model.hf.config.vocab_size == tokenizer.vocab_size
     corpus = load_text_corpus(loaded_spec.dataset, data_root)
-    assert evaluate_metrics(model, eval_dataloader(corpus.val, loaded_spec))["eval_loss"] == pytest.approx(run.steps[30]["eval_loss"], abs=1e-5)
+    assert evaluate_metrics(model, eval_dataloader(corpus.val, loaded_spec, whole=True))["eval_loss"] == pytest.approx(run.steps[30]["eval_loss"], abs=1e-5)
 
     # The checkpoint is a transformers model directory (config.json, model.safetensors under the
     # transformers names): from_pretrained reads it, and a later job can start from it as model.path.
@@ -148,7 +148,7 @@ def test_a_causal_lm_trains_on_the_ids_of_a_tokenizer_file_and_its_checkpoint_ca
     assert tokenizer.encode(text) == bpe.encode(text).ids and len(tokenizer.encode(text)) < len(text)
     corpus = load_text_corpus(loaded_spec.dataset, data_root)
     assert corpus.train[:50].tolist() == bpe.encode((data_root / name).read_text()).ids[:50]
-    assert evaluate_metrics(model, eval_dataloader(corpus.val, loaded_spec))["eval_loss"] == pytest.approx(run.steps[4]["eval_loss"], abs=1e-5)
+    assert evaluate_metrics(model, eval_dataloader(corpus.val, loaded_spec, whole=True))["eval_loss"] == pytest.approx(run.steps[4]["eval_loss"], abs=1e-5)
 
     (data_root / "broken.json").write_text("{}")
     with pytest.raises(SpecError, match="dataset.tokenizer_file: not a tokenizer.json"):

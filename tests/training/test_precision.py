@@ -9,9 +9,10 @@ from tests.helpers import job_spec
 from tests.training.support import run_training
 from workers.training import GPT, TokenWindows, load_text_corpus
 
-STEPS = 20
-# Measured over seeds 1337, 1 and 2 (20 steps, tiny_spec): mean |bf16 - fp32| train loss 5e-5..8e-5,
-# largest 2e-4, while the loss falls by ~0.26. The bounds leave a margin of ~25x.
+STEPS = 40
+# Measured over seeds 1337, 1 and 2 (20 steps, tiny_spec, the GPT's defaults before biases and PyTorch's init):
+# mean |bf16 - fp32| train loss 5e-5..8e-5, largest 2e-4, while the loss falls by ~0.26. The bounds leave a
+# margin of ~25x. 40 steps: today's default GPT starts slower (20 steps fell by 0.06, short of the 0.1 asked below).
 MEAN_ABS_TOLERANCE, MAX_ABS_TOLERANCE = 2e-3, 5e-3
 
 

@@ -74,7 +74,7 @@ def test_a_sharded_checkpoint_holds_every_process_shards_and_a_whole_model_that_
     tensors = load_file(str(checkpoint / MODEL_FILE))
     assert set(tensors) == set(GPT(spec.model, corpus.tokenizer.vocab_size).state_dict())
     model = load_model(spec, corpus.tokenizer.vocab_size, checkpoint / MODEL_FILE)  # strict, into an unsharded GPT
-    assert evaluate(model, eval_dataloader(corpus.val, spec)) == pytest.approx(metrics_of(fsdp)[STEPS]["eval_loss"], abs=1e-5)
+    assert evaluate(model, eval_dataloader(corpus.val, spec, whole=True)) == pytest.approx(metrics_of(fsdp)[STEPS]["eval_loss"], abs=1e-5)
 
 
 def test_fsdp_with_bfloat16_parameters_and_activation_checkpointing_trains(tmp_path):

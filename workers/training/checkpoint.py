@@ -344,6 +344,10 @@ def load_model(spec: JobSpec, vocab_size: int, weights: Path, data_root: Path | 
 
 def load_model_from_checkpoint(checkpoint: Path, data_root: Path | None = None) -> tuple[torch.nn.Module, Tokenizer, JobSpec]:
     """Model, tokenizer and spec from a checkpoint directory as written above."""
-    spec = JobSpec.model_validate_json((checkpoint / "spec.json").read_text())
+    raw = json.loads((checkpoint / "spec.json").read_text())
+    if raw.get("model", {}).get("kind") == "gpt":
+        # Written before model.tie_embeddings existed, when every gpt's head was tied (migration 0020).
+        raw["model"].setdefault("tie_embeddings", True)
+    spec = JobSpec.model_validate(raw)
     tokenizer = Tokenizer.from_json(json.loads((checkpoint / "tokenizer.json").read_text()))
     return load_model(spec, tokenizer.vocab_size, checkpoint / MODEL_FILE, data_root), tokenizer, spec

@@ -95,7 +95,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
         train_set = LabelledTexts(corpus.train.ids, corpus.train.labels, seed=cfg.seed, multiple_of=samples_per_step)
         tokens_per_sample, labels = spec.model.max_length, corpus.labels
     train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True, pin_memory=pinned(accelerator))
-    eval_dl = eval_dataloader(corpus.val, spec)
+    # Evaluation: a sample spread over the validation split on schedule, the whole split at the end.
+    eval_dl, final_eval_dl = eval_dataloader(corpus.val, spec), eval_dataloader(corpus.val, spec, whole=True)
 
     # Model, optimizer, schedule: built once, prepared once. A sharded model is sharded by torch
     # before the optimizer sees its parameters, and left out of Accelerate's prepare (sharding.py).
@@ -106,9 +107,11 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     optimizer = make_optimizer(model, spec)
     scheduler = make_scheduler(optimizer, spec, accelerator.num_processes)
     if sharded:
-        optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(optimizer, train_dl, eval_dl, scheduler)
+        optimizer, train_dl, eval_dl, final_eval_dl, scheduler = accelerator.prepare(optimizer, train_dl, eval_dl, final_eval_dl, scheduler)
     else:
-        model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+        model, optimizer, train_dl, eval_dl, final_eval_dl, scheduler = accelerator.prepare(
+            model, optimizer, train_dl, eval_dl, final_eval_dl, scheduler
+        )
     sharded_state = ShardedState(accelerator.device) if sharded else None
 
     # Resume: weights, optimizer, schedule and RNG from the Accelerate state (and the sharded state);
@@ -198,7 +201,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                     "peak_memory_mb": _peak_memory_mb(accelerator.device),
                 }
                 if step % cfg.eval_every == 0 or last_step:
-                    values.update(evaluate_metrics(forward, eval_dl, accelerator))
+                    values.update(evaluate_metrics(forward, final_eval_dl if last_step else eval_dl, accelerator))
                     last_eval = values["eval_loss"]
                 previous = lagged.take()
                 lagged.put(

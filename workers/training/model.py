@@ -1,5 +1,5 @@
-"""The built-in models: a nanoGPT-style causal language model (pre-norm transformer, tied
-input/output embeddings) and a small text classifier; and `build_model` for every model kind
+"""The built-in models: a nanoGPT-style causal language model (pre-norm transformer; input and
+output embeddings tied or not, `model.tie_embeddings`) and a small text classifier; and `build_model` for every model kind
 (`hf` models live in workers/training/hf.py).
 
 Every model answers `model(ids, targets)` with `(logits, loss)`: the loop needs nothing else."""
@@ -27,10 +27,20 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = F.linear(x, self.qkv.weight, _without_key_gradient(self.qkv.bias, C)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_dropout(self.proj(y.transpose(1, 2).contiguous().view(B, T, C)))
+
+
+def _without_key_gradient(bias: torch.Tensor | None, width: int) -> torch.Tensor | None:
+    """The q, k, v bias with no gradient into its key part. A key's bias adds the same amount to all
+    of a query's scores, which the softmax takes away: its true gradient is 0, and what autograd
+    computes is float noise, which Adam scales up to steps of the learning rate's size (so two
+    processes no longer trained the weights of one). Detached, it keeps its initial value."""
+    if bias is None:
+        return None
+    return torch.cat([bias[:width], bias[width : 2 * width].detach(), bias[2 * width :]])
 
 
 class Block(nn.Module):
@@ -60,17 +70,20 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.lm_head = nn.Linear(config.n_embd, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
-        # The tied weight is saved once, as wte.weight, and loaded back into both names: a state
-        # dict with two names of one storage makes safetensors (and Accelerate) drop one with a warning.
-        self._register_state_dict_hook(_without_tied_head)
-        self._register_load_state_dict_pre_hook(_with_tied_head)
-        self.apply(self._init_weights)
-        # Scaled init of residual projections (GPT-2 paper).
-        for name, param in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        # A tied head is GPT-2's, without a bias; an untied one has a bias as every other layer does.
+        self.lm_head = nn.Linear(config.n_embd, vocab_size, bias=config.bias and not config.tie_embeddings)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+            # The tied weight is saved once, as wte.weight, and loaded back into both names: a state
+            # dict with two names of one storage makes safetensors (and Accelerate) drop one with a warning.
+            self._register_state_dict_hook(_without_tied_head)
+            self._register_load_state_dict_pre_hook(_with_tied_head)
+        if config.init == "gpt2":
+            self.apply(self._init_weights)
+            # Scaled init of residual projections (GPT-2 paper).
+            for name, param in self.named_parameters():
+                if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                    nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
