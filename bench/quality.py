@@ -132,7 +132,11 @@ def trainyard_checkpoint(recipe: dict, scratch: Path) -> Path:
 
 
 def parse_value(text: str):
-    return json.loads(text) if text in ("true", "false", "null") or text.lstrip("-").replace(".", "", 1).isdigit() else text
+    """A --model value as JSON (true, 0.1, null), else the word itself (pytorch)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
 
 
 def main() -> None:
