@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import time
 from datetime import datetime, timedelta
 
@@ -196,12 +197,15 @@ def start_placed(backends: dict[str | None, ExecutionBackend], placed: list[tupl
         backend.start(attempts)
 
 
-def run_scheduler(sessions: sessionmaker, celery: Celery, settings: Settings, stop=lambda: False) -> None:
+def run_scheduler(
+    sessions: sessionmaker, celery: Celery, settings: Settings, stop=lambda: False, interrupt: socket.socket | None = None
+) -> None:
     """The scheduler process: a pass whenever the doorbell rings (a job queued, devices freed, a
-    host registered), and at least every `scheduler_interval_seconds`, until `stop()`."""
+    host registered), and at least every `scheduler_interval_seconds`, until `stop()`, checked
+    after each pass and whenever `interrupt` has data (see Doorbell)."""
     log.info("scheduler started")
     backends = execution_backends(sessions, celery, settings)
-    doorbell = Doorbell(settings.resolved_database_url)
+    doorbell = Doorbell(settings.resolved_database_url, interrupt)
     rang, last_reaped = False, 0.0
     while not stop():
         # A ring means work to place, so that pass only places, a few statements sooner; leases

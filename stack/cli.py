@@ -61,8 +61,17 @@ def run_scheduler_command(args: argparse.Namespace) -> int:
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored (see run_up)
+    # A signal also writes a byte here, which ends the scheduler's wait between passes: it stops
+    # at once, not after up to an interval (every stack's stop waited for it).
+    interrupt, signalled = socket.socketpair()
+    interrupt.setblocking(False)
+    signalled.setblocking(False)
+    signal.set_wakeup_fd(signalled.fileno(), warn_on_full_buffer=False)
     try:
-        run_scheduler(session_factory(settings.resolved_database_url), make_celery(settings), settings, stop=lambda: bool(stopping))
+        run_scheduler(
+            session_factory(settings.resolved_database_url), make_celery(settings), settings,
+            stop=lambda: bool(stopping), interrupt=interrupt,
+        )
     except KeyboardInterrupt:
         pass
     return 0

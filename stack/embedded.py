@@ -218,7 +218,11 @@ def _running_stack(
         (data_dir / "server").write_text(url + "\n")  # beside the token: the CLI below this folder finds both
         yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart, stop=stop, start=start_again)
     finally:
-        stop_children(list(children.values()))
+        # The workers first, while the API is there to hear them: each stops its running attempts
+        # at a checkpoint and reports it. With the API gone at the same moment, a worker retried it
+        # until killed 20 s later, and the attempt's last steps waited for its lease to expire.
+        stop_children([child for name, child in children.items() if name.startswith("worker-")])
+        stop_children([child for name, child in children.items() if not name.startswith("worker-")])
 
 
 def host_cores(workers: int) -> list[set[int]]:

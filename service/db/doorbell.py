@@ -83,7 +83,10 @@ def socket_path(url) -> str | None:
 class Doorbell:
     """What the scheduler waits on between passes: a ring or `timeout`, whichever comes first."""
 
-    def __init__(self, database_url: str):
+    def __init__(self, database_url: str, interrupt: socket.socket | None = None):
+        """`interrupt`: a socket whose data ends a wait at once, e.g. one that signal.set_wakeup_fd
+        writes to, so a SIGTERM stops the scheduler now instead of after its interval."""
+        self._interrupt = interrupt
         self._dsn = libpq_dsn(database_url)
         self._path = socket_path(make_url(database_url))
         self._connection: psycopg.Connection | None = None
@@ -103,14 +106,15 @@ class Doorbell:
             self._bound = os.stat(self._path).st_ino
 
     def wait(self, timeout: float) -> bool:
-        """True if it rang, False after `timeout` seconds of silence (or with no doorbell)."""
+        """True if it rang, False after `timeout` seconds of silence (or with no doorbell), or at once
+        when interrupted."""
         if self._dsn is None and self._path is None:
-            time.sleep(timeout)
+            self._select([], timeout)
             return False
         try:
             self.listen()
             if self._socket is not None:
-                rang = bool(select.select([self._socket], [], [], timeout)[0])
+                rang = bool(self._select([self._socket], timeout))
                 # A burst of submits rings many times; one pass places them all, so take the rings
                 # already here, without waiting for more (a wait would delay every job's start by it).
                 while rang:
@@ -119,16 +123,35 @@ class Doorbell:
                     except BlockingIOError:
                         break
                 return rang
-            rang = any(True for _ in self._connection.notifies(timeout=timeout, stop_after=1))
-            for _ in self._connection.notifies(timeout=0):  # as above
-                pass
-            return rang
+            # Rings already read off the socket (during LISTEN, or a previous burst's) first; then
+            # wait on the socket; either way take all that arrived, as above.
+            if self._rang_already():
+                return True
+            return bool(self._select([self._connection.pgconn.socket], timeout)) and self._rang_already()
         except (psycopg.Error, OSError):
             # The database restarting: poll until it is back (the pass itself will say what failed).
             log.debug("scheduler doorbell lost; polling meanwhile", exc_info=True)
             self.close()
-            time.sleep(timeout)
+            self._select([], timeout)
             return False
+
+    def _rang_already(self) -> bool:
+        return any(True for _ in self._connection.notifies(timeout=0))
+
+    def _select(self, readable: list, timeout: float) -> list:
+        """Those of `readable` that have data within `timeout`; none if interrupted first."""
+        waiting_on = readable + ([self._interrupt] if self._interrupt is not None else [])
+        if not waiting_on:
+            time.sleep(timeout)
+            return []
+        ready = select.select(waiting_on, [], [], timeout)[0]
+        if self._interrupt not in ready:
+            return ready
+        while True:  # the interrupt is non-blocking: read it empty, so the next wait waits
+            try:
+                self._interrupt.recv(64)
+            except BlockingIOError:
+                return []
 
     def close(self) -> None:
         if self._connection is not None:
