@@ -7,13 +7,10 @@ and a worker ignores an attempt that is no longer `scheduled`.
 
 from __future__ import annotations
 
-import socket
 import time
 
 import kombu.transport
 from celery import Celery
-from celery.worker import state as worker_state
-from kombu.transport import sqlalchemy as kombu_sqla
 
 from service.settings import Settings
 
@@ -28,9 +25,9 @@ def make_celery(settings: Settings) -> Celery:
     url = settings.resolved_broker_url
     transport_options: dict = {}
     if url.startswith("sqla+"):
-        # Our transport for "sqla+" URLs (below). Its transport options all go to create_engine(),
-        # so they carry SQLite's lock wait.
-        kombu.transport.TRANSPORT_ALIASES["sqla"] = f"{__name__}:SQLAlchemyTransport"
+        # Our transport for "sqla+" URLs (kombu imports it by this name when a connection opens).
+        # Its transport options all go to create_engine(), so they carry SQLite's lock wait.
+        kombu.transport.TRANSPORT_ALIASES["sqla"] = "service.sqla_transport:SQLAlchemyTransport"
         if "sqlite" in url:
             transport_options = {"connect_args": {"timeout": 60}}
     app = Celery("trainyard", broker=url)
@@ -48,25 +45,6 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
     )
     return app
-
-
-class SQLAlchemyTransport(kombu_sqla.Transport):
-    """kombu's SQLAlchemy transport, polling its table every 0.2 s (its 1 s default would dominate
-    dispatch latency), whose waits end as soon as the worker is stopping: Celery's loop for a
-    polled transport waits 2 s a cycle and runs one more cycle once stopping, so a worker's stop
-    took 3-4 s."""
-
-    polling_interval = 0.2
-
-    def drain_events(self, connection, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while worker_state.should_stop is None and worker_state.should_terminate is None:
-            try:
-                return super().drain_events(connection, timeout=self.polling_interval)
-            except socket.timeout:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-        raise socket.timeout()
 
 
 def dispatch_attempt(app: Celery, attempt_id: int, host_name: str) -> None:
