@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -64,11 +65,15 @@ def postgres_server() -> str:
 @pytest.fixture
 def empty_postgres_url(postgres_server: str) -> str:
     """A fresh database per test, without tables, dropped afterwards."""
+    yield from _database(postgres_server)
+
+
+def _database(server_url: str, create_options: str = "") -> Iterator[str]:
     name = f"trainyard_test_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    admin = sa.create_engine(server_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as connection:
-        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = postgres_server.rsplit("/", 1)[0] + f"/{name}"
+        connection.execute(sa.text(f'CREATE DATABASE "{name}" {create_options}'))
+    url = server_url.rsplit("/", 1)[0] + f"/{name}"
     yield url
     session_factory(url).kw["bind"].dispose()
     with admin.connect() as connection:
@@ -76,15 +81,45 @@ def empty_postgres_url(postgres_server: str) -> str:
     admin.dispose()
 
 
+@pytest.fixture(scope="session")
+def migrated_postgres_template(postgres_server: str) -> str:
+    """A database migrated once per pytest process, which each test's database copies: a copy takes
+    0.03 s, running the migrations 0.2-0.5 s of a busy CPU, for each of some 300 tests."""
+    name = f"trainyard_template_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(postgres_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    upgrade(postgres_server.rsplit("/", 1)[0] + f"/{name}")
+    yield name
+    with admin.connect() as connection:
+        connection.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
 @pytest.fixture
-def postgres_url(empty_postgres_url: str) -> str:
-    """A fresh, migrated database per test, dropped afterwards."""
-    upgrade(empty_postgres_url)
-    return empty_postgres_url
+def postgres_url(postgres_server: str, migrated_postgres_template: str) -> str:
+    """A fresh, migrated database per test (a copy of the migrated template), dropped afterwards."""
+    yield from _database(postgres_server, f'TEMPLATE "{migrated_postgres_template}"')
+
+
+@pytest.fixture(scope="module")
+def module_postgres_url(postgres_server: str, migrated_postgres_template: str) -> str:
+    """As postgres_url, for a whole module's tests: for a stack they share."""
+    yield from _database(postgres_server, f'TEMPLATE "{migrated_postgres_template}"')
 
 
 @pytest.fixture
 def redis_url() -> str:
+    yield from _empty_redis()
+
+
+@pytest.fixture(scope="module")
+def module_redis_url() -> str:
+    """As redis_url, for a whole module's tests (none of which may take redis_url: it empties the same database)."""
+    yield from _empty_redis()
+
+
+def _empty_redis() -> Iterator[str]:
     import redis
 
     try:
@@ -102,9 +137,17 @@ def empty_sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path}/trainyard.db"
 
 
+@pytest.fixture(scope="session")
+def migrated_sqlite_template(tmp_path_factory) -> Path:
+    """A SQLite database migrated once per pytest process, which each test's database copies (as above)."""
+    path = tmp_path_factory.mktemp("template") / "trainyard.db"
+    upgrade(f"sqlite:///{path}")
+    return path
+
+
 @pytest.fixture
-def sqlite_url(empty_sqlite_url: str) -> str:
-    upgrade(empty_sqlite_url)
+def sqlite_url(empty_sqlite_url: str, migrated_sqlite_template: Path) -> str:
+    shutil.copyfile(migrated_sqlite_template, empty_sqlite_url.removeprefix("sqlite:///"))
     return empty_sqlite_url
 
 
@@ -149,10 +192,19 @@ def pytest_runtest_makereport(item, call):
     """A failed test that ran a stack under its tmp_path shows the end of each process's log:
     an end-to-end failure is only diagnosable from what the API, scheduler and workers said."""
     report = yield
-    tmp_path = item.funcargs.get("tmp_path") if hasattr(item, "funcargs") else None
-    if report.failed and tmp_path is not None:
+    funcargs = getattr(item, "funcargs", {})
+    if not report.failed:
+        return report
+    logs = []
+    if (tmp_path := funcargs.get("tmp_path")) is not None:
         # The stack's processes log under <data dir>/logs; the namespaced hosts' workers, beside it.
-        for log in sorted([*Path(tmp_path).glob("*.log"), *Path(tmp_path).glob("**/logs/*.log")]):
-            tail = log.read_text(errors="replace").splitlines()[-80:]
-            report.sections.append((f"last lines of {log.relative_to(tmp_path)}", "\n".join(tail)))
+        logs += [*Path(tmp_path).glob("*.log"), *Path(tmp_path).glob("**/logs/*.log")]
+    # A stack a module's tests share (a fixture's StackInfo, alone or in a tuple) logs under its own data dir.
+    for value in funcargs.values():
+        for part in value if isinstance(value, tuple) else (value,):
+            if isinstance(getattr(part, "data_dir", None), Path):
+                logs += part.data_dir.glob("logs/*.log")
+    for log in sorted(set(logs)):
+        tail = log.read_text(errors="replace").splitlines()[-80:]
+        report.sections.append((f"last lines of {log}", "\n".join(tail)))
     return report

@@ -28,5 +28,9 @@ if connectable is not None:
 else:
     from service.db.session import make_engine
 
-    with make_engine(config.get_main_option("sqlalchemy.url")).connect() as connection:
-        run_migrations(connection)
+    engine = make_engine(config.get_main_option("sqlalchemy.url"))
+    try:
+        with engine.connect() as connection:
+            run_migrations(connection)
+    finally:
+        engine.dispose()  # no connection left open: a migrated database can be copied (CREATE DATABASE ... TEMPLATE) or dropped

@@ -28,12 +28,13 @@ pytestmark = pytest.mark.timeout(300)
 
 
 
-@pytest.fixture(params=["sqlite+sqla-transport", "postgres+redis"])
-def stack(request, tmp_path):
+@pytest.fixture(scope="module", params=["sqlite+sqla-transport", "postgres+redis"])
+def stack(request, tmp_path_factory):
+    """One stack per backend pair for the module's tests: each test's jobs are its own."""
     urls = {}
     if request.param == "postgres+redis":
-        urls = {"database_url": request.getfixturevalue("postgres_url"), "broker_url": request.getfixturevalue("redis_url")}
-    with embedded_stack(tmp_path / "yard", free_port(), workers=1, **urls) as info:
+        urls = {"database_url": request.getfixturevalue("module_postgres_url"), "broker_url": request.getfixturevalue("module_redis_url")}
+    with embedded_stack(tmp_path_factory.mktemp("stack") / "yard", free_port(), workers=1, **urls) as info:
         client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
         yield client, info
         client.close()
@@ -84,6 +85,7 @@ def wait_for_event(events: EventTail, kind: str, timeout: float = 180) -> Metric
 
 def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(stack, tmp_path):
     client, info = stack
+    succeeded_before = client.get("/v1/dashboard").json()["jobs_by_status"].get("succeeded", 0)  # the module's other tests' jobs
     spec = tiny_spec(**{"training.max_steps": 12, "training.eval_every": 6, "checkpoint.every_steps": 6})
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
@@ -128,7 +130,7 @@ def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(
 
     # The dashboard counts it and shows the worker.
     dashboard = client.get("/v1/dashboard").json()
-    assert dashboard["jobs_by_status"]["succeeded"] == 1
+    assert dashboard["jobs_by_status"]["succeeded"] == succeeded_before + 1
     assert [w["name"] for w in dashboard["workers"]] == ["local-0"] and dashboard["workers"][0]["online"]
     assert client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 5}).json()["lines"]
 

@@ -61,6 +61,7 @@ def test_a_two_node_job_trains_like_one_node_with_two_processes(tmp_path):
 
 def test_cancelling_a_two_node_job_stops_every_rank_on_both_hosts_within_seconds(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")  # how often a worker looks at its lease (5 s in production)
+    monkeypatch.setenv("TRAINYARD_WARM_INTERPRETERS", "0")  # a gang starts cold: warm ones would load torch for nothing
     spec = tiny_spec(**{"training.max_steps": 100_000, "checkpoint.every_steps": 100_000,
                         "resources.nodes": 2, "resources.processes_per_node": 2})
     with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:2") as info:
@@ -127,6 +128,7 @@ def test_a_gang_placed_on_a_host_that_stopped_gives_both_hosts_back_and_runs_onc
     # Seconds, not the production half-minutes, for a silent host to count as gone.
     for name, value in {"HEARTBEAT_SECONDS": "0.5", "LEASE_SECONDS": "4", "HOST_TIMEOUT_SECONDS": "4", "DISPATCH_TIMEOUT_SECONDS": "6"}.items():
         monkeypatch.setenv(f"TRAINYARD_{name}", value)
+    monkeypatch.setenv("TRAINYARD_WARM_INTERPRETERS", "0")  # a gang starts cold: warm ones would load torch for nothing
     steps = 20
     spec = tiny_spec(**{"training.max_steps": steps, "checkpoint.every_steps": 10, "resources.nodes": 2, "max_restarts": 2})
     with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1") as info:

@@ -34,12 +34,13 @@ PROBE = Path(__file__).with_name("sandbox_probe.py")
 REDIS_PORT, POSTGRES_PORT = 6379, 5432
 
 
-@pytest.fixture(params=["sqlite+sqla-transport", "postgres+redis"])
+@pytest.fixture(scope="module", params=["sqlite+sqla-transport", "postgres+redis"])
 def yard(request, tmp_path_factory):
-    """(admin client, a code-running non-admin's client, the stack, the admin's upload id, job id and checkpoint)."""
+    """(admin client, a code-running non-admin's client, the stack, the admin's upload id, job id and checkpoint).
+    One per backend pair for the module's tests: each hostile job meets a service the ones before tried."""
     urls = {}
     if request.param == "postgres+redis":
-        urls = {"database_url": request.getfixturevalue("postgres_url"), "broker_url": request.getfixturevalue("redis_url")}
+        urls = {"database_url": request.getfixturevalue("module_postgres_url"), "broker_url": request.getfixturevalue("module_redis_url")}
     data_dir = tmp_path_factory.mktemp("sandbox") / "yard"
     (data_dir / "plugins").mkdir(parents=True)
     shutil.copy(PROBE, data_dir / "plugins" / PROBE.name)  # installed by the operator, run by anyone

@@ -205,6 +205,7 @@ def test_a_dataset_uploaded_with_the_cli_trains_a_built_in_job_by_its_id(stack, 
 
 def test_a_script_runs_across_two_worker_hosts(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
+    monkeypatch.setenv("TRAINYARD_WARM_INTERPRETERS", "0")  # a script starts cold: warm ones would load torch for nothing
     with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1") as info:
         with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
             bundle = upload_code(client, EXAMPLES / "char_gpt.py")
