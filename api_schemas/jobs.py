@@ -11,7 +11,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 
 class _Config(BaseModel):
@@ -589,6 +589,18 @@ class JobSpec(_Config):
     preemptible: bool = Field(
         False, description="May be stopped for a higher-priority job: it checkpoints, goes back to the queue and resumes from there."
     )
+
+    @model_serializer(mode="wrap")
+    def _without_what_a_script_decides(self, serialize):
+        """A `script` job's spec as written, stored and shown without the settings its script decides
+        (the schedule, the built-in loop's training fields): at their defaults they are noise in
+        `trainyard spec` and `compare`, and a spec read back gets the same defaults again."""
+        data = serialize(self)
+        if self.script is not None and isinstance(data, dict):
+            data.pop("schedule", None)
+            if isinstance(training := data.get("training"), dict):
+                data["training"] = {name: value for name, value in training.items() if name in SCRIPT_TRAINING_FIELDS}
+        return data
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> JobSpec:

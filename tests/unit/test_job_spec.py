@@ -80,3 +80,15 @@ def test_the_gpu_defaults_are_chosen_by_device_and_recorded_in_the_spec(override
     assert (spec.training.compile, spec.optimizer.fused) == (compiled, fused)
     stored = JobSpec.model_validate_json(spec.model_dump_json())  # as the job row keeps it
     assert (stored.training.compile, stored.optimizer.fused) == (compiled, fused)
+
+
+def test_a_script_jobs_spec_is_shown_without_the_settings_its_script_decides():
+    spec = JobSpec.model_validate(
+        {"name": "mine", "script": {"entrypoint": "train.py", "code": {"upload_id": 1}}, "training": {"max_steps": 30, "precision": "bf16"}}
+    )
+    shown = spec.model_dump(mode="json", exclude_none=True)
+    assert "schedule" not in shown  # no cosine schedule, seed or eval_every cluttering `trainyard spec` and compare
+    assert shown["training"] == {"max_steps": 30, "gradient_accumulation_steps": 1, "precision": "bf16"}
+    assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec  # read back (stored, fetched): the same spec
+    built_in = JobSpec.model_validate(spec_dict())
+    assert "schedule" in built_in.model_dump() and "seed" in built_in.model_dump()["training"]
