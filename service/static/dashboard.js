@@ -17,6 +17,10 @@ const GROUPS = [
   ["System", name => name.startsWith("sys/") && name !== "sys/wall_time"],
 ];
 const OWN_GROUP = "Reported by the job";
+// An evaluation series (eval_loss, val/accuracy, eval/loss…): a point every few hundred steps, each
+// an exact value over the split. Drawn bold with its points, and never smoothed: an average with
+// the evals before it would not be any evaluation's value (at 0.8 the step-750 eval read 2.28, not 2.16).
+const EVALUATION = /(^|[\/_])(eval|val|valid|validation|test)([\/_]|$)/;
 const HIDDEN = new Set(["sys/wall_time"]);  // not a chart: it maps steps to times for the wall-time axis
 const FINAL = new Set(["succeeded", "failed", "cancelled", "pruned"]);
 
@@ -114,6 +118,13 @@ function duration(seconds) {
   if (seconds == null) return "–";
   const s = Math.round(seconds);
   return s >= 3600 ? Math.floor(s / 3600) + "h" + String(Math.floor(s % 3600 / 60)).padStart(2, "0") + "m" : s >= 60 ? Math.floor(s / 60) + "m" + String(s % 60).padStart(2, "0") + "s" : s + "s";
+}
+// Sizes as people read them: a 2.8 KiB checkpoint is not "0.00 MB".
+function bytes(size) {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (size >= 1024 && i < units.length - 1) { size /= 1024; i++; }
+  return (i ? size.toFixed(size < 10 ? 1 : 0) : String(size)) + " " + units[i];
 }
 function when(iso) { return iso ? new Date(iso).toLocaleString() : "–"; }
 // A job's pace while it runs; its end once it is over (a finished job has no speed).
@@ -224,7 +235,8 @@ class Board {
   makeChart(key) {
     const names = Object.keys(Object.assign({}, ...this.runs.map(r => r.series))).filter(n => this.chartKey(n) === key)
       .sort((a, b) => (b === key) - (a === key) || a.localeCompare(b));  // the chart's own series first: train_loss before eval_loss
-    const box = el("div", { class: "chart", "data-chart": key }, el("h4", {}, this.merged && key === "train_loss" ? "loss" : key));
+    // The loss chart, the one people come for, spans the board's width.
+    const box = el("div", { class: "chart" + (key === "train_loss" ? " wide" : ""), "data-chart": key }, el("h4", {}, this.merged && key === "train_loss" ? "loss" : key));
     const lines = this.runs.flatMap((run, r) => names.map((name, n) => ({ run, name, label: [run.label, name].filter(Boolean).join(" · "),
       color: COLORS[(this.runs.length > 1 ? r : n) % COLORS.length], dash: this.runs.length > 1 && n ? [6, 3] : undefined })));
     const css = getComputedStyle(document.documentElement), fg = css.getPropertyValue("--muted").trim(), grid = css.getPropertyValue("--line").trim();
@@ -235,9 +247,14 @@ class Board {
       ...this.size(box), data,
       scales: { x: { time }, y: { distr: this.options.log ? 3 : 1 } },
       axes: [{ ...axis, values: time ? undefined : ticks }, { ...axis, values: ticks }],
-      series: [{ label: time ? "time" : "step", value: time ? undefined : (u, v) => v ?? "–" },
-        ...lines.map(line => ({ label: line.label, stroke: line.color, dash: line.dash, width: 1.5, spanGaps: true, value: (u, v) => short(v),
-          points: { show: (u, i) => drawnCount(u.data[i]) <= 50, size: 5, fill: line.color } }))],
+      series: [{ label: time ? "time" : "step", value: time ? undefined : (u, v) => v ?? u.data[0][u.data[0].length - 1] ?? "–" },  // at rest: the last step
+        ...lines.map(line => {
+          const evaluation = EVALUATION.test(line.name);
+          return { label: line.label, stroke: line.color, dash: line.dash, width: evaluation ? 2.5 : 1.5, spanGaps: true, value: (u, v, i) => this.legendValue(u, i),
+            // The machine's samples hold from one to the next (a straight line between two would be a trend no one measured).
+            paths: groupOf(line.name) === "System" ? uPlot.paths.stepped({ align: 1 }) : undefined,
+            points: { show: (u, i) => evaluation || drawnCount(u.data[i]) <= 50, size: evaluation ? 7 : 5, fill: line.color } };
+        })],
       cursor: { sync: { key: "board" }, drag: { x: true, y: false } },
       hooks: { setScale: [(u, scale) => scale === "x" && this.followZoom(u)] },
       plugins: [wheelZoom(this)],
@@ -250,12 +267,25 @@ class Board {
     return box;
   }
 
+  // A legend's value: the line's at the cursor's x, or away from the chart at its last x, so a legend
+  // never reads "–" until hovered. A line with no point there (an eval every 100 steps) shows its
+  // latest one before it, saying where it is from: "2.16 @ 700", never as if it were the current step's.
+  legendValue(u, i) {
+    const xs = u.data[0], ys = u.data[i];
+    if (!xs.length) return "–";
+    const at = xs[u.cursor.idx ?? xs.length - 1];
+    let j = u.cursor.idx ?? xs.length - 1;
+    while (j >= 0 && ys[j] == null) j--;
+    if (j < 0) return "–";
+    return short(ys[j]) + (xs[j] === at ? "" : this.options.x === "time" ? " (earlier)" : " @ " + xs[j]);
+  }
+
   // uPlot's aligned data: [xs, ys of each line], xs the union of every line's, gaps as null.
   data(lines) {
     const toTime = new Map(this.runs.map(run => [run, stepsToTime(run.series)]));
     const tables = lines.map(({ run, name }) => {
       const s = run.series[name] || { steps: [], values: [] }, clock = toTime.get(run);
-      let xs = s.steps, ys = smooth(s.values, this.options.smoothing);
+      let xs = s.steps, ys = EVALUATION.test(name) ? s.values : smooth(s.values, this.options.smoothing);
       if (this.options.x === "time") xs = clock ? xs.map(clock) : [];
       if (!xs.length) ys = [];
       if (this.options.log) ys = ys.map(v => v > 0 ? v : null);
@@ -275,7 +305,7 @@ class Board {
     note.textContent = text;
   }
 
-  size(box) { return { width: Math.max(240, box.clientWidth - 20 || 400), height: 220 }; }
+  size(box) { return { width: Math.max(240, box.clientWidth - 20 || 400), height: box.classList.contains("wide") ? 300 : 220 }; }
 
   // New points arrived: redraw once per frame, keeping the zoom; a new series gets its chart.
   refresh() {
@@ -335,7 +365,10 @@ class Board {
 function ticks(u, splits, axisIdx, space, increment) {
   const size = Math.max(...splits.map(Math.abs));
   if (!(increment > 0) || !isFinite(size)) return splits.map(short);
-  if (size !== 0 && (size < 1e-3 || size >= 1e6)) return splits.map(v => v.toExponential(Math.max(0, Math.floor(Math.log10(size)) - Math.floor(Math.log10(increment)))).replace(/\.?0+e/, "e"));
+  if (size !== 0 && (size < 1e-3 || size >= 1e6)) {
+    const digits = Math.max(0, Math.floor(Math.log10(size)) - Math.floor(Math.log10(increment)));
+    return splits.map(v => v === 0 ? "0" : v.toExponential(digits).replace(/\.?0+e/, "e"));  // zero, not "0e+0"
+  }
   let decimals = 0;
   while (decimals < 12 && Math.abs(increment * 10 ** decimals - Math.round(increment * 10 ** decimals)) > 1e-6) decimals++;
   return splits.map(v => v.toFixed(decimals));
@@ -475,7 +508,7 @@ function attemptsTable(job) {
 function checkpointsTable(checkpoints) {
   if (!checkpoints.length) return el("p", { class: "muted" }, "No checkpoints yet.");
   return table(["step", "size", "sha256", "created", ""],
-    checkpoints.map(c => [String(c.step), (c.size_bytes / 1e6).toFixed(2) + " MB", c.sha256.slice(0, 16) + "…", when(c.created_at),
+    checkpoints.map(c => [String(c.step), bytes(c.size_bytes), c.sha256.slice(0, 16) + "…", when(c.created_at),
       el("button", { type: "button", onclick: () => download(c) }, "download")]));
 }
 

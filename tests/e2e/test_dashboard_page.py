@@ -52,6 +52,41 @@ def drawn(chart: str, line: str) -> str:
     return f"(JSON.parse(document.querySelector('[data-chart=\"{chart}\"]')?.dataset.points || '{{}}')[{json.dumps(line)}] || 0)"
 
 
+def legend(page, chart: str) -> dict[str, str]:
+    """A chart's legend as shown: {line: value}."""
+    rows = page.locator(f'.chart[data-chart="{chart}"] .u-legend tr.u-series')
+    return {rows.nth(i).locator(".u-label").inner_text(): rows.nth(i).locator(".u-value").inner_text() for i in range(rows.count())}
+
+
+def assert_the_loss_chart_reads_well(page, client: httpx.Client, job_id: int) -> None:
+    """What an ML engineer missed on the job page: the loss chart full width, its legend read without
+    hovering, evaluations never smoothed nor shown as the current step's, sizes and ticks as people read them."""
+    loss = page.locator('.chart[data-chart="train_loss"]')
+    assert loss.bounding_box()["width"] >= 0.9 * page.locator('section[data-group="Loss"] .charts').bounding_box()["width"]
+    series = client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
+    shown = lambda value: page.evaluate(f"short({value})")  # noqa: E731 (the page's own number format)
+    last_eval, last_train = series["eval_loss"]["values"][-1], series["train_loss"]["values"][-1]
+    assert legend(page, "train_loss") == {"step": "600", "train_loss": shown(last_train), "eval_loss": shown(last_eval)}  # not hovered: the last step's
+
+    # Smoothed, the training curve moves and the evaluations don't: each is an exact value.
+    page.locator("input[aria-label=smoothing]").fill("0.8")
+    page.wait_for_function(f"() => document.querySelector('.chart[data-chart=\"train_loss\"] .u-legend tr.u-series .u-value').textContent !== {json.dumps(shown(last_train))}")
+    assert legend(page, "train_loss")["eval_loss"] == shown(last_eval)
+    page.locator("input[aria-label=smoothing]").fill("0")
+
+    # Between two evaluations (every 100 steps) the legend gives the one before, saying from which step.
+    box = loss.locator(".u-over").bounding_box()
+    page.mouse.move(box["x"] + 0.27 * box["width"], box["y"] + box["height"] / 2)
+    hovered = legend(page, "train_loss")
+    eval_step = int(hovered["eval_loss"].rpartition(" @ ")[2])
+    assert eval_step % 100 == 0 and " @ " not in hovered["train_loss"], hovered
+    page.mouse.move(0, 0)
+
+    sizes = [row.locator("td").nth(1).inner_text() for row in page.locator("table tr", has=page.locator("button", has_text="download")).all()]
+    assert sizes and all(size.endswith((" KiB", " MiB")) and not size.startswith("0.0") for size in sizes), sizes
+    assert page.evaluate("ticks(null, [0, 0.0002, 0.0004], 1, 0, 0.0002)") == ["0", "2e-4", "4e-4"]  # an lr axis's zero is 0, not 0e+0
+
+
 def upload_script(client: httpx.Client, source: bytes) -> int:
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w:gz") as tar:
@@ -124,6 +159,7 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         assert "step/s" not in page.inner_text(".summary") and "ended" in page.inner_text(".summary")
         assert page.locator("table tr", has=page.locator("button", has_text="download")).count() == 2  # keep_last 2
         assert sum("/metrics?" in url for url in requests) == 1
+        assert_the_loss_chart_reads_well(page, client, job_id)
         page.screenshot(path=str(ARTIFACTS / "dashboard-job-done.png"), full_page=True)
 
         # The checkpoint download button hands the browser the safetensors file the API serves.
