@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -93,13 +93,20 @@ def job_visible_to(session: Session, user: User, job_id: int) -> Job | None:
     return job
 
 
-def jobs_visible_to(session: Session, user: User, *, status: JobStatus | None, limit: int, before_id: int | None) -> list[Job]:
-    """Newest first; `before_id` is the cursor (the last id of the previous page)."""
+def jobs_visible_to(
+    session: Session, user: User, *, status: JobStatus | None, limit: int, before_id: int | None, search: str | None = None
+) -> list[Job]:
+    """Newest first; `before_id` is the cursor (the last id of the previous page); `search`: text
+    that the job's name or its owner's contains, in any case."""
     query = select(Job).order_by(Job.id.desc()).limit(limit)
     if not user.is_admin:
         query = query.where(Job.owner_id == user.id)
     if status is not None:
         query = query.where(Job.status == status)
+    if search:
+        pattern = "%" + search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"  # the text itself, no wildcards
+        owners = select(User.id).where(User.name.ilike(pattern, escape="\\"))
+        query = query.where(or_(Job.name.ilike(pattern, escape="\\"), Job.owner_id.in_(owners)))
     if before_id is not None:
         query = query.where(Job.id < before_id)
     return list(session.scalars(query))

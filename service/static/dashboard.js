@@ -32,7 +32,8 @@ let loginMessage = "";  // why the login form is back, shown on it once
 
 function token() { return localStorage.getItem("trainyard-token"); }
 
-async function request(path, options = {}) {
+// keepRefusal: answer a refusal (a 422's body says which field) instead of throwing it.
+async function request(path, options = {}, keepRefusal = false) {
   const sent = token();
   const response = await fetch(path, { ...options, headers: { ...options.headers, Authorization: "Bearer " + sent } });
   if (response.status === 401) {
@@ -40,7 +41,7 @@ async function request(path, options = {}) {
     if (token() === sent) { localStorage.removeItem("trainyard-token"); loginMessage = "The server refused that token."; route(); }
     throw new Error("not logged in");
   }
-  if (!response.ok) throw new Error(path + ": HTTP " + response.status);
+  if (!response.ok && !keepRefusal) throw new Error(path + ": HTTP " + response.status);
   return response;
 }
 
@@ -85,13 +86,14 @@ async function follow(path, after, onMessages, signal) {
   }
 }
 
-// A checkpoint link can't carry the Authorization header, so fetch the file and hand the browser a blob.
-async function download(checkpoint) {
-  const response = await request("/v1/checkpoints/" + checkpoint.id + "/download");
-  const link = el("a", { href: URL.createObjectURL(await response.blob()), download: "job" + checkpoint.job_id + "-step" + checkpoint.step + ".safetensors" });
+// A link can't carry the Authorization header, so fetch the file and hand the browser a blob.
+async function saveAs(path, filename) {
+  const response = await request(path);
+  const link = el("a", { href: URL.createObjectURL(await response.blob()), download: filename });
   link.click();
   URL.revokeObjectURL(link.href);
 }
+function download(checkpoint) { return saveAs("/v1/checkpoints/" + checkpoint.id + "/download", "job" + checkpoint.job_id + "-step" + checkpoint.step + ".safetensors"); }
 
 // --- Small DOM helpers: every API value goes in as text -------------------------------------
 
@@ -125,6 +127,11 @@ function bytes(size) {
   let i = 0;
   while (size >= 1024 && i < units.length - 1) { size /= 1024; i++; }
   return (i ? size.toFixed(size < 10 ? 1 : 0) : String(size)) + " " + units[i];
+}
+// How long a job has run: from its first start to its end, or to now while it runs.
+function runTime(job) {
+  if (!job.started_at) return "–";
+  return duration(((job.finished_at ? new Date(job.finished_at) : new Date()) - new Date(job.started_at)) / 1000);
 }
 function when(iso) { return iso ? new Date(iso).toLocaleString() : "–"; }
 // A job's pace while it runs; its end once it is over (a finished job has no speed).
@@ -466,8 +473,15 @@ function loginPage(message) {
 
 const selected = new Set();  // jobs ticked for comparing
 
+const STATUSES = ["queued", "scheduled", "running", "succeeded", "failed", "cancelled", "pruned"];
+const jobFilter = { q: "", status: "" };  // the jobs table's search, kept across its re-reads
+let searching;  // the re-read a keystroke asks for, once typing pauses
+
 async function jobsPage() {
-  const [page, dashboard] = await Promise.all([api("/v1/jobs?limit=100"), api("/v1/dashboard")]);
+  const query = new URLSearchParams({ limit: 100 });
+  if (jobFilter.q) query.set("q", jobFilter.q);
+  if (jobFilter.status) query.set("status", jobFilter.status);
+  const [page, dashboard] = await Promise.all([api("/v1/jobs?" + query), api("/v1/dashboard")]);
   const counts = Object.entries(dashboard.jobs_by_status).map(([s, n]) => s + " " + n).join(" · ");
   const compare = el("button", { type: "button", id: "compare", disabled: selected.size < 2, onclick: () => { location.hash = "#/compare/" + [...selected].sort((a, b) => a - b).join(","); } },
     "Compare selected (" + selected.size + ")");
@@ -476,15 +490,22 @@ async function jobsPage() {
     box.onchange = () => { box.checked ? selected.add(job.id) : selected.delete(job.id); compare.disabled = selected.size < 2; compare.textContent = "Compare selected (" + selected.size + ")"; };
     return box;
   };
+  // Searched by the server (name or owner, any case; a status), so a match beyond the newest 100 is found too.
+  const search = el("input", { type: "search", id: "job-search", placeholder: "name or owner", value: jobFilter.q, "aria-label": "search jobs by name or owner", "data-focus": "job-search" });
+  search.oninput = () => { jobFilter.q = search.value.trim(); clearTimeout(searching); searching = setTimeout(route, 300); };
+  const status = el("select", { id: "job-status", "aria-label": "status", "data-focus": "job-status" },
+    ...["", ...STATUSES].map(s => el("option", { value: s, selected: s === jobFilter.status }, s || "any status")));
+  status.onchange = () => { jobFilter.status = status.value; route(); };
+  const filtered = jobFilter.q || jobFilter.status;
   return el("div", {},
     el("h2", {}, "Jobs"),
-    el("div", { class: "toolbar" }, el("span", { class: "muted" }, counts || "no jobs yet"), compare),
-    table(["", "id", "name", "owner", "status", "progress", "step", "step/s", "ETA", "last loss", "effective batch", "created"],
+    el("div", { class: "toolbar" }, el("span", { class: "muted" }, counts || "no jobs yet"), search, status, compare),
+    page.items.length || !filtered ? table(["", "id", "name", "owner", "status", "progress", "step", "step/s", "ETA", "run time", "last loss", "effective batch", "created"],
       page.items.map(job => [
         tick(job), String(job.id), el("a", { href: "#/jobs/" + job.id, "data-focus": "job-" + job.id }, job.name), job.owner, statusBadge(job.status),
         job.max_steps ? progressBar(job.step / job.max_steps) : "—", steps(job), FINAL.has(job.status) ? "—" : number(job.steps_per_second, 3),
-        FINAL.has(job.status) ? "—" : duration(job.eta_seconds), number(job.last_train_loss), String(job.effective_batch_size ?? "—"), when(job.created_at),
-      ])));
+        FINAL.has(job.status) ? "—" : duration(job.eta_seconds), runTime(job), number(job.last_train_loss), String(job.effective_batch_size ?? "—"), when(job.created_at),
+      ])) : el("p", { class: "muted", id: "no-match" }, "No job matches."));
 }
 
 function jobSummary(job) {
@@ -494,6 +515,55 @@ function jobSummary(job) {
       " · effective batch " + (job.effective_batch_size ?? "—") + " · " + job.spec.resources.nodes + "×" + job.spec.resources.processes_per_node + " " + job.spec.resources.device),
     job.waiting_reason ? el("p", { class: "muted" }, job.waiting_reason) : "",
     job.failure_reason ? el("pre", { class: "error" }, job.failure_reason) : "");
+}
+
+// What a run was and how it ended, at a glance: its run time and last values, its spec, its outputs;
+// and what one does next: cancel it, or submit it again with changes.
+function overview(job, run, outputs) {
+  const finals = Object.entries(run.series)
+    .filter(([name, s]) => s.values.length && !HIDDEN.has(name) && ["Loss", OWN_GROUP].includes(groupOf(name)))
+    .sort(([a], [b]) => a.localeCompare(b))
+    .map(([name, s]) => name + " " + short(s.values[s.values.length - 1]) + " (step " + s.steps[s.steps.length - 1] + ")");
+  const spec = flatten(job.spec);
+  return el("div", { class: "overview" },
+    el("div", { class: "toolbar" },
+      FINAL.has(job.status) ? "" : el("button", { type: "button", id: "cancel-job", onclick: async event => {
+        event.target.disabled = true;
+        await request("/v1/jobs/" + job.id + "/cancel", { method: "POST" });
+      } }, "Cancel"),
+      el("button", { type: "button", id: "clone-job", onclick: () => document.getElementById("resubmit").replaceChildren(resubmitForm(job)) }, "Clone and resubmit…"),
+      el("span", { class: "muted" }, "run time " + runTime(job) + (finals.length ? " · last " + finals.join(" · ") : ""))),
+    el("div", { id: "resubmit" }),
+    el("details", { class: "spec" }, el("summary", {}, "Spec"),
+      table(["field", "value"], Object.keys(spec).sort().map(field => [field, el("td", { class: "wrap" }, spec[field])]))),
+    outputs.length ? el("div", { class: "outputs" }, el("h3", {}, "Outputs"), table(["directory", "step", "files", "size", ""], outputs.map(o => [
+      o.name, o.step == null ? "–" : String(o.step), String(o.files), bytes(o.size_bytes),
+      el("button", { type: "button", onclick: () => saveAs("/v1/jobs/" + job.id + "/outputs/" + o.name, "job" + job.id + "-" + o.name.replaceAll("/", "_") + ".tar") }, "download")]))) : "");
+}
+
+// The job's spec to edit and submit as a new job; the API's refusal (a 422 naming the field) shown as is.
+function resubmitForm(job) {
+  const text = el("textarea", { id: "resubmit-spec", rows: 18, spellcheck: "false", "aria-label": "job spec (JSON)" });
+  text.value = JSON.stringify({ ...job.spec, name: job.spec.name + "-again" }, null, 2);
+  const error = el("pre", { class: "error", id: "resubmit-error" });
+  const submit = async event => {
+    event.preventDefault();
+    error.textContent = "";
+    let spec;
+    try { spec = JSON.parse(text.value); } catch (problem) { error.textContent = "not JSON: " + problem.message; return; }
+    const response = await request("/v1/jobs", { method: "POST", body: JSON.stringify(spec), headers: { "Content-Type": "application/json" } }, true);
+    const answer = await response.json().catch(() => ({}));
+    if (!response.ok) {
+      const detail = Array.isArray(answer.detail) ? answer.detail.map(d => (d.loc || []).filter(p => p !== "body").join(".") + ": " + d.msg).join("\n") : answer.detail;
+      error.textContent = "refused (" + response.status + "): " + (detail || response.statusText);
+      return;
+    }
+    location.hash = "#/jobs/" + answer.id;
+  };
+  return el("form", { class: "resubmit", onsubmit: submit },
+    el("p", { class: "muted" }, "Job " + job.id + "'s spec: change what you want, then submit it as a new job."), text,
+    el("div", { class: "toolbar" }, el("button", { type: "submit" }, "Submit as a new job"),
+      el("button", { type: "button", onclick: event => event.target.closest("form").remove() }, "Close")), error);
 }
 
 function attemptsTable(job) {
@@ -514,11 +584,11 @@ function checkpointsTable(checkpoints) {
 
 // A job's page: loaded once, then kept current by its event stream.
 async function jobPage(id, signal) {
-  const [job, metrics, checkpoints] = await Promise.all([
-    api("/v1/jobs/" + id), api("/v1/jobs/" + id + "/metrics?max_points=" + MAX_POINTS), api("/v1/jobs/" + id + "/checkpoints"),
+  const [job, metrics, checkpoints, outputs] = await Promise.all([
+    api("/v1/jobs/" + id), api("/v1/jobs/" + id + "/metrics?max_points=" + MAX_POINTS), api("/v1/jobs/" + id + "/checkpoints"), api("/v1/jobs/" + id + "/outputs"),
   ]);
   const run = { label: "", series: Object.fromEntries(Object.entries(metrics.series).map(([n, s]) => [n, { steps: s.steps, values: s.values }])) };
-  const summary = el("div", {}, jobSummary(job));
+  const summary = el("div", {}, jobSummary(job), overview(job, run, outputs));
   const attempts = el("div", {}, attemptsTable(job)), stored = el("div", {}, checkpointsTable(checkpoints));
   const charts = el("section", { class: "board" });
   const page = el("div", {}, summary, charts, el("h3", {}, "Attempts"), attempts, el("h3", {}, "Checkpoints"), stored);
@@ -527,10 +597,13 @@ async function jobPage(id, signal) {
     signal.addEventListener("abort", () => board.destroy());
     page.append(new LogsPanel(id, signal).root);
     const reload = async () => {
-      const [fresh, checkpoints] = await Promise.all([api("/v1/jobs/" + id), api("/v1/jobs/" + id + "/checkpoints")]);
+      const [fresh, checkpoints, outputs] = await Promise.all([api("/v1/jobs/" + id), api("/v1/jobs/" + id + "/checkpoints"), api("/v1/jobs/" + id + "/outputs")]);
       if (signal.aborted) return;
       Object.assign(job, fresh);
-      summary.replaceChildren(jobSummary(job)); attempts.replaceChildren(attemptsTable(fresh)); stored.replaceChildren(checkpointsTable(checkpoints));
+      const editing = summary.querySelector("form.resubmit");  // a spec being edited stays as it is
+      summary.replaceChildren(jobSummary(job), overview(job, run, outputs));
+      if (editing) summary.querySelector("#resubmit").replaceChildren(editing);
+      attempts.replaceChildren(attemptsTable(fresh)); stored.replaceChildren(checkpointsTable(checkpoints));
     };
     follow("/v1/jobs/" + id + "/events", metrics.last_event_id, batch => {
       for (const { type, data } of batch) {
@@ -538,7 +611,7 @@ async function jobPage(id, signal) {
       }
       if (batch.some(m => m.type === "metrics")) board.refresh();
       if (batch.some(m => m.type !== "metrics") || !batch.length) reload();  // a status or checkpoint; or the end
-      else { job.step = Math.max(job.step, ...batch.map(m => m.data.data.step)); summary.replaceChildren(jobSummary(job)); }
+      else { job.step = Math.max(job.step, ...batch.map(m => m.data.data.step)); summary.firstChild.replaceWith(jobSummary(job)); }
     }, signal);
   } };
 }
@@ -668,7 +741,11 @@ function show(page) {
   const scroll = window.scrollY;
   view.replaceChildren(page);
   window.scrollTo(0, scroll);
-  if (focused) view.querySelector(`[data-focus="${focused}"]`)?.focus();
+  const again = focused && view.querySelector(`[data-focus="${focused}"]`);
+  if (again) {
+    again.focus();
+    if (again.type === "search") again.setSelectionRange(again.value.length, again.value.length);  // typing goes on at the end
+  }
 }
 
 async function render(mine, signal) {

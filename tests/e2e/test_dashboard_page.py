@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import tarfile
 from pathlib import Path
@@ -36,6 +37,9 @@ for step in range(1, 31):
     loss = 3.0 / step
     accelerator.log({"loss": loss, "perplexity": math.exp(loss)}, step=step)
     time.sleep(0.05)
+import os
+os.makedirs("out", exist_ok=True)
+open("out/result.txt", "w").write("a script's output")
 """
 
 
@@ -87,6 +91,37 @@ def assert_the_loss_chart_reads_well(page, client: httpx.Client, job_id: int) ->
     assert page.evaluate("ticks(null, [0, 0.0002, 0.0004], 1, 0, 0.0002)") == ["0", "2e-4", "4e-4"]  # an lr axis's zero is 0, not 0e+0
 
 
+def overview_clone_and_cancel(page, client: httpx.Client, job_id: int) -> None:
+    """A job's overview: its run time, last values and spec; cloned with a change, refused naming the
+    field, submitted, and the new job cancelled from its page."""
+    page.click(f"a[href='#/jobs/{job_id}']")
+    page.locator("details.spec summary").click()
+    spec_table = page.inner_text("details.spec table")
+    assert "optimizer.lr" in spec_table and "0.003" in spec_table
+    facts = page.inner_text(".overview .toolbar")
+    assert "run time" in facts and "eval_loss" in facts and "train_loss" in facts, facts
+
+    page.click("#clone-job")
+    edited = json.loads(page.locator("#resubmit-spec").input_value())
+    assert edited["name"] == "higher-lr-again" and edited["optimizer"]["lr"] == 0.003
+    edited["training"]["max_steps"] = -1
+    page.locator("#resubmit-spec").fill(json.dumps(edited))
+    page.click("form.resubmit button[type=submit]")
+    page.locator("#resubmit-error", has_text="training.max_steps").wait_for()
+    edited["training"].update(max_steps=10**6, eval_every=10**5)
+    page.locator("#resubmit-spec").fill(json.dumps(edited))
+    page.click("form.resubmit button[type=submit]")
+    page.wait_for_function(f"() => /^#\\/jobs\\/\\d+$/.test(location.hash) && location.hash !== '#/jobs/{job_id}'")
+    clone_id = int(page.evaluate("location.hash").rpartition("/")[2])
+    clone = client.get(f"/v1/jobs/{clone_id}").json()
+    assert clone["name"] == "higher-lr-again" and clone["spec"]["training"]["max_steps"] == 10**6 and clone["spec"]["optimizer"]["lr"] == 0.003
+
+    page.click("#cancel-job")
+    page.wait_for_selector("h2 .status.cancelled", timeout=60_000)
+    assert wait_for(client, clone_id, {"cancelled"})["status"] == "cancelled"
+    page.screenshot(path=str(ARTIFACTS / "dashboard-job-cancelled.png"), full_page=True)
+
+
 def upload_script(client: httpx.Client, source: bytes) -> int:
     out = io.BytesIO()
     with tarfile.open(fileobj=out, mode="w:gz") as tar:
@@ -111,7 +146,7 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
             "name": "watched-run", "training.max_steps": 600, "training.eval_every": 100, "checkpoint.every_steps": 200,
         })
         job_id = client.post("/v1/jobs", json=spec).json()["id"]
-        script = {"name": "own-metrics", "script": {"entrypoint": "train.py", "code": {"upload_id": upload_script(client, OWN_METRICS_SCRIPT)}}}
+        script = {"name": "own-metrics", "script": {"entrypoint": "train.py", "code": {"upload_id": upload_script(client, OWN_METRICS_SCRIPT)}, "outputs": ["out"]}}
         script_id = client.post("/v1/jobs", json=script).json()["id"]
         other = tiny_spec(**{"name": "higher-lr", "training.max_steps": 60, "training.eval_every": 30, "optimizer.lr": 0.003})
         other_id = client.post("/v1/jobs", json=other).json()["id"]  # runs once the script job has freed its slot
@@ -175,6 +210,12 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         page.wait_for_function(f"() => {drawn('perplexity', 'perplexity')} === 30", timeout=30_000)
         assert points_drawn(page, "loss", "loss") == 30
         assert page.locator('section[data-group="Reported by the job"] [data-chart="perplexity"]').count() == 1
+        # Its overview lists what it wrote (script.outputs), downloadable as a tar.
+        outputs = page.locator(".overview .outputs table")
+        outputs.wait_for()
+        with page.expect_download() as fetched:
+            outputs.locator("button", has_text="download").click()
+        assert tarfile.open(fetched.value.path()).extractfile(f"job{script_id}-output/out/result.txt").read() == b"a script's output"
         page.screenshot(path=str(ARTIFACTS / "dashboard-script-job.png"), full_page=True)
 
         # Compare: tick two jobs in the table; each chart overlays both, and the spec diff shows what differs.
@@ -219,6 +260,21 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         assert f"{user['device_seconds'] / 3600:.3f}" in user_row.inner_text()
         assert {j["job_id"] for j in usage["jobs"]} >= {job_id, other_id} and all(j["device_seconds"] > 0 for j in usage["jobs"])
         page.screenshot(path=str(ARTIFACTS / "dashboard-usage.png"), full_page=True)
+
+        # The jobs table: searched by name or owner, and filtered by status, by the server; each job's run time.
+        page.click("a[href='#/jobs']")
+        page.locator("#job-search").fill("HIGHER")
+        page.wait_for_function("() => document.querySelectorAll('table tr').length === 2")  # its header and the one match
+        assert "higher-lr" in page.inner_text("table") and "watched-run" not in page.inner_text("table")
+        page.locator("#job-search").fill("")
+        page.select_option("#job-status", "cancelled")
+        page.locator("#no-match").wait_for()
+        page.select_option("#job-status", "")
+        watched_row = page.locator("tr", has=page.locator("a", has_text="watched-run"))
+        watched_row.wait_for()
+        assert re.search(r"\b\d+s\b", watched_row.inner_text()), watched_row.inner_text()  # its run time
+
+        overview_clone_and_cancel(page, client, other_id)
 
         # Dark, at a phone's width: nothing wider than the screen, the page dark.
         phone = browser.new_page(viewport={"width": 390, "height": 844}, color_scheme="dark")

@@ -175,6 +175,25 @@ def test_job_list_pages_with_a_cursor_and_filters_by_status(api, tokens):
     assert api.get("/v1/jobs", params={"status": "bogus"}, headers=auth(tokens["alice"])).status_code == 422
 
 
+def test_job_list_searches_names_and_owners_in_any_case_taking_wildcards_literally(api, tokens):
+    def submit(user: str, name: str) -> int:
+        return api.post("/v1/jobs", json=tiny_spec(name=name), headers=auth(tokens[user])).json()["id"]
+
+    alpha, under, plain, bobs = submit("alice", "Alpha-run"), submit("alice", "lr_0.1"), submit("alice", "lr-0.1"), submit("bob", "alpha-too")
+
+    def found(user: str, q: str) -> list[int]:
+        answer = api.get("/v1/jobs", params={"q": q}, headers=auth(tokens[user]))
+        assert answer.status_code == 200, answer.text
+        return [job["id"] for job in answer.json()["items"]]
+
+    assert found("alice", "ALPHA") == [alpha]  # bob's job is not alice's to see
+    assert found("root", "alpha") == [bobs, alpha]
+    assert found("alice", "lr_") == [under] and found("alice", "%") == []  # _ and % are text, not wildcards
+    assert found("root", "BoB") == [bobs]  # the owner's name
+    assert api.get("/v1/jobs", params={"q": "x" * 101}, headers=auth(tokens["alice"])).status_code == 422
+    assert plain in found("alice", "")
+
+
 def test_cancelling_a_queued_job_is_immediate(api, tokens):
     job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
     job = api.post(f"/v1/jobs/{job_id}/cancel", headers=auth(tokens["alice"])).json()

@@ -55,8 +55,9 @@ def list_jobs(
     status_: Annotated[JobStatus | None, Query(alias="status")] = None,
     limit: PageLimit = 50,
     cursor: PageCursor = None,
+    q: Annotated[str | None, Query(max_length=100, description="Only jobs whose name or owner contains this text, in any case.")] = None,
 ) -> JobPage:
-    jobs = jobs_visible_to(session, user, status=status_, limit=limit, before_id=int(cursor) if cursor else None)
+    jobs = jobs_visible_to(session, user, status=status_, limit=limit, before_id=int(cursor) if cursor else None, search=q)
     return JobPage(items=job_outs(session, jobs), next_cursor=next_page(jobs, limit))
 
 
