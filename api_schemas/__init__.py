@@ -1,6 +1,6 @@
 """Job spec and API models shared by the service, workers and clients. Imports nothing of the project."""
 
-from api_schemas.accounts import AuditEntryOut, AuditPage, JobUsageOut, TokenOut, UsageOut, UserUsageOut
+from api_schemas.accounts import AuditEntryOut, AuditPage, JobUsageOut, LoginCodeOut, LoginRequest, TokenOut, UsageOut, UserUsageOut
 from api_schemas.api import (
     AttemptOut,
     AttemptStatus,
@@ -49,6 +49,8 @@ __all__ = [
     "AuditEntryOut",
     "AuditPage",
     "JobUsageOut",
+    "LoginCodeOut",
+    "LoginRequest",
     "TokenOut",
     "UsageOut",
     "UserUsageOut",

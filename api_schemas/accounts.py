@@ -12,6 +12,16 @@ class TokenOut(BaseModel):
     expires_at: datetime | None = Field(description="When this token stops working; null: until rotated or revoked.")
 
 
+class LoginCodeOut(BaseModel):
+    code: str = Field(description="Works once, until expires_at: POST it to /v1/login (the page does, from a `#login=CODE` link).")
+    expires_at: datetime
+    link: str = Field(description="The page's path that signs a browser in with it: `/dashboard#login=CODE` (a fragment: never sent to a server, so in no log).")
+
+
+class LoginRequest(BaseModel):
+    code: str = Field(min_length=1, max_length=100)
+
+
 class AuditEntryOut(BaseModel):
     id: int
     at: datetime

@@ -64,6 +64,11 @@ class LoggingSettings(_FromEnvironment):
 class ApiSettings(_FromEnvironment):
     """The API: what one request, one upload and one user may ask of it, and how its streams run."""
 
+    login_code_seconds: int = Field(300, gt=0, description="How long a one-time login link (`trainyard open`) works, unused.")
+    browser_session_hours: float = Field(
+        24, gt=0, description="How long a browser signed in by a login link stays signed in (rotating the user's token ends it sooner)."
+    )
+
     max_active_jobs_per_user: int | None = Field(
         100, ge=1,
         description="Most queued, scheduled and running jobs one user may have; a submit beyond it gets 429 with Retry-After. On by default on a shared service; None (in code): no limit.",

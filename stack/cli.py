@@ -16,7 +16,7 @@ from pathlib import Path
 from service.settings import Settings
 from service.user_commands import add_host_commands, add_user_commands
 from trainyard.cli import SERVER_COMMANDS
-from trainyard.client import token_file
+from trainyard.client import Client, token_file
 
 
 def _settings() -> Settings:
@@ -122,7 +122,10 @@ def _run_stack(args: argparse.Namespace) -> int:
     with embedded_stack(
         Path(args.data_dir), args.port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox
     ) as stack:
-        print(f"Trainyard is up at {stack.url}; dashboard: {stack.url}/dashboard (log in with the admin token)")
+        with Client(server=stack.url, token=stack.token) as client:
+            link, _ = client.login_link()
+        print(f"Trainyard is up at {stack.url}; dashboard: {link}")
+        print("  (that link signs a browser in once, within minutes; `trainyard open` makes another)")
         print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(True))

@@ -1,9 +1,10 @@
-"""`trainyard token rotate`, `trainyard usage` and `trainyard audit`: a user's token, and who used what."""
+"""`trainyard token rotate`, `trainyard open`, `trainyard usage` and `trainyard audit`: a user's token and browser, and who used what."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import webbrowser
 from datetime import datetime
 
 import yaml
@@ -44,6 +45,17 @@ def cmd_token_rotate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_open(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        link, expires_at = client.login_link()
+    # The link works once, for minutes: printed, for a browser on another machine, and opened here.
+    print(link)
+    print(f"signs a browser in once, until {local_time(expires_at)}; the page keeps its own session, never your token", file=sys.stderr)
+    if not args.no_browser:
+        webbrowser.open(link)
+    return 0
+
+
 def cmd_usage(args: argparse.Namespace) -> int:
     with connect(args) as client:
         found = client.usage(since=args.since, limit=args.limit)
@@ -73,6 +85,10 @@ def add_account_commands(subparsers, connection: argparse.ArgumentParser) -> Non
         "rotate", parents=[connection], help="replace your token with a new one (the old one stops working); stored where the old one was found"
     )
     rotate.set_defaults(func=guarded(cmd_token_rotate))
+
+    open_page = subparsers.add_parser("open", parents=[connection], help="open the dashboard, signed in by a one-time link (printed too)")
+    open_page.add_argument("--no-browser", action="store_true", help="only print the link")
+    open_page.set_defaults(func=guarded(cmd_open))
 
     usage = subparsers.add_parser("usage", parents=[connection], help="device-hours per user and job (yours; everyone's for an admin)")
     usage.add_argument("--since", type=local_moment, help="count from this time (ISO 8601, e.g. 2026-11-01)")

@@ -33,7 +33,7 @@ import yaml
 from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
-    AuditEntryOut, AuditPage, CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LogsOut,
+    AuditEntryOut, AuditPage, CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LoginCodeOut, LogsOut,
     MetricsOut, OutputOut, SweepOut, SweepPage, SweepSpec, TokenOut, UploadOut, UsageOut, WorkerOut, field_location,
 )
 from api_schemas.jobs import relative_inside_root
@@ -335,6 +335,12 @@ class Client:
         self.token = new.token
         self._http.headers["Authorization"] = f"Bearer {new.token}"
         return new
+
+    def login_link(self) -> tuple[str, datetime]:
+        """A link that signs a browser in as this client's user, once, and when it stops working
+        (the browser gets a session of its own; the token is never in the link)."""
+        code = self._call(LoginCodeOut, "POST", "/v1/login-codes")
+        return self.server + code.link, code.expires_at
 
     def usage(self, since: datetime | None = None, limit: int = 20) -> UsageOut:
         """Device-seconds per user and job: your own, or everyone's for an admin."""

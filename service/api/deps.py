@@ -23,6 +23,7 @@ from api_schemas import ErrorOut
 from service.api.limits import FailedAuthLimiter
 from service.artifacts import ArtifactStore
 from service.db.accounts import user_by_token, why_refused
+from service.db.browser_logins import SESSION_PREFIX, user_by_browser_token
 from service.db.host_tokens import host_by_token
 from service.db.jobs import job_visible_to
 from service.db.models import Job, User, utcnow
@@ -113,13 +114,18 @@ def get_current_user(
     request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> User:
     """The token's user (detached, its columns loaded)."""
-    user = _token_owner(request, settings, credentials, user_by_token)
+    user = _token_owner(request, settings, credentials, _user_by_token)
     if user is None:
         raise _unauthorized("missing or invalid bearer token")
     request.state.caller = user  # for the audit trail (service/api/audit.py), a refused token's owner too
     if refused := why_refused(user, utcnow()):  # a real token, so not counted as a guess
         raise _unauthorized(refused)
     return user
+
+
+def _user_by_token(session: Session, token: str) -> User | None:
+    """A user's own token, or a browser session's that acts as its user (service/db/browser_logins.py)."""
+    return user_by_token(session, token) or (user_by_browser_token(session, token) if token.startswith(SESSION_PREFIX) else None)
 
 
 def _unauthorized(why: str) -> HTTPException:

@@ -6,10 +6,10 @@ import hashlib
 import secrets
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from service.db.models import User, utcnow
+from service.db.models import BrowserSession, User, utcnow
 
 
 def hash_token(token: str) -> str:
@@ -42,8 +42,10 @@ def create_user(
 
 
 def rotate_token(session: Session, user: User) -> tuple[str, datetime | None]:
-    """A new token for `user`; the old one stops working at once. Returns it and when it expires."""
+    """A new token for `user`; the old one stops working at once, and so do the browser sessions it
+    signed in. Returns it and when it expires."""
     token = _issue(user)
+    session.execute(delete(BrowserSession).where(BrowserSession.user_id == user.id))
     session.commit()
     return token, user.token_expires_at
 

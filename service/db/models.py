@@ -319,6 +319,29 @@ class HostToken(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
 
 
+class LoginCode(Base):
+    """A one-time code a user's token asked for (`trainyard open`), exchanged once for a browser
+    session: a link that signs a browser in without the token itself in a URL (migration 0021)."""
+
+    __tablename__ = "login_codes"
+    code_hash: Mapped[str] = mapped_column(String(64), primary_key=True)
+    user_id: Mapped[int] = mapped_column(BigId, ForeignKey("users.id"), index=True)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    used_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+
+
+class BrowserSession(Base):
+    """A browser's own credential, from a login code: it acts as its user until it expires, the
+    user's token is rotated, or the user is revoked (migration 0021)."""
+
+    __tablename__ = "browser_sessions"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    user_id: Mapped[int] = mapped_column(BigId, ForeignKey("users.id"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
 class ClusterPool(Base):
     """A cluster that jobs may name as `resources.pool` (a Slurm partition): what one node of it
     offers, as its scheduler last read it (migration 0019)."""

@@ -464,7 +464,7 @@ function loginPage(message) {
   const input = el("input", { id: "token", type: "password", placeholder: "API token", autocomplete: "off", "aria-label": "API token" });
   const form = el("form", { class: "login" },
     el("h2", {}, "Log in"),
-    el("p", { class: "muted" }, "Paste an API token (trainyard up writes the local admin's to <data-dir>/token)."),
+    el("p", { class: "muted" }, "Run `trainyard open` for a link that signs this browser in, or paste an API token (trainyard up writes the local admin's to <data-dir>/token)."),
     input, el("button", { type: "submit" }, "Log in"),
     el("p", { class: "error" }, message || ""));
   form.onsubmit = event => { event.preventDefault(); localStorage.setItem("trainyard-token", input.value.trim()); location.hash = "#/jobs"; route(); };
@@ -600,9 +600,11 @@ async function jobPage(id, signal) {
       const [fresh, checkpoints, outputs] = await Promise.all([api("/v1/jobs/" + id), api("/v1/jobs/" + id + "/checkpoints"), api("/v1/jobs/" + id + "/outputs")]);
       if (signal.aborted) return;
       Object.assign(job, fresh);
-      const editing = summary.querySelector("form.resubmit");  // a spec being edited stays as it is
+      // What the reader opened stays as it was: a spec being edited, the spec unfolded.
+      const editing = summary.querySelector("form.resubmit"), unfolded = summary.querySelector("details.spec")?.open;
       summary.replaceChildren(jobSummary(job), overview(job, run, outputs));
       if (editing) summary.querySelector("#resubmit").replaceChildren(editing);
+      summary.querySelector("details.spec").open = Boolean(unfolded);
       attempts.replaceChildren(attemptsTable(fresh)); stored.replaceChildren(checkpointsTable(checkpoints));
     };
     follow("/v1/jobs/" + id + "/events", metrics.last_event_id, batch => {
@@ -771,6 +773,18 @@ async function render(mine, signal) {
   }
 }
 
+// Opened from a one-time link (`trainyard open`, `trainyard up`): #login=CODE, a fragment, so no
+// server saw the code. It is taken off the address at once (history, a shared screen) and
+// exchanged for this browser's own session token, kept as a pasted token is.
+async function signInFromLink() {
+  const code = location.hash.match(/^#login=([\w-]+)$/)?.[1];
+  if (!code) return;
+  history.replaceState(null, "", location.pathname + "#/jobs");
+  const response = await fetch("/v1/login", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ code }) });
+  if (response.ok) localStorage.setItem("trainyard-token", (await response.json()).token);
+  else loginMessage = "That sign-in link was used already or has expired: `trainyard open` makes a new one.";
+}
+
 function route() {
   leaving.abort();
   leaving = new AbortController();
@@ -780,4 +794,4 @@ function route() {
 }
 
 window.addEventListener("hashchange", route);
-route();
+signInFromLink().finally(route);

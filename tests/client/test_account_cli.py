@@ -3,6 +3,7 @@ client's `token rotate`, `usage` and `audit`, against the real API served by uvi
 
 from __future__ import annotations
 
+import httpx
 import pytest
 import yaml
 
@@ -134,3 +135,22 @@ def test_the_user_commands_find_the_embedded_database_going_up_or_say_where_they
     monkeypatch.chdir(tmp_path / "elsewhere")
     assert main(["user", "create", "ivan"]) == 1
     assert "error: no Trainyard database at" in capsys.readouterr().err  # one line, no traceback
+
+
+def test_open_prints_a_one_time_link_that_signs_a_browser_in_without_the_token(run, settings, api_url, monkeypatch):
+    with session_factory(settings.resolved_database_url)() as session:
+        _, token = create_user(session, "fay")
+    opened = []
+    monkeypatch.setattr("webbrowser.open", opened.append)  # this machine has no browser to open
+    code, out, err = run("open", "--token", token)
+    link = out.strip()
+    assert code == 0 and opened == [link] and "once" in err
+    assert link.startswith(f"{api_url}/dashboard#login=") and token not in link
+    assert run("open", "--no-browser", "--token", token)[0] == 0 and len(opened) == 1
+
+    # What the page does with the link: the code from its fragment, for a session of its own.
+    answer = httpx.post(f"{api_url}/v1/login", json={"code": link.rpartition("#login=")[2]})
+    browser = answer.json()["token"]
+    assert answer.status_code == 200 and browser != token
+    with Client(server=api_url, token=browser) as as_browser:
+        assert as_browser.submit(tiny_spec()).owner == "fay"

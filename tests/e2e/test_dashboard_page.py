@@ -20,6 +20,7 @@ from tests.browser import ARTIFACTS
 from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
+from trainyard.client import Client
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
 from workers.supervisor import EventTail, free_port
 
@@ -241,6 +242,19 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         shared.evaluate(f"localStorage.setItem('trainyard-token', {json.dumps(info.token)})")
         shared.goto(page.url)
         shared.wait_for_function(f"() => {drawn('train_loss', label[job_id] + ' · train_loss')} === 600", timeout=30_000)
+
+        # A one-time link signs a fresh browser in (`trainyard open`, `trainyard up`): the code leaves
+        # the address at once, the page holds a session of its own, and the link works only once.
+        with Client(server=info.url, token=info.token) as admin:
+            link, _ = admin.login_link()
+        linked = browser.new_page(viewport={"width": 1400, "height": 900})
+        linked.goto(link)
+        linked.locator("tr", has=linked.locator("a", has_text="watched-run")).wait_for()
+        assert "login=" not in linked.url
+        assert linked.evaluate("localStorage.getItem('trainyard-token')").startswith("tyb_")
+        reused = browser.new_page(viewport={"width": 1400, "height": 900})
+        reused.goto(link)
+        reused.locator("form.login p.error", has_text="used already").wait_for()
 
         # The workers page shows the embedded worker host, online and idle again.
         page.click("a[href='#/workers']")
