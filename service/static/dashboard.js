@@ -786,6 +786,7 @@ async function signInFromLink() {
 }
 
 function route() {
+  clearTimeout(searching);  // a search typed just before leaving the jobs table must not re-render the next page
   leaving.abort();
   leaving = new AbortController();
   if (location.hash === "#/logout") { localStorage.removeItem("trainyard-token"); location.hash = "#/jobs"; return; }
