@@ -210,9 +210,15 @@ def end_attempt(
     job's own spec can't run: every attempt would fail the same) → failed at once, using no restart.
     A queued job resumes from its latest complete checkpoint.
     """
+    # The job's row first: two nodes of a gang ending at once each read the other as still running
+    # (before the other committed) and neither ended the job, which stayed `running` for good (found
+    # on PostgreSQL, the nodes 1 ms apart). Locked, they take turns, and the gang is read after the lock.
+    session.execute(select(Job.id).where(Job.id == job.id).with_for_update())
     if not move_attempt(session, attempt, outcome, reason=reason):
         return False
     gang = [other for other in job.attempts if other.number == attempt.number and other.id != attempt.id]
+    for other in gang:
+        session.refresh(other, ["status"])
     if outcome == AttemptStatus.succeeded:
         if any(other.status != AttemptStatus.succeeded for other in gang):
             return True
