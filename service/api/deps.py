@@ -95,19 +95,26 @@ def _token_owner(request: Request, settings: Settings, credentials: HTTPAuthoriz
     """Whose the bearer token is, by `lookup(session, token)`, read in a short transaction of its own;
     None for no token or a wrong one. A client address with too many wrong tokens lately (of any
     kind: a user's or a host's) gets 429 without a lookup."""
+    address = refuse_a_guesser(request)
+    if not credentials:
+        return None
+    with read_session_factory(settings.resolved_database_url)() as session:
+        owner = lookup(session, credentials.credentials)
+    if owner is None:
+        request.app.state.failed_auths.failed(address)
+    return owner
+
+
+def refuse_a_guesser(request: Request) -> str:
+    """429 for a client address with too many wrong credentials lately (tokens, login codes);
+    else its address, to count a wrong one against."""
     limiter: FailedAuthLimiter = request.app.state.failed_auths
     address = request.client.host if request.client else ""
     if retry_after := limiter.retry_after(address):
         raise HTTPException(
             status.HTTP_429_TOO_MANY_REQUESTS, "too many failed authentications from this address", headers={"Retry-After": str(retry_after)}
         )
-    if not credentials:
-        return None
-    with read_session_factory(settings.resolved_database_url)() as session:
-        owner = lookup(session, credentials.credentials)
-    if owner is None:
-        limiter.failed(address)
-    return owner
+    return address
 
 
 def get_current_user(

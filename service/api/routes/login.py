@@ -9,8 +9,7 @@ from fastapi import APIRouter, HTTPException, Request, status
 
 from api_schemas import LoginCodeOut, LoginRequest, TokenOut
 from service.api.audit import note
-from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionsEndWithRoute, SettingsDep, WriteSessionDep
-from service.api.limits import FailedAuthLimiter
+from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionsEndWithRoute, SettingsDep, WriteSessionDep, refuse_a_guesser
 from service.db.browser_logins import issue_login_code, redeem_login_code
 from service.db.models import User
 
@@ -32,13 +31,10 @@ def new_login_code(request: Request, session: WriteSessionDep, user: CurrentUser
 def login(body: LoginRequest, request: Request, session: WriteSessionDep, settings: SettingsDep) -> TokenOut:
     """A browser session's token for a one-time code; the code is used up. Wrong codes count as wrong
     tokens do, per client address."""
-    limiter: FailedAuthLimiter = request.app.state.failed_auths
-    address = request.client.host if request.client else ""
-    if retry_after := limiter.retry_after(address):
-        raise HTTPException(status.HTTP_429_TOO_MANY_REQUESTS, "too many failed authentications from this address", headers={"Retry-After": str(retry_after)})
+    address = refuse_a_guesser(request)
     signed_in = redeem_login_code(session, body.code, timedelta(hours=settings.browser_session_hours))
     if signed_in is None:
-        limiter.failed(address)
+        request.app.state.failed_auths.failed(address)
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "this login link was used already, has expired or is not one: `trainyard open` makes a new one")
     token, expires_at = signed_in
     return TokenOut(token=token, expires_at=expires_at)
