@@ -19,6 +19,7 @@ which is left for later.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import subprocess
@@ -27,28 +28,31 @@ from workers.sandbox import SANDBOX_UID
 
 log = logging.getLogger("trainyard.worker")
 
-def table_name(host_name: str) -> str:
-    """One table per worker (several may share a machine, each removing its own at exit)."""
-    return "trainyard_" + re.sub(r"[^A-Za-z0-9_]", "_", host_name)[:48]
+TABLE_PREFIX = "trainyard_worker_"
 
 
-def close_control_plane(ports: list[int], host_name: str) -> str | None:
-    """Add the worker's table closing `ports` (the service names its own as the host registers);
+def table_name(pid: int | None = None) -> str:
+    """One table per worker process, named by its pid: several workers may share a machine (and
+    every local stack names its hosts local-0, local-1…), and each removes only its own."""
+    return f"{TABLE_PREFIX}{os.getpid() if pid is None else pid}"
+
+
+def close_control_plane(ports: list[int]) -> str | None:
+    """Add this worker's table closing `ports` (the service names its own as the host registers);
     what it closes, in words, or None if it can't here (not root, no nft)."""
     ports = sorted(set(ports))
     nft = shutil.which("nft")
     if not ports or nft is None:
         return None
-    table = table_name(host_name)
+    remove_orphaned_tables(nft)
     rules = (
-        f"table inet {table} {{\n"
+        f"table inet {table_name()} {{\n"
         f"  chain jobs_out {{\n"
         f"    type filter hook output priority 0; policy accept;\n"
         f"    meta skuid {SANDBOX_UID} tcp dport {{ {', '.join(map(str, ports))} }} reject with tcp reset\n"
         f"  }}\n"
         f"}}\n"
     )
-    subprocess.run([nft, "delete", "table", "inet", table], capture_output=True)  # a table a killed worker left
     done = subprocess.run([nft, "-f", "-"], input=rules, capture_output=True, text=True)
     if done.returncode != 0:
         log.warning("could not close the control plane to jobs with nftables: %s", done.stderr.strip())
@@ -56,7 +60,15 @@ def close_control_plane(ports: list[int], host_name: str) -> str | None:
     return f"ports {', '.join(map(str, ports))} closed to jobs (nftables)"
 
 
-def open_control_plane(host_name: str) -> None:
-    """Remove the worker's table, as it stops."""
+def remove_orphaned_tables(nft: str) -> None:
+    """Remove the tables of workers that were killed before removing their own (their pid is gone)."""
+    listed = subprocess.run([nft, "list", "tables", "inet"], capture_output=True, text=True).stdout
+    for pid in re.findall(rf"^table inet {TABLE_PREFIX}(\d+)$", listed, re.MULTILINE):
+        if not os.path.exists(f"/proc/{pid}"):
+            subprocess.run([nft, "delete", "table", "inet", table_name(int(pid))], capture_output=True)
+
+
+def open_control_plane() -> None:
+    """Remove this worker's table, as it stops."""
     if (nft := shutil.which("nft")) is not None:
-        subprocess.run([nft, "delete", "table", "inet", table_name(host_name)], capture_output=True)
+        subprocess.run([nft, "delete", "table", "inet", table_name()], capture_output=True)

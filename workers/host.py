@@ -74,7 +74,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     settings = follow_terms(settings, terms)
     # A gang keeps the host's network: only a root worker can close the service's ports to its jobs' user.
     ports = [*terms.control_plane_ports, api_port(settings.api_url)]
-    if sandbox.enabled and os.geteuid() == 0 and (closed := close_control_plane(ports, host_name)):
+    if sandbox.enabled and os.geteuid() == 0 and (closed := close_control_plane(ports)):
         info["sandbox"] += f"; a multi-node job's network: {closed}"
         registration.info["sandbox"] = info["sandbox"]
         service.register(registration)  # again, with that said, for GET /v1/workers
@@ -130,7 +130,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     )
     stop.set()
     warm.close()
-    open_control_plane(host_name)
+    open_control_plane()
     service.close()
 
 
