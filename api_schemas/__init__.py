@@ -23,6 +23,7 @@ from api_schemas.api import (
     PoolOut,
     WorkerOut,
 )
+from api_schemas.teams import MemberIn, QuotaIn, TeamIn, TeamOut
 from api_schemas.jobs import (
     CheckpointConfig,
     CodeSource,
@@ -98,4 +99,8 @@ __all__ = [
     "PoolOut",
     "WorkerOut",
     "field_location",
+    "MemberIn",
+    "QuotaIn",
+    "TeamIn",
+    "TeamOut",
 ]

@@ -98,6 +98,7 @@ class Lease(BaseModel):
     held: bool = Field(description="False once the attempt is no longer this host's (reaped as lost, revoked): stop it.")
     cancel_requested: bool
     preempt_requested: bool = False
+    preempt_reason: str | None = Field(None, description="Why the scheduler wants the attempt stopped at a checkpoint, when it said.")
 
 
 class Rendezvous(BaseModel):

@@ -585,6 +585,11 @@ class JobSpec(_Config):
     resources: ResourcesConfig = Field(default_factory=lambda: ResourcesConfig())
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig())
     priority: int = Field(0, ge=-1000, le=1000, description="Higher runs first.")
+    team: str | None = Field(
+        None, min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+        description="The team it runs under, one of yours: its device quota and fair share decide when it runs. "
+        "Left out: your default team (none if you are in no team).",
+    )
     max_restarts: int = Field(3, ge=0, le=100, description="Retries after a failed or lost attempt.")
     preemptible: bool = Field(
         False, description="May be stopped for a higher-priority job: it checkpoints, goes back to the queue and resumes from there."

@@ -4,7 +4,7 @@ The schema (api_schemas) has checked each field's form. What needs the service's
 here, so that a spec naming something missing is refused at once instead of failing an attempt:
 the caller may run code (a script job), what the spec names exists and is the caller's (uploads,
 data files, plugin modules, code and its requirements), some registered host could ever run it,
-and the caller is within the active-job quota. A sweep's base spec is checked as a job's, and its
+the team it names is one of the caller's, and the caller is within the active-job quota. A sweep's base spec is checked as a job's, and its
 trials are admitted as jobs. A refusal is a `Refused`; the API answers it.
 """
 
@@ -23,7 +23,8 @@ from service.db.hosts import all_hosts
 from service.db.jobs import QuotaExceeded, TrialOf, create_job
 from service.db.pools import all_pools, pool_named
 from service.db.uploads import upload_visible_to
-from service.db.models import Job, Sweep, User
+from service.db.models import Job, Sweep, Team, User
+from service.db.teams import TeamError, team_for_job
 from service.db.sweeps import create_sweep
 from service.placement import never_fits
 from service.settings import Settings
@@ -64,10 +65,13 @@ def admit(
     write lock on SQLite; only the insert runs in `writes`. The quota is counted in the transaction
     that inserts the job, so two submits at once can't both take the last place; a retry with the
     same idempotency key returns the job it created. A sweep's trial is admitted here too (`trial_of`)."""
-    check_spec(reads, user, spec, settings)
+    team = check_spec(reads, user, spec, settings)
+    spec = spec.model_copy(update={"team": team.name if team else None})  # stored as run: a clone keeps its team
     hand_back_connection(reads, writes)
     try:
-        return create_job(writes, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user, trial_of=trial_of)
+        return create_job(
+            writes, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user, trial_of=trial_of, team_id=team.id if team else None
+        )
     except QuotaExceeded as exc:
         raise Refused(
             HTTPStatus.TOO_MANY_REQUESTS, None, str(exc), QUOTA_RETRY_AFTER_SECONDS, {"limit": exc.limit, "active": exc.active}
@@ -105,17 +109,26 @@ def hand_back_connection(reads: Session, writes: Session) -> None:
         reads.commit()
 
 
-def check_spec(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:
-    """Refused unless `user` may run `spec`: all of admission but the quota."""
+def _team(session: Session, user: User, spec: JobSpec) -> Team | None:
+    try:
+        return team_for_job(session, user, spec.team)
+    except TeamError as exc:
+        raise bad_field(("team",), str(exc)) from exc
+
+
+def check_spec(session: Session, user: User, spec: JobSpec, settings: Settings) -> Team | None:
+    """Refused unless `user` may run `spec`: all of admission but the quota; the team it runs under."""
     installed = _check_environment(user, spec) if spec.environment is not None else set()
     if spec.script is not None:
         _check_script(session, user, spec.script, settings, installed)
     else:
         _check_data(session, user, spec, settings)
+    team = _team(session, user, spec)
     if spec.resources.pool is not None:
         _check_pool(session, spec.resources)
     elif reason := never_fits(spec.resources, all_hosts(session)):
         raise bad_field(("resources",), reason)
+    return team
 
 
 def _check_pool(session: Session, resources: ResourcesConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from api_schemas import ResourcesConfig
@@ -103,19 +103,26 @@ class PreemptionPlan:
     victims: list[Attempt]  # not yet asked to stop
 
 
-def preemption_plan(resources: ResourcesConfig, priority: int, rooms: dict[str, HostRoom], running: list[Attempt]) -> PreemptionPlan | None:
-    """The hosts where stopping the fewest preemptible attempts of lower priority makes room for the
-    job (attempts already asked to stop count as gone, at no cost); None if no such plan exists."""
+def preemption_plan(
+    resources: ResourcesConfig, rooms: dict[str, HostRoom], running: list[Attempt], may_stop: Callable[[Attempt], bool]
+) -> PreemptionPlan | None:
+    """The hosts where stopping the fewest attempts that `may_stop` (lowest priority first, then the
+    newest) makes room for the job; attempts already asked to stop count as gone, at no cost. None
+    if no such plan exists. The scheduler's rules say who may be stopped: a lower priority that is
+    preemptible, or a team's borrowed slots (service/fair_share.py)."""
     options: list[tuple[int, str, list[Attempt]]] = []
     for name, room in rooms.items():
         trial = HostRoom(room.device, room.free_slots, dict(room.free_gpus), room.gpus)
-        on_host = sorted((a for a in running if a.host_name == name), key=lambda a: (not a.preempt_requested, a.job.priority, -a.id))
+        on_host = sorted(
+            (a for a in running if a.host_name == name),
+            key=lambda a: (not a.preempt_requested, not may_stop(a), a.job.priority, -a.id),
+        )
         victims: list[Attempt] = []
         for attempt in on_host:
             if trial.offer(resources) is not None:
                 break
             if not attempt.preempt_requested:
-                if attempt.job.priority >= priority:
+                if not may_stop(attempt):
                     break
                 victims.append(attempt)
             trial.give_back(attempt.slots, attempt.device_ids)

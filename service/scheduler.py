@@ -13,6 +13,7 @@ import itertools
 import logging
 import socket
 import time
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from celery import Celery
@@ -39,8 +40,9 @@ from service.db.scheduling import (
     unclaimed_attempts,
 )
 from service.logs import job_fields
-from service.placement import Rooms, preemption_plan, waiting_reason
+from service.placement import HostRoom, Rooms, preemption_plan, waiting_reason
 from service.settings import Settings
+from service.fair_share import FairShare, Quotas, load_fair_share, load_quotas, reclaimable_attempts
 from service.sweeps import advance_sweeps
 
 log = logging.getLogger("trainyard.scheduler")
@@ -75,16 +77,22 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     # Place queued jobs, best fit: the hosts with the least room that still fit. A gang (nodes > 1)
     # gets all its hosts in this one transaction or none, so two gangs can never each hold half of
     # what they need and wait on each other forever. Order: priority, raised the longer a job has
-    # waited (aging, so a low priority is never starved), then first come first served.
+    # waited (aging, so a low priority is never starved) and by its team's and user's fair share,
+    # then first come first served. Jobs within their team's quota go first; a job beyond it only
+    # borrows what is left idle after them (service/fair_share.py).
     rooms = Rooms(hosts, busy_slots, busy_gpus)
+    quotas = load_quotas(session)
+    queued = queued_jobs(session, limit=1000)
+    shares = load_fair_share(session, quotas, now, settings.fair_share_half_life_seconds, settings.fair_share_update_seconds, queued)
+    stoppable: Stoppable | None = None  # read only when a job has to wait: most passes need none
     reserved: set[str] = set()
-    preemptible: list | None = None  # read only when a job has to wait: most passes need none
     # Hosts are chosen job by job, then all placements written at once. The queued jobs' rows are
     # locked by this pass, so none is taken meanwhile; if one were, it would only leave its room
     # unused until the next pass.
     placements = []
     to_pools: dict[str, list] = {}
-    for job in queue_order(queued_jobs(session, limit=1000), now, settings.priority_aging_seconds):
+    borrowing: list[tuple[Job, ResourcesConfig]] = []
+    for job in queue_order(queued, now, settings, shares):
         # Only the resources: the spec was validated whole when admitted, and validating all of it
         # again for each of 10,000 jobs cost a tenth of the pass.
         resources = ResourcesConfig.model_validate(job.spec.get("resources", {}))
@@ -95,6 +103,9 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             # Its cluster places it (and queues it, if full): handed over in this order, at once.
             nodes = [(pool_host(resources.pool, job.id), None)] * resources.nodes
             to_pools.setdefault(resources.pool, []).append((job, nodes, resources.processes_per_node))
+            continue
+        if not quotas.within(job.team_id, resources.device, resources.nodes * resources.processes_per_node):
+            borrowing.append((job, resources))
             continue
         chosen, processes = rooms.best_fit(resources, skip=reserved), resources.processes_per_node
         if chosen is None and resources.elastic and (now - (job.queued_at or job.created_at)).total_seconds() >= resources.elastic.wait_s:
@@ -107,24 +118,32 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             # so jobs that fit elsewhere go on (backfill) without ever delaying its start.
             could_ever = [] if reserved else rooms.could_ever(resources, skip=reserved)
             if len(could_ever) >= resources.nodes:
-                # Sooner still if stopping lower-priority preemptible jobs (at a checkpoint) makes room.
-                if preemptible is None:
-                    preemptible = preemptible_attempts(session)
-                plan = preemption_plan(resources, job.priority, {name: rooms.room[name] for name in could_ever}, preemptible)
-                if plan is not None:
-                    held = plan.hosts
-                    for victim in plan.victims:
-                        request_preemption(victim)
-                        log.info("preempting job %s on %s for job %s", victim.job_id, victim.host_name, job.id, extra=job_fields(victim.job_id, victim.id))
-                else:
-                    held = sorted(could_ever, key=lambda name: (-rooms.room[name].free, name))[: resources.nodes]
+                # Sooner still if stopping jobs (at a checkpoint) makes room: other teams' borrowed
+                # slots, which its team's quota may take back; else lower-priority preemptible jobs.
+                if stoppable is None:
+                    stoppable = Stoppable.read(session, quotas)
+                held, why = hold_for(job, resources, {name: rooms.room[name] for name in could_ever}, stoppable, quotas)
                 reserved.update(held)
-                reason += f"; {', '.join(held)} held for it" + (" (preempting lower priorities)" if plan else "")
+                reason += f"; {', '.join(held)} held for it" + (f" ({why})" if why else "")
             set_waiting_reason(job, reason)
             continue
         for name, devices in chosen:
             rooms.take(name, processes, devices)
+        quotas.take(job.team_id, resources.device, len(chosen) * processes)
         placements.append((job, chosen, processes))
+
+    # Beyond their team's quota, on what the jobs within theirs left idle: no host is held and
+    # nothing stopped for them, and what they take is reclaimed when its owners want it.
+    for job, resources in borrowing:
+        chosen = rooms.best_fit(resources, skip=reserved)
+        if chosen is None:
+            reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved))
+            set_waiting_reason(job, f"{quotas.describe(job.team_id, resources.device)}; it borrows idle slots beyond it: {reason}")
+            continue
+        for name, devices in chosen:
+            rooms.take(name, resources.processes_per_node, devices)
+        quotas.take(job.team_id, resources.device, resources.nodes * resources.processes_per_node)
+        placements.append((job, chosen, resources.processes_per_node))
     attempts = place_jobs(session, placements, now)
     for pool, handed in to_pools.items():
         attempts += place_jobs(session, handed, now, pool=pool)
@@ -170,9 +189,58 @@ def full_size_fits(rooms: Rooms, attempt: Attempt, skip: set[str]) -> bool:
     return fits
 
 
-def queue_order(jobs: list[Job], now: datetime, aging_seconds: float) -> list[Job]:
-    """Highest effective priority first: a job gains one point per `aging_seconds` queued."""
-    return sorted(jobs, key=lambda job: (-(job.priority + (now - job.created_at).total_seconds() / aging_seconds), job.id))
+def queue_order(jobs: list[Job], now: datetime, settings: Settings, shares: FairShare) -> list[Job]:
+    """Highest effective priority first: priority, one point more per `priority_aging_seconds`
+    queued, and up to `fair_share_weight` points for its team's and user's fair share."""
+
+    def effective(job: Job) -> float:
+        device = job.spec.get("resources", {}).get("device", "cpu")
+        waited = (now - job.created_at).total_seconds() / settings.priority_aging_seconds
+        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, device)
+
+    return sorted(jobs, key=lambda job: (-effective(job), job.id))
+
+
+@dataclass
+class Stoppable:
+    """The running attempts a waiting job might have stopped, and which of them hold borrowed slots."""
+
+    preemptible: list[Attempt]
+    governed: list[Attempt]  # on device kinds some team has a quota of
+    borrowed: set[int]
+
+    @classmethod
+    def read(cls, session: Session, quotas: Quotas) -> Stoppable:
+        governed, borrowed = reclaimable_attempts(session, quotas)
+        running = [attempt for attempt in governed if attempt.status == AttemptStatus.running]
+        return cls(preemptible_attempts(session), running, borrowed)
+
+
+def hold_for(job: Job, resources: ResourcesConfig, rooms: dict[str, HostRoom], stoppable: Stoppable, quotas: Quotas) -> tuple[list[str], str]:
+    """The hosts held for the first job that must wait, and, where it waits for attempts that stop
+    for it, why in words. Its team's quota takes back other teams' borrowed slots first (any job
+    that borrowed may be stopped so); else a higher priority preempts preemptible jobs, but never a
+    team's jobs within its quota for another team's. (Attempts already asked to stop count as gone.)"""
+    team, governed = job.team_id, quotas.governed(resources.device)
+    plan = None
+    if governed:
+        plan = preemption_plan(resources, rooms, stoppable.governed, lambda a: a.id in stoppable.borrowed and a.job.team_id != team)
+        lenders = sorted({quotas.name(victim.job.team_id) for victim in plan.victims}) if plan else []
+        slots = sum(victim.slots for victim in plan.victims) if plan else 0
+        why = f"{slots} slot{'s' if slots != 1 else ''} borrowed by {', '.join(lenders)} reclaimed at their next checkpoint" if slots else "borrowed slots being reclaimed"
+        stop_reason = f"reclaimed for {quotas.name(team)}'s quota (job {job.id})"
+    if plan is None:
+        plan = preemption_plan(
+            resources, rooms, stoppable.preemptible,
+            lambda a: a.job.priority < job.priority and (not governed or a.job.team_id == team or a.id in stoppable.borrowed),
+        )
+        why, stop_reason = "preempting lower priorities", None
+    if plan is None:
+        return sorted(rooms, key=lambda name: (-rooms[name].free, name))[: resources.nodes], ""
+    for victim in plan.victims:
+        request_preemption(victim, stop_reason)
+        log.info("stopping job %s on %s for job %s: %s", victim.job_id, victim.host_name, job.id, why, extra=job_fields(victim.job_id, victim.id))
+    return plan.hosts, why
 
 
 def execution_backends(sessions: sessionmaker, celery: Celery, settings: Settings) -> dict[str | None, ExecutionBackend]:

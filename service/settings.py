@@ -114,6 +114,17 @@ class SchedulerSettings(_FromEnvironment):
         "of CPU, taken from CPU training beside it.",
     )
     priority_aging_seconds: float = Field(600.0, gt=0, description="A queued job gains one priority point per this many seconds waited.")
+    fair_share_weight: float = Field(
+        10.0, ge=0,
+        description="Priority points fair share is worth: a waiting job's order adds this × its fair-share factor (1 for a team "
+        "and user that used nothing lately, 0.25 for one at its entitlement, towards 0 above it); 0: priority and age alone.",
+    )
+    fair_share_half_life_seconds: float = Field(
+        7 * 24 * 3600.0, gt=0, description="Usage counts for fair share with this half-life (Slurm's PriorityDecayHalfLife): a week ago, half."
+    )
+    fair_share_update_seconds: float = Field(
+        30.0, ge=0, description="How often the scheduler adds the attempts' running time to the decayed usage fair share orders by."
+    )
     host_timeout_seconds: float = Field(30.0, gt=0, description="A host silent for this long gets no new attempts.")
     dispatch_timeout_seconds: float = Field(60.0, gt=0, description="A scheduled attempt not claimed for this long is dispatched again.")
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, TypeAdapter
 
 from api_schemas import (
     AuditEntryOut, AuditPage, CheckpointOut, DashboardOut, JobEventOut, JobOut, JobPage, JobSpec, JobStatus, LogLineOut, LoginCodeOut, LogsOut,
-    MetricsOut, OutputOut, SweepOut, SweepPage, SweepSpec, TokenOut, UploadOut, UsageOut, WorkerOut, field_location,
+    MetricsOut, OutputOut, SweepOut, SweepPage, SweepSpec, TeamOut, TokenOut, UploadOut, UsageOut, WorkerOut, field_location,
 )
 from api_schemas.jobs import relative_inside_root
 from api_schemas.manifest import CorruptCheckpoint, verify_manifest
@@ -350,6 +350,25 @@ class Client:
         """The audit trail, newest first (admins only)."""
         params = _without_none({"user": user, "since": since and since.isoformat(), "limit": min(limit, 200)})
         return itertools.islice(self._pages(AuditPage, "/v1/audit", params), limit)
+
+    # -- teams -------------------------------------------------------------------------------------
+
+    def teams(self) -> list[TeamOut]:
+        """Every team: quota, members, what it holds and borrows now, its fair share."""
+        return self._call(list[TeamOut], "GET", "/v1/teams")
+
+    def create_team(self, name: str, quota: dict[str, int]) -> TeamOut:
+        """A new team with a nominal quota of process slots per device kind ({"cuda": 8}); admins only."""
+        return self._call(TeamOut, "POST", "/v1/teams", json={"name": name, "quota": quota})
+
+    def set_team_quota(self, name: str, quota: dict[str, int]) -> TeamOut:
+        return self._call(TeamOut, "PUT", f"/v1/teams/{name}/quota", json={"quota": quota})
+
+    def add_team_member(self, name: str, user: str, default: bool = False) -> TeamOut:
+        return self._call(TeamOut, "POST", f"/v1/teams/{name}/members", json={"user": user, "default": default})
+
+    def remove_team_member(self, name: str, user: str) -> TeamOut:
+        return self._call(TeamOut, "DELETE", f"/v1/teams/{name}/members/{user}")
 
     # -- cluster -----------------------------------------------------------------------------------
 

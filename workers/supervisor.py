@@ -787,7 +787,7 @@ class RunningAttempt:
             full = self.spec.resources.processes_per_node
             # An elastic job placed smaller is stopped to go back to its size (or, preemptible, for a higher priority).
             why = f"stopped to go back to its full size of {full} processes" if self.claimed.slots < full else "preempted for a higher-priority job"
-            self._preempt(why)
+            self._preempt(lease.preempt_reason or why)
         return None
 
     def _preempt(self, reason: str) -> None:

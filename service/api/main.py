@@ -18,7 +18,7 @@ from service.api.events import Feeds
 from service.api.limits import limits_for
 from service.api.stream_tokens import StreamTokens
 from service.api.audit import AuditTrail
-from service.api.routes import audit, checkpoints, dashboard, host_api, jobs, login, monitoring, outputs, sweeps, tokens, uploads, usage
+from service.api.routes import audit, checkpoints, dashboard, host_api, jobs, login, monitoring, outputs, sweeps, teams, tokens, uploads, usage
 from service.db.doorbell import libpq_dsn
 from service.db.session import read_session_factory, session_factory
 from service.settings import Settings, get_settings
@@ -122,6 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(login.router)
     app.include_router(audit.router)
     app.include_router(usage.router)
+    app.include_router(teams.router)
     app.include_router(dashboard.router)
     app.include_router(dashboard.page_router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")

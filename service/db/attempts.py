@@ -109,11 +109,13 @@ def renew_lease(session: Session, attempt: HeldAttempt, lease_seconds: float) ->
     )
     cancel = bool(session.scalar(select(Job.cancel_requested).where(Job.id == attempt.job_id)))
     # Any node of a gang asked to stop stops the whole gang (its training processes vote together).
-    preempt = bool(session.scalar(select(func.count()).where(
+    asked = session.execute(select(Attempt.preempt_reason).where(
         Attempt.job_id == attempt.job_id, Attempt.number == attempt.number, Attempt.preempt_requested.is_(True)
-    )))
+    ).limit(1)).first()
     session.commit()
-    return Lease(held=result.rowcount == 1, cancel_requested=cancel, preempt_requested=preempt)
+    return Lease(
+        held=result.rowcount == 1, cancel_requested=cancel, preempt_requested=asked is not None, preempt_reason=asked[0] if asked else None
+    )
 
 
 def finish_attempt(

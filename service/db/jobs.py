@@ -36,8 +36,9 @@ def create_job(
     idempotency_key: str | None = None,
     max_active: int | None = None,
     trial_of: TrialOf | None = None,
+    team_id: int | None = None,
 ) -> Job:
-    """Queue a job. A retried request with the same Idempotency-Key returns the job it created.
+    """Queue a job (under the team `team_id`, if any). A retried request with the same Idempotency-Key returns the job it created.
     A sweep's trial is recorded with it, in the same transaction (unique per sweep and number).
 
     Raises QuotaExceeded if the owner already has `max_active` active jobs."""
@@ -61,6 +62,7 @@ def create_job(
         priority=spec.priority,
         max_steps=spec.training.max_steps or 0,  # 0: a script that didn't say
         idempotency_key=idempotency_key,
+        team_id=team_id,
     )
     if trial_of is not None:
         job.sweep_id, job.trial_number, job.trial = trial_of.sweep_id, trial_of.number, trial_of.trial

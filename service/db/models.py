@@ -57,6 +57,34 @@ class User(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True, doc="Set by `trainyard user revoke`: no token of this user works.")
 
 
+class Team(Base):
+    """Users who share a nominal quota of devices; beyond it they borrow what is idle (service/fair_share.py)."""
+
+    __tablename__ = "teams"
+    id: Mapped[int] = mapped_column(BigId, primary_key=True)
+    name: Mapped[str] = mapped_column(String(100), unique=True)
+    quota: Mapped[dict] = mapped_column(JSON, doc="Process slots per device kind ({'cuda': 8}): the team's nominal quota.")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TeamMember(Base):
+    __tablename__ = "team_members"
+    team_id: Mapped[int] = mapped_column(ForeignKey("teams.id"), primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id"), primary_key=True, index=True)
+    is_default: Mapped[bool] = mapped_column(Boolean, default=False, doc="The user's jobs that name no team run under this one.")
+
+
+class FairShareUsage(Base):
+    """One row: each (user, team, device kind)'s usage in device-seconds, decayed with the fair-share
+    half-life up to `updated_at` (service/fair_share.py). Kept up by the scheduler as attempts run,
+    so a pass never re-reads a month of attempts."""
+
+    __tablename__ = "fair_share_usage"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    usage: Mapped[dict] = mapped_column(JSON, doc="'user_id:team_id:device' (team_id 0: no team) -> decayed device-seconds.")
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+
 class AuditEntry(Base):
     """One mutating request or code job: who did what, when, from where, and how it was answered.
     The name is kept as well as the id: the entry outlives a renamed or revoked user."""
@@ -138,6 +166,9 @@ class Job(Base):
     prune_reason: Mapped[str | None] = mapped_column(
         Text, nullable=True, doc="Set when the sweep prunes it: however its attempt then ends, the job ends `pruned` with this."
     )
+    team_id: Mapped[int | None] = mapped_column(
+        ForeignKey("teams.id"), nullable=True, index=True, doc="The team whose quota and fair share it runs under; None: no team."
+    )
 
     owner: Mapped[User] = relationship(lazy="joined")
     attempts: Mapped[list[Attempt]] = relationship(back_populates="job", order_by="Attempt.number", lazy="selectin")
@@ -170,6 +201,7 @@ class Attempt(Base):
     dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     rendezvous: Mapped[str | None] = mapped_column(String(200), nullable=True, doc="host:port where node 0 of a gang listens; set when it claims.")
     preempt_requested: Mapped[bool] = mapped_column(Boolean, default=False, doc="The scheduler wants its host back for a higher priority.")
+    preempt_reason: Mapped[str | None] = mapped_column(String(300), nullable=True, doc="Why, in words (a team's quota reclaimed).")
     device_ids: Mapped[list | None] = mapped_column(JSON, nullable=True, doc="GPU indices on its host reserved for it (CUDA_VISIBLE_DEVICES); None on CPU.")
     resume_checkpoint_id: Mapped[int | None] = mapped_column(BigId, nullable=True)
     resumed_from_step: Mapped[int | None] = mapped_column(Integer, nullable=True)

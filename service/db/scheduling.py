@@ -61,9 +61,10 @@ def shrunk_attempts(session: Session) -> list[Attempt]:
     return list(session.scalars(query))
 
 
-def request_preemption(attempt: Attempt) -> None:
-    """Its worker sees this at the next lease renewal and stops it at a checkpoint."""
+def request_preemption(attempt: Attempt, reason: str | None = None) -> None:
+    """Its worker sees this (and `reason`) at the next lease renewal and stops it at a checkpoint."""
     attempt.preempt_requested = True
+    attempt.preempt_reason = reason
 
 
 def set_waiting_reason(job: Job, reason: str) -> None:

@@ -724,12 +724,19 @@ async function sweepPage(id, signal) {
 }
 
 async function usagePage() {
-  const usage = await api("/v1/usage");
+  const [usage, teams] = await Promise.all([api("/v1/usage"), api("/v1/teams")]);
   const hours = seconds => (seconds / 3600).toFixed(3);
+  const slots = byDevice => Object.entries(byDevice).map(([device, n]) => n + " " + device).join(", ") || "–";
   return el("div", {},
+    el("h2", {}, "Teams"),
+    teams.length
+      ? el("section", { id: "teams" }, table(["team", "quota", "in use", "borrowed", "waiting jobs", "recent device-hours", "fair share", "members (* default)"],
+        teams.map(t => [t.name, slots(t.quota), slots(t.in_use), slots(t.borrowed), String(t.waiting_jobs), t.recent_device_hours.toFixed(3),
+          t.fair_share.toFixed(2), t.members.join(", ") || "–"])))
+      : el("p", { class: "muted" }, "No teams: every job runs by priority and age. An admin makes them: `trainyard team create NAME cuda=8`."),
     el("h2", {}, "Usage"),
     el("p", { class: "muted" }, "Device-hours (processes × hours run) since the beginning, until " + when(usage.until) + "; an admin sees every user."),
-    table(["user", "jobs", "device-hours"], usage.users.map(u => [u.user, String(u.jobs), hours(u.device_seconds)])),
+    el("section", { id: "usage-users" }, table(["user", "jobs", "device-hours"], usage.users.map(u => [u.user, String(u.jobs), hours(u.device_seconds)]))),
     el("h3", {}, "Jobs that used the most"),
     table(["id", "name", "owner", "device-hours"],
       usage.jobs.map(j => [el("a", { href: "#/jobs/" + j.job_id }, String(j.job_id)), j.name, j.owner, hours(j.device_seconds)])));

@@ -265,12 +265,15 @@ def test_the_dashboard_streams_every_series_compares_runs_and_fits_a_phone(brows
         assert "yes" in worker_row.inner_text()
         page.screenshot(path=str(ARTIFACTS / "dashboard-workers.png"), full_page=True)
 
-        # The usage page shows the device-hours the API counts, per user and per job, the jobs finished.
+        # The usage page shows the device-hours the API counts, per user and per job, the jobs finished,
+        # and each team's quota and what it holds.
+        assert client.post("/v1/teams", json={"name": "vision", "quota": {"cpu": 2}}).status_code == 201
         usage = client.get("/v1/usage").json()
         page.click("a[href='#/usage']")
         [user] = usage["users"]
-        user_row = page.locator("table").first.locator("tr", has_text=user["user"])  # the users table; the jobs table names owners too
+        user_row = page.locator("#usage-users tr", has_text=user["user"])  # the users table; the jobs table names owners too
         user_row.wait_for()
+        assert "2 cpu" in page.locator("#teams tr", has_text="vision").inner_text()
         assert f"{user['device_seconds'] / 3600:.3f}" in user_row.inner_text()
         assert {j["job_id"] for j in usage["jobs"]} >= {job_id, other_id} and all(j["device_seconds"] > 0 for j in usage["jobs"])
         page.screenshot(path=str(ARTIFACTS / "dashboard-usage.png"), full_page=True)

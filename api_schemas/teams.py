@@ -1,0 +1,41 @@
+"""Teams: who shares a quota of devices, and what each team holds now (fair share, service/fair_share.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+Device = Literal["cpu", "cuda"]
+TeamName = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+class TeamIn(BaseModel):
+    name: str = TeamName
+    quota: dict[Device, int] = Field(
+        default_factory=dict,
+        description="Nominal quota in process slots per device kind (`cpu` slots, `cuda` GPUs): what the team may always get "
+        "back. Beyond it a team borrows idle slots, which are reclaimed at a checkpoint when a team under its own quota waits.",
+    )
+
+
+class QuotaIn(BaseModel):
+    quota: dict[Device, int] = Field(description="The team's new nominal quota per device kind; a kind left out has none.")
+
+
+class MemberIn(BaseModel):
+    user: str = Field(min_length=1, max_length=100)
+    default: bool = Field(False, description="Make this the user's default team: where their jobs that name none run.")
+
+
+class TeamOut(BaseModel):
+    name: str
+    quota: dict[str, int] = Field(description="Nominal quota in process slots per device kind.")
+    members: list[str] = Field(description="Its users; a `*` marks one whose default team it is.")
+    in_use: dict[str, int] = Field(description="Slots its running and starting attempts hold now, per device kind.")
+    borrowed: dict[str, int] = Field(description="Of those, the slots beyond its quota: given back at a checkpoint when reclaimed.")
+    waiting_jobs: int = Field(description="Its jobs queued now.")
+    recent_device_hours: float = Field(description="Its usage decayed with the fair-share half-life: what orders its waiting jobs.")
+    fair_share: float = Field(
+        description="Its fair-share factor, 2^(-usage share / entitled share): 1 unused, 0.5 at its entitlement, lower above it."
+    )

@@ -1,0 +1,184 @@
+"""Teams' quotas and fair share: what each team may hold now, and which waiting job goes first.
+
+Quotas are Kueue's idea. A team's nominal quota is a number of process slots per device kind
+(`cpu` slots, `cuda` GPUs). Within it, a team's jobs are placed as they always were. Beyond it a
+team may *borrow* slots nobody else wants now; when a team under its quota has a job waiting, the
+borrowed slots are reclaimed: the borrowing attempts (a team's newest first, never taking it below
+its quota) are asked to stop at a checkpoint, the preemption path, and queued again with no restart
+counted. A kind no team has a quota for is not governed: every job on it runs as if teams did not
+exist. A job of no team (or of a team with no quota of that kind) on a governed kind only borrows.
+
+Fair share is Slurm's classic factor. Each claimant's usage is its device-seconds decayed with a
+half-life (a week ago, half), kept up by the scheduler (service/db/teams.py: `decayed_usage`). For a device kind, a
+claimant's factor is F = 2^(-U/S): U its share of all that usage, S its entitled share; F is 1 for
+a claimant that used nothing lately, 0.5 at exactly its entitlement, towards 0 above it. A team's S
+is its quota over all teams' quotas of the kind (equal shares where no team has a quota), a user's
+is an equal part of their team's among its users that ran or wait. A waiting job's order is
+
+    priority + seconds waited / priority_aging_seconds + fair_share_weight × F_team × F_user
+
+so equal claimants converge to equal device-hours, an explicit priority still counts for more than
+a few points of fair share, and aging keeps anything from waiting forever.
+
+The loaders at the end read what a pass needs (service/db/teams.py); the rest is arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy.orm import Session
+
+from service.db.models import Attempt, Job
+from service.db.teams import active_attempts_on, all_teams, decayed_usage, slots_held_by_team, waiting_claimants
+
+NO_TEAM = 0  # the team id of a job that runs under none
+
+
+@dataclass
+class Quotas:
+    """Each team's nominal quota and what its jobs hold now, per device kind, as a pass goes on."""
+
+    nominal: dict[int, dict[str, int]]  # team id -> device -> slots
+    names: dict[int, str]
+    in_use: dict[tuple[int, str], int] = field(default_factory=dict)  # (team id or NO_TEAM, device) -> slots
+
+    def governed(self, device: str) -> bool:
+        return any(quota.get(device, 0) > 0 for quota in self.nominal.values())
+
+    def quota(self, team_id: int | None, device: str) -> int:
+        return self.nominal.get(team_id or NO_TEAM, {}).get(device, 0)
+
+    def held(self, team_id: int | None, device: str) -> int:
+        return self.in_use.get((team_id or NO_TEAM, device), 0)
+
+    def within(self, team_id: int | None, device: str, slots: int) -> bool:
+        """Whether `slots` more for the team stay within its quota (always, on a kind no quota governs)."""
+        return not self.governed(device) or self.held(team_id, device) + slots <= self.quota(team_id, device)
+
+    def borrowed(self, team_id: int | None, device: str) -> int:
+        return max(0, self.held(team_id, device) - self.quota(team_id, device)) if self.governed(device) else 0
+
+    def take(self, team_id: int | None, device: str, slots: int) -> None:
+        key = (team_id or NO_TEAM, device)
+        self.in_use[key] = self.in_use.get(key, 0) + slots
+
+    def name(self, team_id: int | None) -> str:
+        return f"team {self.names[team_id]}" if team_id else "jobs of no team"
+
+    def reclaimable(self, running: list[tuple[int, int | None, str, int]]) -> set[int]:
+        """Of running attempts (id, team id, device, slots), those holding borrowed slots: each team's
+        newest first, as many as it holds beyond its quota, so none is taken below it."""
+        over = {(team, device): self.borrowed(team, device) for team, device in {(t or NO_TEAM, d) for _, t, d, _ in running}}
+        chosen: set[int] = set()
+        for attempt_id, team_id, device, slots in sorted(running, key=lambda a: -a[0]):
+            key = (team_id or NO_TEAM, device)
+            if 0 < slots <= over.get(key, 0):
+                over[key] -= slots
+                chosen.add(attempt_id)
+        return chosen
+
+    def describe(self, team_id: int | None, device: str) -> str:
+        """`team vision at its quota: 8 of 8 cuda slots`."""
+        what = "GPU" if device == "cuda" else "CPU slot"
+        quota, held = self.quota(team_id, device), self.held(team_id, device)
+        if quota == 0:
+            return f"{self.name(team_id)} ha{'s' if team_id else 've'} no {device} quota ({held} {what}s borrowed now)"
+        return f"{self.name(team_id)} at its quota: {held} of {quota} {what}s in use"
+
+
+@dataclass
+class FairShare:
+    """Fair-share factors from the decayed usage (usage_key -> device-seconds) and the quotas."""
+
+    usage: dict[str, float]
+    quotas: Quotas
+    waiting: set[tuple[int, int, str]] = field(default_factory=set)  # (user id, team id or NO_TEAM, device) with jobs queued
+
+    def __post_init__(self) -> None:
+        self._team_use: dict[tuple[int, str], float] = defaultdict(float)
+        self._user_use: dict[tuple[int, int, str], float] = defaultdict(float)
+        self._total: dict[str, float] = defaultdict(float)
+        self._members: dict[tuple[int, str], set[int]] = defaultdict(set)  # (team, device) -> users that ran or wait
+        self._teams: dict[str, set[int]] = defaultdict(set)  # device -> teams that ran or wait
+        for key, value in self.usage.items():
+            user, team, device = key.split(":")
+            self._team_use[int(team), device] += value
+            self._user_use[int(user), int(team), device] += value
+            self._total[device] += value
+            self._members[int(team), device].add(int(user))
+            self._teams[device].add(int(team))
+        for user, team, device in self.waiting:
+            self._members[team, device].add(user)
+            self._teams[device].add(team)
+        self._cache: dict[tuple[int, int, str], float] = {}
+
+    def team_usage(self, team_id: int | None, device: str) -> float:
+        return self._team_use[team_id or NO_TEAM, device]
+
+    def team_entitlement(self, team_id: int, device: str) -> float:
+        if self.quotas.governed(device):
+            total = sum(quota.get(device, 0) for quota in self.quotas.nominal.values())
+            return self.quotas.quota(team_id, device) / total
+        return 1 / max(1, len(self._teams[device]))
+
+    def team_factor(self, team_id: int | None, device: str) -> float:
+        team = team_id or NO_TEAM
+        return _factor(self._team_use[team, device], self._total[device], self.team_entitlement(team, device))
+
+    def factor(self, user_id: int, team_id: int | None, device: str) -> float:
+        """F_team × F_user for a job of this user and team on this kind of device."""
+        key = (user_id, team_id or NO_TEAM, device)
+        if key not in self._cache:
+            team = team_id or NO_TEAM
+            users = max(1, len(self._members[team, device]))
+            user = _factor(self._user_use[key], self._team_use[team, device], 1 / users)
+            self._cache[key] = self.team_factor(team_id, device) * user
+        return self._cache[key]
+
+
+def _factor(used: float, total: float, entitled: float) -> float:
+    """2^(-U/S), U = used / total: 1 with nothing used, 0.5 at the entitlement."""
+    if used <= 0 or total <= 0:
+        return 1.0
+    if entitled <= 0:
+        return 0.0
+    return 0.5 ** ((used / total) / entitled)
+
+
+# --- what a scheduler pass reads ---------------------------------------------------------------------
+
+def load_quotas(session: Session) -> Quotas:
+    """Every team's quota and, where some team has a quota, the slots each team's active attempts
+    hold now, per device kind (with no quota anywhere nothing is governed: no need to count)."""
+    teams = all_teams(session)
+    quotas = Quotas(nominal={team.id: dict(team.quota) for team in teams}, names={team.id: team.name for team in teams})
+    if any(team.quota for team in teams):
+        for (team_id, device), slots in slots_held_by_team(session).items():
+            quotas.take(team_id, device, slots)
+    return quotas
+
+
+def load_fair_share(
+    session: Session, quotas: Quotas, now: datetime, half_life: float, every: float | None, waiting: list[Job] | None = None
+) -> FairShare:
+    """The decayed usage, brought up to date at most every `every` seconds (None: read only), and
+    who has jobs waiting: of `waiting` (the pass's queued jobs), else read."""
+    usage = decayed_usage(session, now, half_life, every)
+    if waiting is None:
+        claimants = waiting_claimants(session)
+    else:
+        claimants = {(job.owner_id, job.team_id, job.spec.get("resources", {}).get("device", "cpu")) for job in waiting}
+    return FairShare(usage, quotas, {(user, team or NO_TEAM, device) for user, team, device in claimants})
+
+
+def reclaimable_attempts(session: Session, quotas: Quotas) -> tuple[list[Attempt], set[int]]:
+    """The active attempts on governed device kinds (with their jobs), and the ids of those that
+    hold borrowed slots (Quotas.reclaimable)."""
+    governed = [device for device in ("cpu", "cuda") if quotas.governed(device)]
+    if not governed:
+        return [], set()
+    attempts = active_attempts_on(session, governed)
+    return attempts, quotas.reclaimable([(a.id, a.job.team_id, a.job.spec["resources"]["device"], a.slots) for a in attempts])
