@@ -1,6 +1,8 @@
 """Job spec and API models shared by the service, workers and clients. Imports nothing of the project."""
 
-from api_schemas.accounts import AuditEntryOut, AuditPage, JobUsageOut, LoginCodeOut, LoginRequest, TokenOut, UsageOut, UserUsageOut
+from api_schemas.accounts import (
+    AuditEntryOut, AuditPage, JobUsageOut, LoginCodeOut, LoginRequest, TeamUsageOut, TokenOut, UsageOut, UserUsageOut,
+)
 from api_schemas.api import (
     AttemptOut,
     AttemptStatus,
@@ -52,6 +54,7 @@ __all__ = [
     "JobUsageOut",
     "LoginCodeOut",
     "LoginRequest",
+    "TeamUsageOut",
     "TokenOut",
     "UsageOut",
     "UserUsageOut",

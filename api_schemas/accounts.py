@@ -52,8 +52,15 @@ class UserUsageOut(BaseModel):
     device_seconds: float
 
 
+class TeamUsageOut(BaseModel):
+    team: str | None = Field(description="null: jobs that ran under no team.")
+    jobs: int
+    device_seconds: float
+
+
 class UsageOut(BaseModel):
     since: datetime | None = Field(description="Start of the period counted; null: since the beginning.")
     until: datetime = Field(description="When this was computed.")
     users: list[UserUsageOut] = Field(description="Per user: only the caller, or every user for an admin. Most used first.")
     jobs: list[JobUsageOut] = Field(description="The jobs that used the most in the period, most first (at most `limit`).")
+    teams: list[TeamUsageOut] = Field(default_factory=list, description="Per team, over the same jobs as `users`. Most used first.")

@@ -62,6 +62,9 @@ def cmd_usage(args: argparse.Namespace) -> int:
     period = f"since {local_time(found.since)}" if found.since else "since the beginning"
     print(f"device-hours (processes × hours run) {period}, until {local_time(found.until)}")
     print_table(["USER", "JOBS", "DEVICE-HOURS"], [[u.user, u.jobs, f"{u.device_seconds / 3600:.3f}"] for u in found.users])
+    if any(t.team for t in found.teams):
+        print()
+        print_table(["TEAM", "JOBS", "DEVICE-HOURS"], [[t.team or "(no team)", t.jobs, f"{t.device_seconds / 3600:.3f}"] for t in found.teams])
     if found.jobs:
         print()
         print_table(["JOB", "NAME", "OWNER", "DEVICE-HOURS"], [[j.job_id, j.name, j.owner, f"{j.device_seconds / 3600:.3f}"] for j in found.jobs])

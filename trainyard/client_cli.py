@@ -174,7 +174,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     with connect(args) as client:
         job = client.job(args.id)
-    print(f"job {job.id}: {job.name} (owner {job.owner}, priority {job.priority})")
+    team = f", team {job.spec.team}" if job.spec.team else ""
+    print(f"job {job.id}: {job.name} (owner {job.owner}{team}, priority {job.priority})")
     print(f"  status    {job.status.value}")
     print(f"  progress  {steps_text(job.step, job.max_steps)} steps, batch {job.effective_batch_size or '-'}, restarts {job.restarts}")
     print(f"  created   {local_time(job.created_at)}  started {local_time(job.started_at)}  finished {local_time(job.finished_at)}")

@@ -191,6 +191,9 @@ def test_teams_through_the_api_admins_only_audited_and_shown_with_what_they_hold
     [vision] = api.get("/v1/teams", headers=as_alice).json()
     assert (vision["quota"], vision["in_use"], vision["borrowed"], vision["waiting_jobs"]) == ({"cpu": 2}, {"cpu": 3}, {"cpu": 1}, 0)
 
+    # Usage counts per team too (the attempts ran no time yet at this clock: three jobs, none of another team).
+    assert [(t["team"], t["jobs"]) for t in api.get("/v1/usage", headers=as_admin).json()["teams"]] == [("vision", 3)]
+
     assert api.put("/v1/teams/vision/quota", json={"quota": {"cpu": 4}}, headers=as_admin).json()["borrowed"] == {}
     assert api.delete("/v1/teams/vision/members/alice", headers=as_admin).json()["members"] == []
     trail = [entry["detail"] for entry in api.get("/v1/audit", headers=as_admin).json()["items"]]
