@@ -64,6 +64,15 @@ class AttemptOut(BaseModel):
     )
 
 
+class RollbackOut(BaseModel):
+    """One rollback of the loss guard (training.guard): the spike it saw, and where the job went on."""
+
+    first_step: int
+    last_step: int
+    resume_step: int = Field(description="The checkpoint it went on from (0: the start); the batches of the steps after it through last_step were skipped.")
+    reason: str
+
+
 class JobOut(BaseModel):
     id: int
     name: str
@@ -77,6 +86,8 @@ class JobOut(BaseModel):
         description="Times the job was started again after an attempt failed or was lost (at most `max_restarts`); "
         "preemptions and an attempt whose host vanished before it started are not counted."
     )
+    rollbacks: int = Field(0, description="Times the loss guard rolled it back from a spike or NaN (training.guard); each is a `rollback` event.")
+    rollback_marks: list[RollbackOut] = Field(default_factory=list, description="Those rollbacks, oldest first.")
     failure_reason: str | None
     waiting_reason: str | None = Field(None, description="While queued: what the scheduler waits for.")
     created_at: datetime
@@ -158,6 +169,9 @@ class JobEventType(str, Enum):
     # data: {"step", "what" (its folder, or the output's name), "reason"}. Not stored, so no resume from it.
     checkpoint_refused = "checkpoint_refused"
     output_refused = "output_refused"
+    # The loss guard stopped a diverging run (workers/training/guard.py): data: {"first_step",
+    # "last_step", "resume_step" (the checkpoint it goes on from; 0: the start), "reason", "rollbacks"}.
+    rollback = "rollback"
 
 
 class JobEventOut(BaseModel):

@@ -88,6 +88,7 @@ class ClaimedAttempt(BaseModel):
     resume_step: int | None
     code_path: str | None = Field(None, description="A script job's code directory, on the storage hosts share with the service.")
     code_refused: str | None = Field(None, description="Why a script job's code can't be had (gone, outside the code root), in place of code_path.")
+    skip_steps: int = Field(0, description="After a rollback: train on past the batches of this many steps after the resume checkpoint's.")
 
 
 class LeaseRequest(BaseModel):
@@ -150,6 +151,15 @@ class OutputStored(BaseModel):
     files: int = Field(ge=0, le=INT32_MAX)
 
 
+class Rollback(BaseModel):
+    """What the loss guard saw (api_schemas/worker_protocol.py SpikeEvent): the job goes on from its
+    last checkpoint before `first_step`, past the batches of the steps through `last_step`."""
+
+    first_step: int = Field(ge=1)
+    last_step: int = Field(ge=1)
+    reason: str = Field(max_length=1000)
+
+
 class AttemptEnd(BaseModel):
     lease_owner: str = LeaseOwner
     outcome: Literal["succeeded", "failed", "cancelled", "preempted"] = Field(
@@ -157,6 +167,7 @@ class AttemptEnd(BaseModel):
     )
     reason: str | None = Field(None, max_length=100_000)
     retry: bool = Field(True, description="False: no retry can mend it (the spec can't run), the job fails at once.")
+    rollback: Rollback | None = Field(None, description="With `preempted`: the loss guard stopped it; roll the job back.")
 
 
 class Finished(BaseModel):

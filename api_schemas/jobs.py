@@ -238,6 +238,9 @@ class LabelledDatasetConfig(_DatasetPath):
     kind: Literal["jsonl", "csv"] = Field(description="File format.")
     text_column: str = Field("text", min_length=1, max_length=200, description="Field holding each text.")
     label_column: str = Field("label", min_length=1, max_length=200, description="Field holding each label (any strings or numbers).")
+    shuffle: bool = Field(
+        True, description="Shuffle each epoch (by training.seed); false: the rows in the file's order, for data shuffled or ordered on purpose."
+    )
 
     tasks: ClassVar[tuple[str, ...]] = ("classify",)
 
@@ -272,6 +275,20 @@ class FSDPConfig(_Config):
     activation_checkpointing: bool = Field(
         False, description="Recompute each block's activations in backward instead of keeping them: less memory, about one more forward."
     )
+
+
+class GuardConfig(_Config):
+    """The loss guard: a run that diverges rolls back instead of training on (workers/training/guard.py).
+    A non-finite loss or gradient norm, or a loss above `spike_factor` × the median of the last
+    `window` steps for `spike_steps` steps in a row, stops the attempt; the job resumes from its last
+    checkpoint before the spike began, skipping the batches trained between that checkpoint and the
+    spike's last step."""
+
+    enabled: bool = Field(True, description="Watch the loss and roll back a spike or NaN; false: train on whatever happens.")
+    spike_factor: float = Field(3.0, gt=1.0, le=1000.0, description="A step's loss this many times the recent median is a spike step.")
+    window: int = Field(50, ge=5, le=100_000, description="Steps the recent median is taken over; no spike is called before this many.")
+    spike_steps: int = Field(3, ge=1, le=10_000, description="Spike steps in a row that make a spike (a non-finite loss or norm: one).")
+    max_rollbacks: int = Field(3, ge=0, le=100, description="Rollbacks a job may take; the next spike fails it, saying why.")
 
 
 class TrainingConfig(_Config):
@@ -314,6 +331,7 @@ class TrainingConfig(_Config):
         description="Validation batches per evaluation (per process), spread evenly over the whole validation split (the same "
         "samples in every run of the same data and counts); null: the whole split, every sample once.",
     )
+    guard: GuardConfig = Field(default_factory=lambda: GuardConfig(), description="Roll back a loss spike or NaN (built-in and custom loops).")
     stall_timeout_s: float | None = Field(
         None,
         gt=0.0,

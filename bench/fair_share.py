@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 import time_machine  # noqa: E402
 from sqlalchemy import select, update  # noqa: E402
 
-from api_schemas import AttemptStatus, JobStatus  # noqa: E402
+from api_schemas import AttemptStatus  # noqa: E402
 from bench.scratch import database  # noqa: E402
 from service.db.accounts import create_user  # noqa: E402
 from service.db.attempts import claim_attempt, finish_attempt  # noqa: E402

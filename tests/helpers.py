@@ -115,6 +115,29 @@ def write_labelled_jsonl(path: Path, examples: int = 300, seed: int = 0) -> None
             f.write(json.dumps({"text": text, "label": label}) + "\n")
 
 
+def write_poisoned_labels(data: Path, steps: range, batch: int, examples: int = 1200) -> None:
+    """`clean.jsonl` (write_labelled_jsonl); `poisoned.jsonl`, the same with the labels of the rows the
+    optimizer steps `steps` read in file order (`batch` rows a step) swapped, so a classifier that has
+    learnt the rest spikes there; `without.jsonl`, the same with those rows removed."""
+    write_labelled_jsonl(data / "clean.jsonl", examples=examples)
+    rows = (data / "clean.jsonl").read_text().splitlines()
+    window = range((steps.start - 1) * batch, (steps.stop - 1) * batch)
+    swap = {"first": "second", "second": "third", "third": "first"}
+    poisoned = [json.dumps({**json.loads(row), "label": swap[json.loads(row)["label"]]}) if i in window else row for i, row in enumerate(rows)]
+    (data / "poisoned.jsonl").write_text("\n".join(poisoned) + "\n")
+    (data / "without.jsonl").write_text("\n".join(row for i, row in enumerate(rows) if i not in window) + "\n")
+
+
+def guarded_classifier_spec(path: str, steps: int = 60, every: int = 10, batch: int = 8) -> dict:
+    """A classifier reading `path` in file order, checkpointing every `every` steps, with a loss guard
+    quick to act (a 10-step median, 3 spike steps): for write_poisoned_labels' files."""
+    return classifier_spec(path, **{
+        "training.max_steps": steps, "training.micro_batch_size": batch, "checkpoint.every_steps": every, "checkpoint.keep_last": 10,
+        "training.eval_every": steps, "optimizer.lr": 0.01, "dataset.shuffle": False,
+        "training.guard": {"window": 10, "spike_factor": 3.0, "spike_steps": 3},
+    })
+
+
 def classifier_spec(path: str = "labels.jsonl", **overrides) -> dict:
     """tiny_spec with an `mlp` classifier on a labelled JSON-lines file."""
     model = {"kind": "mlp", "num_labels": 3, "max_length": 16, "n_embd": 16, "hidden": 32, "n_layer": 1}

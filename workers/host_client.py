@@ -17,7 +17,7 @@ import httpx
 
 from api_schemas.host_api import (
     HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, Finished, HostRegistration, HostTerms, Lease,
-    LeaseRequest, OutputStored, RefusedTransfer, Rendezvous, Report,
+    LeaseRequest, OutputStored, RefusedTransfer, Rendezvous, Report, Rollback,
 )
 
 LOST = Lease(held=False, cancel_requested=False)
@@ -128,9 +128,9 @@ class HostClient:
         body = OutputStored(lease_owner=claimed.lease_owner, name=name, step=step, path=path, sha256=sha256, size=size, files=files)
         self._post(f"/attempts/{claimed.attempt_id}/outputs", body)
 
-    def finish(self, claimed: ClaimedAttempt, outcome, reason: str | None, retry: bool) -> bool:
+    def finish(self, claimed: ClaimedAttempt, outcome, reason: str | None, retry: bool, rollback: Rollback | None = None) -> bool:
         """Record the end; False if it was too late (the lease lost, the token revoked)."""
-        body = AttemptEnd(lease_owner=claimed.lease_owner, outcome=outcome, reason=reason, retry=retry)
+        body = AttemptEnd(lease_owner=claimed.lease_owner, outcome=outcome, reason=reason, retry=retry, rollback=rollback)
         try:
             answer = self._post(f"/attempts/{claimed.attempt_id}/finish", body)
         except NotOurs:

@@ -49,6 +49,7 @@ def working_dir(spec: JobSpec, run_dir: Path) -> Path:
 def launch_command(
     spec: JobSpec, run_dir: Path, data_root: Path, resume_from: Path | None, rendezvous: str, node_rank: int = 0,
     plugin_dir: Path | None = None, resume_step: int | None = None, python: str = sys.executable, cpu_threads: int | None = None,
+    skip_steps: int = 0,
 ) -> list[str]:
     """`accelerate launch -m workers.training …` with the job's process counts and precision, for
     node `node_rank` of the job; `rendezvous` is host:port of node 0, where the processes meet.
@@ -70,6 +71,8 @@ def launch_command(
         command += ["--resume-from", str(resume_from)]
     if plugin_dir is not None:
         command += ["--plugin-dir", str(plugin_dir)]
+    if skip_steps:  # after a rollback (workers/training/guard.py)
+        command += ["--skip-steps", str(skip_steps)]
     return command
 
 

@@ -38,7 +38,8 @@ from api_schemas.host_api import (
 )
 from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
-from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, decode_events
+from api_schemas.host_api import Rollback
+from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, SpikeEvent, decode_events
 from service.artifacts import ArtifactStore
 from service.settings import Settings
 from workers.attempt_dirs import EndedAttempts
@@ -87,6 +88,12 @@ def forward_pause(round_trip: float) -> float:
 class FinalReason(str):
     """Why an attempt failed, when no retry can mend it (the training found the job's spec can't
     run): its job fails at once instead of being retried."""
+
+
+class RollbackReason(str):
+    """Why an attempt stopped when its loss guard saw the run diverge: the job rolls back (`spike`)."""
+
+    spike: SpikeEvent
 
 
 # What an attempt came to: the status to record, and why. No status: nothing to record (lease lost).
@@ -408,7 +415,7 @@ class AttemptRunner:
                 raise CannotStart(f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}")
         command = launch_command(
             placed, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
-            resume_step=claimed.resume_step, python=str(environment.python) if environment is not None else sys.executable,
+            resume_step=claimed.resume_step, skip_steps=claimed.skip_steps, python=str(environment.python) if environment is not None else sys.executable,
             cpu_threads=self.cpu_threads,
         )
         # The job's environment is applied by the last step in, as the job's user (workers/enter_job_env.py):
@@ -452,7 +459,7 @@ class AttemptRunner:
             prepare_attempt(run_dir, [])  # the spec is the job's user's to read
             command = launch_command(
                 placed, run_dir, inputs / "data", inputs / "resume" if resume_from else None, rendezvous, claimed.node_rank,
-                inputs / "plugins", resume_step=claimed.resume_step, cpu_threads=self.cpu_threads,
+                inputs / "plugins", resume_step=claimed.resume_step, skip_steps=claimed.skip_steps, cpu_threads=self.cpu_threads,
             )
             warm.hand_over(command[3:], training_environment(spec, run_dir, None))  # after `python -m accelerate.commands.launch`
         except OSError:  # it died meanwhile, or the inputs could not be placed: a cold start instead
@@ -567,7 +574,8 @@ class AttemptRunner:
         # The outcome must reach the service: retry until it does or our lease is gone.
         while True:
             try:
-                ended = self.service.finish(claimed, outcome, reason, retry=not isinstance(reason, FinalReason))
+                rollback = Rollback(**reason.spike.model_dump(exclude={"type"})) if isinstance(reason, RollbackReason) else None
+                ended = self.service.finish(claimed, outcome, reason, retry=not isinstance(reason, FinalReason), rollback=rollback)
                 log.info("job %s attempt %s %s%s", claimed.job_id, claimed.number, outcome.value, "" if ended else " (too late: lease lost)")
                 return
             except ServiceUnreachable:
@@ -598,6 +606,7 @@ class RunningAttempt:
         self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
         self.dropped = DroppedLines(runner.settings.max_log_lines_per_attempt)
         self.invalid_spec: str | None = None  # what the training said is wrong with the spec, if it did
+        self.spike: SpikeEvent | None = None  # what the loss guard saw, if it stopped the run
         self.noted: set[str] = set()  # what the job's logs were told the service can't keep
         self.started_at = time.monotonic()
         self.max_runtime_s = (spec.resources.max_runtime_hours or runner.settings.max_runtime_hours) * 3600
@@ -669,6 +678,9 @@ class RunningAttempt:
         for event in events:
             if isinstance(event, InvalidSpecEvent):
                 self.invalid_spec = event.message
+                continue
+            if isinstance(event, SpikeEvent):
+                self.spike = event
                 continue
             self.stall.progressed()  # a script that never calls accelerator.log shows its progress by its checkpoints
             if not self._recordable_step(event):
@@ -826,6 +838,11 @@ class RunningAttempt:
         # itself), so what counts is that the stop was asked for, not the code we got back: by us,
         # or by whoever sent SIGTERM to the host's processes, ours and the training's at once (a
         # cluster preempting its job: workers/slurm_agent.py).
+        # The loss guard stopped the run (every node's processes alike): whatever code the launcher passed on.
+        if self.spike is not None:
+            reason = RollbackReason(f"loss guard: {self.spike.reason}")
+            reason.spike = self.spike
+            return AttemptStatus.preempted, reason
         if self.preempted_because or self.exit_code == EXIT_PREEMPTED or self.runner.shutting_down.is_set():
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         if self.invalid_spec is not None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from api_schemas import (
-    AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus, LogLineOut, OutputOut, SweepOut, SweepSpec, TrialOut,
+    AttemptOut, CheckpointOut, JobEventOut, JobOut, JobSpec, JobStatus, LogLineOut, OutputOut, RollbackOut, SweepOut, SweepSpec, TrialOut,
 )
+from service.db.jobs import rollback_events
 from service.db.metrics import latest_metrics
 from service.db.models import Checkpoint, Job, JobEvent, JobOutput, LogLine, Sweep
 from service.db.sweeps import trial_jobs
@@ -36,6 +37,8 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
         effective_batch_size=spec.effective_batch_size,
         # Failures used count the last one too, after which the job was not started again.
         restarts=min(job.restarts, spec.max_restarts),
+        rollbacks=job.rollbacks,
+        rollback_marks=[RollbackOut.model_validate(data) for data in rollback_events(object_session(job), job.id)] if job.rollbacks else [],
         failure_reason=job.failure_reason,
         waiting_reason=job.waiting_reason if job.status == JobStatus.queued else None,
         created_at=job.created_at,

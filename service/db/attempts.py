@@ -10,8 +10,9 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session, aliased, joinedload, lazyload
 
 from api_schemas import AttemptStatus, JobStatus
-from api_schemas.host_api import ClaimedAttempt, Lease
+from api_schemas.host_api import ClaimedAttempt, Lease, Rollback
 from service.db import state
+from service.db.checkpoints import drop_checkpoints_from
 from service.db.models import Attempt, Checkpoint, Job, utcnow
 
 
@@ -66,6 +67,9 @@ def claim_attempt(
         resumed_from_step=checkpoint.step if checkpoint else None,
         rendezvous=rendezvous,
     )
+    # After a rollback, from the checkpoint before the spike: past the batches of the spike's steps.
+    skip = job.rollback_skip
+    skip_steps = skip["through_step"] - skip["resume_step"] if skip and (checkpoint.step if checkpoint else 0) == skip["resume_step"] else 0
     # The first node of a gang to start moves the job to running, at the step it resumes from; the
     # others find it there.
     job_running = job.status == JobStatus.running or state.move_job(
@@ -86,6 +90,7 @@ def claim_attempt(
         lease_owner=lease_owner,
         resume_checkpoint_path=checkpoint.path if checkpoint else None,
         resume_step=checkpoint.step if checkpoint else None,
+        skip_steps=skip_steps,
     )
 
 
@@ -119,17 +124,30 @@ def renew_lease(session: Session, attempt: HeldAttempt, lease_seconds: float) ->
 
 
 def finish_attempt(
-    session: Session, claimed: HeldAttempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True
+    session: Session, claimed: HeldAttempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True,
+    rollback: Rollback | None = None, dropped: list[str] | None = None,
 ) -> bool:
     """Record the end of our attempt; False if we had already lost it. `retry=False`: a failure no
-    retry can mend, the job fails at once (see state.end_attempt)."""
+    retry can mend, the job fails at once (see state.end_attempt). `rollback` (with `preempted`): the
+    loss guard stopped it; its job's checkpoints from the spike on are dropped (their paths added to
+    `dropped`, for the caller to delete from the store), and it goes on from the newest one left,
+    past the spike's batches (claim_attempt)."""
     attempt = session.get(Attempt, claimed.attempt_id)
     if attempt is None or attempt.lease_owner != claimed.lease_owner or attempt.status != AttemptStatus.running:
         session.rollback()
         return False
-    ended = state.end_attempt(session, attempt.job, attempt, outcome, reason, retry=retry)
+    paths: list[str] = []
+    if rollback is not None and outcome == AttemptStatus.preempted:
+        paths, resume_step = drop_checkpoints_from(session, attempt.job_id, rollback.first_step)
+        attempt.job.rollback_skip = {"resume_step": resume_step, "through_step": rollback.last_step}
+    ended = state.end_attempt(session, attempt.job, attempt, outcome, reason, retry=retry, rollback=rollback)
+    if not ended:
+        session.rollback()
+        return False
     session.commit()
-    return ended
+    if dropped is not None:
+        dropped += paths
+    return True
 
 
 def gang_rendezvous(session: Session, claimed: HeldAttempt) -> str | None:

@@ -14,7 +14,7 @@ from api_schemas import JobEventType
 from service.db import state
 from service.db.dialect import dialect_insert
 from service.db.jobs import job_visible_to
-from service.db.models import Checkpoint, DeletedCheckpoint, User, utcnow
+from service.db.models import Checkpoint, DeletedCheckpoint, Job, User, utcnow
 
 
 def record_checkpoint(
@@ -31,6 +31,10 @@ def record_checkpoint(
     if checkpoint_id is not None:  # None: a re-sent checkpoint, already recorded
         data = {"checkpoint_id": checkpoint_id, "step": step, "sha256": sha256, "size_bytes": size_bytes}
         state.append_events(session, job_id, [(JobEventType.checkpoint, data)])
+        # Past a rollback's resume point, a checkpoint holds the data position after the skip: later resumes need none.
+        job = session.get(Job, job_id)
+        if job.rollback_skip is not None and step > job.rollback_skip["resume_step"]:
+            job.rollback_skip = None
     newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc())).all()
     stale = newest_first[keep_last:]
     if stale:
@@ -38,6 +42,17 @@ def record_checkpoint(
         session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in stale])))
     session.commit()
     return [c.path for c in stale if c.path != path]
+
+
+def drop_checkpoints_from(session: Session, job_id: int, step: int) -> tuple[list[str], int]:
+    """Drop the job's checkpoints of `step` and after (a rollback: they hold a diverged run), remembered
+    as deleted; their paths to delete, and the step of the newest left (0: none, the run's start)."""
+    dropped = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step >= step)).all()
+    if dropped:
+        session.add_all(DeletedCheckpoint(id=c.id, job_id=job_id, step=c.step, deleted_at=utcnow()) for c in dropped)
+        session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in dropped])))
+    newest = session.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc()).limit(1))
+    return [c.path for c in dropped], newest or 0
 
 
 def record_refused(session: Session, job_id: int, kind: JobEventType, step: int | None, what: str, reason: str) -> None:

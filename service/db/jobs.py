@@ -8,7 +8,7 @@ from sqlalchemy import func, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from api_schemas import JobSpec, JobStatus
+from api_schemas import JobEventType, JobSpec, JobStatus
 from service.db import state
 from service.db.doorbell import ring
 from service.db.models import Job, JobEvent, User
@@ -81,6 +81,12 @@ def create_job(
     ring(session)
     session.commit()
     return job
+
+
+def rollback_events(session: Session, job_id: int) -> list[dict]:
+    """The data of the job's `rollback` events, oldest first."""
+    query = select(JobEvent.data).where(JobEvent.job_id == job_id, JobEvent.type == JobEventType.rollback).order_by(JobEvent.seq)
+    return list(session.scalars(query))
 
 
 def active_job_count(session: Session, owner: User) -> int:

@@ -166,6 +166,12 @@ class Job(Base):
     prune_reason: Mapped[str | None] = mapped_column(
         Text, nullable=True, doc="Set when the sweep prunes it: however its attempt then ends, the job ends `pruned` with this."
     )
+    rollbacks: Mapped[int] = mapped_column(Integer, default=0, server_default="0", doc="Times its loss guard rolled it back.")
+    rollback_skip: Mapped[dict | None] = mapped_column(
+        JSON, nullable=True,
+        doc="After a rollback, until it checkpoints past it: {'resume_step', 'through_step'}: resuming from the checkpoint at "
+        "resume_step, skip the batches of the steps through through_step.",
+    )
     team_id: Mapped[int | None] = mapped_column(
         ForeignKey("teams.id"), nullable=True, index=True, doc="The team whose quota and fair share it runs under; None: no team."
     )

@@ -18,7 +18,8 @@ from sqlalchemy import bindparam, func, literal_column, select, text, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from api_schemas import AttemptStatus, JobEventType, JobStatus
+from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
+from api_schemas.host_api import Rollback
 from service.db.dialect import is_postgresql, list_param, one_of
 from service.db.doorbell import ring, tell_followers
 from service.db.models import Attempt, Job, JobEvent, utcnow
@@ -196,7 +197,8 @@ def move_attempt(
 
 
 def end_attempt(
-    session: Session, job: Job, attempt: Attempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True
+    session: Session, job: Job, attempt: Attempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True,
+    rollback: Rollback | None = None,
 ) -> bool:
     """Record how an attempt ended and decide what its job does next.
 
@@ -205,7 +207,9 @@ def end_attempt(
     when it was preempted): they cannot go on without it; their workers see their lease gone and
     stop. cancelled, or any end of a job whose cancel was requested → job cancelled. Any other end
     of a job its sweep pruned (see request_prune) → job pruned. preempted →
-    queued again, using no restart (the job did nothing wrong). failed or lost → queued again
+    queued again, using no restart (the job did nothing wrong); with `rollback` (its loss guard stopped
+    it), the same while the job has rollbacks left (training.guard.max_rollbacks), else failed saying
+    why, and a `rollback` event either way. failed or lost → queued again
     while restarts remain, else failed with the attempt's reason; failed with `retry=False` (the
     job's own spec can't run: every attempt would fail the same) → failed at once, using no restart.
     A queued job resumes from its latest complete checkpoint.
@@ -237,6 +241,8 @@ def end_attempt(
         return move_job(session, job, JobStatus.cancelled)
     if job.prune_reason is not None:
         return move_job(session, job, JobStatus.pruned, reason=job.prune_reason)
+    if outcome == AttemptStatus.preempted and rollback is not None:
+        return _roll_back(session, job, attempt, rollback)
     if outcome == AttemptStatus.preempted:
         return move_job(session, job, JobStatus.queued, reason=f"attempt {attempt.number} preempted: {reason}")
     which = f"attempt {attempt.number}" + (f" node {attempt.node_rank}" if gang else "")
@@ -248,6 +254,23 @@ def end_attempt(
     if job.restarts <= job.spec.get("max_restarts", 0):
         return move_job(session, job, JobStatus.queued, reason=f"retrying after {which}: {reason}")
     return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}: {reason}")
+
+
+def _roll_back(session: Session, job: Job, attempt: Attempt, rollback: Rollback) -> bool:
+    job.rollbacks += 1
+    allowed = JobSpec.model_validate(job.spec).training.guard.max_rollbacks
+    resume_step = (job.rollback_skip or {}).get("resume_step", 0)
+    data = {**rollback.model_dump(), "resume_step": resume_step, "rollbacks": job.rollbacks}
+    append_events(session, job.id, [(JobEventType.rollback, data)])
+    if job.rollbacks > allowed:
+        return move_job(session, job, JobStatus.failed, reason=(
+            f"loss guard: {rollback.reason}; not rolled back again, after {allowed} rollback{'s' if allowed != 1 else ''} "
+            "(training.guard.max_rollbacks)"
+        ))
+    return move_job(session, job, JobStatus.queued, reason=(
+        f"attempt {attempt.number} rolled back by the loss guard: {rollback.reason}; resuming from step {resume_step}, "
+        f"past the batches of steps {resume_step + 1}-{rollback.last_step}"
+    ))
 
 
 def request_prune(session: Session, job: Job, reason: str) -> None:

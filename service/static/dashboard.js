@@ -264,7 +264,7 @@ class Board {
         })],
       cursor: { sync: { key: "board" }, drag: { x: true, y: false } },
       hooks: { setScale: [(u, scale) => scale === "x" && this.followZoom(u)] },
-      plugins: [wheelZoom(this)],
+      plugins: [wheelZoom(this), rollbackMarks(this)],
     }, data, box);
     box.plot = plot;
     this.resize.observe(box);
@@ -508,12 +508,30 @@ async function jobsPage() {
       ])) : el("p", { class: "muted", id: "no-match" }, "No job matches."));
 }
 
+// Where the loss guard rolled a run back: a red band over the steps whose batches it skipped (from the
+// checkpoint it went on from to the spike's last step), on every chart of the run, by step only.
+function rollbackMarks(board) {
+  return { hooks: { draw: [u => {
+    if (board.options.x !== "step") return;
+    for (const run of board.runs) for (const mark of run.rollbacks || []) {
+      const left = u.valToPos(mark.resume_step, "x", true), right = u.valToPos(mark.last_step, "x", true);
+      u.ctx.save();
+      u.ctx.fillStyle = "rgba(200, 40, 40, 0.18)";
+      u.ctx.fillRect(left, u.bbox.top, Math.max(2, right - left), u.bbox.height);
+      u.ctx.restore();
+    }
+  }] } };
+}
+
 function jobSummary(job) {
   return el("div", { class: "summary" },
     el("h2", {}, "Job " + job.id + ": ", job.name, " ", statusBadge(job.status)),
     el("p", {}, "owner " + job.owner + " · step " + steps(job) + " · " + pace(job) + " · last loss " + number(job.last_train_loss) +
       " · effective batch " + (job.effective_batch_size ?? "—") + " · " + job.spec.resources.nodes + "×" + job.spec.resources.processes_per_node + " " + job.spec.resources.device),
     job.waiting_reason ? el("p", { class: "muted" }, job.waiting_reason) : "",
+    job.rollback_marks.length ? el("ul", { class: "rollbacks" }, ...job.rollback_marks.map(mark => el("li", {},
+      "Rolled back (red on the charts): steps " + mark.first_step + "–" + mark.last_step + " spiked; went on from step " + mark.resume_step +
+      ", past the batches of steps " + (mark.resume_step + 1) + "–" + mark.last_step + ". " + mark.reason))) : "",
     job.failure_reason ? el("pre", { class: "error" }, job.failure_reason) : "");
 }
 
@@ -587,7 +605,8 @@ async function jobPage(id, signal) {
   const [job, metrics, checkpoints, outputs] = await Promise.all([
     api("/v1/jobs/" + id), api("/v1/jobs/" + id + "/metrics?max_points=" + MAX_POINTS), api("/v1/jobs/" + id + "/checkpoints"), api("/v1/jobs/" + id + "/outputs"),
   ]);
-  const run = { label: "", series: Object.fromEntries(Object.entries(metrics.series).map(([n, s]) => [n, { steps: s.steps, values: s.values }])) };
+  const run = { label: "", series: Object.fromEntries(Object.entries(metrics.series).map(([n, s]) => [n, { steps: s.steps, values: s.values }])),
+    rollbacks: job.rollback_marks };
   const summary = el("div", {}, jobSummary(job), overview(job, run, outputs));
   const attempts = el("div", {}, attemptsTable(job)), stored = el("div", {}, checkpointsTable(checkpoints));
   const charts = el("section", { class: "board" });
@@ -600,6 +619,7 @@ async function jobPage(id, signal) {
       const [fresh, checkpoints, outputs] = await Promise.all([api("/v1/jobs/" + id), api("/v1/jobs/" + id + "/checkpoints"), api("/v1/jobs/" + id + "/outputs")]);
       if (signal.aborted) return;
       Object.assign(job, fresh);
+      run.rollbacks = fresh.rollback_marks;
       // What the reader opened stays as it was: a spec being edited, the spec unfolded.
       const editing = summary.querySelector("form.resubmit"), unfolded = summary.querySelector("details.spec")?.open;
       summary.replaceChildren(jobSummary(job), overview(job, run, outputs));

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from safetensors.torch import load as safetensors_load
 
 from api_schemas import JobSpec, JobStatus
 from api_schemas.worker_protocol import CheckpointEvent, MetricsEvent
 from stack.embedded import embedded_stack
-from tests.helpers import classifier_spec, tiny_spec, write_labelled_jsonl
+from tests.helpers import classifier_spec, guarded_classifier_spec, tiny_spec, write_labelled_jsonl, write_poisoned_labels
 from workers.supervisor import EventTail, free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 
@@ -48,6 +49,12 @@ def wait_for(client: httpx.Client, job_id: int, statuses: set[str], timeout: flo
             return job
         time.sleep(0.3)
     raise AssertionError(f"job {job_id} still {job['status']} after {timeout} s: {job}")
+
+
+def final_weights(client: httpx.Client, job_id: int) -> dict[str, torch.Tensor]:
+    """The model weights of the job's latest checkpoint, downloaded."""
+    latest = max(client.get(f"/v1/jobs/{job_id}/checkpoints").json(), key=lambda c: c["step"])
+    return safetensors_load(client.get(f"/v1/checkpoints/{latest['id']}/download").content)
 
 
 def wait_for_step(client: httpx.Client, job_id: int, step: int, timeout: float = 180) -> dict:
@@ -171,19 +178,43 @@ def test_cancel_stops_a_running_job_and_frees_its_host(stack):
     assert client.get("/v1/workers").json()[0]["busy_slots"] == 0
 
 
-def test_a_classifier_job_reports_eval_accuracy_and_its_checkpoint_carries_the_labels(tmp_path):
-    with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:
-        write_labelled_jsonl(info.data_dir / "data" / "labels.jsonl")
-        spec = classifier_spec(**{"training.max_steps": 40, "training.eval_every": 20, "optimizer.lr": 0.01})
-        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
-            job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
-            assert job["status"] == "succeeded", job["failure_reason"]
-            series = client.get(f"/v1/jobs/{job['id']}/metrics", params={"names": "eval_accuracy,train_loss"}).json()["series"]
-            assert series["eval_accuracy"]["steps"] == [20, 40] and series["eval_accuracy"]["values"][-1] > 0.8
-            latest = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()[-1]
-            tar = client.get(f"/v1/checkpoints/{latest['id']}/download", params={"format": "tar"}).content
-            labels = tarfile.open(fileobj=io.BytesIO(tar)).extractfile(f"job{job['id']}-step40/labels.json").read()
-            assert json.loads(labels) == ["first", "second", "third"]
+def test_a_classifier_job_reports_eval_accuracy_and_its_checkpoint_carries_the_labels(stack):
+    client, info = stack
+    write_labelled_jsonl(info.data_dir / "data" / "labels.jsonl")
+    spec = classifier_spec(**{"training.max_steps": 40, "training.eval_every": 20, "optimizer.lr": 0.01})
+    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["failure_reason"]
+    series = client.get(f"/v1/jobs/{job['id']}/metrics", params={"names": "eval_accuracy,train_loss"}).json()["series"]
+    assert series["eval_accuracy"]["steps"] == [20, 40] and series["eval_accuracy"]["values"][-1] > 0.8
+    latest = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()[-1]
+    tar = client.get(f"/v1/checkpoints/{latest['id']}/download", params={"format": "tar"}).content
+    labels = tarfile.open(fileobj=io.BytesIO(tar)).extractfile(f"job{job['id']}-step40/labels.json").read()
+    assert json.loads(labels) == ["first", "second", "third"]
+
+
+def test_a_loss_spike_is_rolled_back_past_its_batches_and_the_job_ends_as_one_without_them(stack):
+    """Labels swapped in the batches of steps 31-33 (training/test_guard.py's data): the job rolls
+    back once, to its checkpoint at 30, and ends with the weights of a job on the data without them."""
+    client, info = stack
+    write_poisoned_labels(info.data_dir / "data", range(31, 34), batch=8)
+    poisoned_id = client.post("/v1/jobs", json=guarded_classifier_spec("poisoned.jsonl")).json()["id"]
+    reference_id = client.post("/v1/jobs", json=guarded_classifier_spec("without.jsonl")).json()["id"]
+    poisoned = wait_for(client, poisoned_id, {"succeeded", "failed", "cancelled"})
+    reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"})
+    assert poisoned["status"] == reference["status"] == "succeeded", (poisoned["failure_reason"], reference["failure_reason"])
+    assert (poisoned["rollbacks"], poisoned["restarts"], reference["rollbacks"]) == (1, 0, 0)
+    [mark] = poisoned["rollback_marks"]
+    assert (mark["first_step"], mark["last_step"], mark["resume_step"]) == (31, 33, 30)
+    spiked, resumed = poisoned["attempts"]
+    assert spiked["status"] == "preempted" and "loss guard" in spiked["failure_reason"] and resumed["resumed_from_step"] == 30
+    # The checkpoints of the spike's run past step 30 were dropped; each step's metrics once, the second run's.
+    assert [c["step"] for c in client.get(f"/v1/jobs/{poisoned_id}/checkpoints").json()] == [10, 20, 30, 40, 50, 60]
+    losses = client.get(f"/v1/jobs/{poisoned_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]
+    expected = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]
+    assert losses["steps"] == list(range(1, 61)) and losses["values"][30:] == pytest.approx(expected["values"][30:], abs=1e-6)
+    ours, theirs = final_weights(client, poisoned_id), final_weights(client, reference_id)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
 
 
 def test_the_gan_example_runs_as_a_custom_job_and_its_checkpoint_downloads_with_both_models(tmp_path):

@@ -15,10 +15,9 @@ import httpx
 import psutil
 import pytest
 import torch
-from safetensors.torch import load
 
 from stack.embedded import embedded_stack
-from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint, wait_for_event
+from tests.e2e.test_end_to_end import final_weights, wait_for, wait_for_checkpoint, wait_for_event
 from tests.helpers import spec_dict, tiny_spec
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
 from workers.supervisor import EventTail, free_port
@@ -59,11 +58,6 @@ def _cmdline(process: psutil.Process) -> list[str]:
         return process.cmdline()
     except psutil.Error:  # ended meanwhile
         return []
-
-
-def final_weights(client: httpx.Client, job_id: int) -> dict[str, torch.Tensor]:
-    latest = max(client.get(f"/v1/jobs/{job_id}/checkpoints").json(), key=lambda c: c["step"])
-    return load(client.get(f"/v1/checkpoints/{latest['id']}/download").content)
 
 
 Reference = tuple[dict, dict[str, torch.Tensor]]  # an uninterrupted run's metric series and final weights

@@ -11,12 +11,12 @@ from datetime import timedelta
 import pytest
 import time_machine
 
-from api_schemas import AttemptStatus, JobSpec, JobStatus
+from api_schemas import AttemptStatus, JobStatus
 from service.admission import Refused, admit
 from service.db.accounts import create_user
 from service.db.attempts import claim_attempt, finish_attempt, renew_lease
 from service.db.hosts import record_heartbeat, register_host
-from service.db.models import Attempt, Job, utcnow
+from service.db.models import Job, utcnow
 from service.db.session import session_factory
 from service.db.teams import add_member, create_team
 from service.scheduler import schedule_pass

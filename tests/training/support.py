@@ -43,6 +43,7 @@ class Collector:
 
     metrics_log: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     checkpoints: dict[int, Path] = field(default_factory=dict)
+    spikes: list[tuple[int, int, str]] = field(default_factory=list)
     closed: bool = False
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
@@ -50,6 +51,9 @@ class Collector:
 
     def checkpoint(self, step: int, path: Path) -> None:
         self.checkpoints[step] = Path(path)
+
+    def spike(self, first_step: int, last_step: int, reason: str) -> None:
+        self.spikes.append((first_step, last_step, reason))
 
     def close(self) -> None:
         self.closed = True
@@ -72,14 +76,14 @@ def reset_accelerate() -> None:
     GradientState._reset_state()
 
 
-def run_training(spec: dict | JobSpec, data_root: Path, run_dir: Path, resume_from: Path | None = None) -> Collector:
+def run_training(spec: dict | JobSpec, data_root: Path, run_dir: Path, resume_from: Path | None = None, skip_steps: int = 0) -> Collector:
     """One in-process train() call, as `python -m workers.training` would make it."""
     spec = spec if isinstance(spec, JobSpec) else JobSpec.model_validate(spec)
     collector = Collector()
     previous = signal.getsignal(signal.SIGTERM)
     reset_accelerate()
     try:
-        train(spec, data_root, run_dir, collector, resume_from)
+        train(spec, data_root, run_dir, collector, resume_from, skip_steps)
     finally:
         reset_accelerate()
         signal.signal(signal.SIGTERM, previous)  # train() installs its own handler

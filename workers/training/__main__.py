@@ -1,7 +1,8 @@
 """Entry point: `accelerate launch -m workers.training --spec spec.json --data-root DIR --run-dir DIR [--resume-from CKPT] [--plugin-dir DIR]`.
 
 Parse → build → train → close. Exits 0 when done, 2 on a bad spec (one line on stderr naming the
-field), 75 when preempted (SIGTERM) after saving a checkpoint, anything else on a failure.
+field), 75 when preempted (SIGTERM) after saving a checkpoint, 76 when the loss guard stopped a diverging
+run (roll back), anything else on a failure.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from api_schemas import JobSpec, field_location
-from api_schemas.worker_protocol import EXIT_PREEMPTED
+from api_schemas.worker_protocol import EXIT_PREEMPTED, EXIT_ROLLBACK
 from workers.process_group_exit import guard_process_group_exit
 from workers.training.custom import run_custom
 from workers.training.data import SpecError
@@ -29,6 +30,7 @@ def main() -> int:
     parser.add_argument("--data-root", type=Path, required=True, help="directory that dataset.path is relative to")
     parser.add_argument("--run-dir", type=Path, required=True, help="where checkpoints are written")
     parser.add_argument("--resume-from", type=Path, help="checkpoint directory to resume from")
+    parser.add_argument("--skip-steps", type=int, default=0, help="after a rollback: go on past the batches of this many steps (workers/training/guard.py)")
     parser.add_argument("--plugin-dir", type=Path, help="the only directory a `custom` job's entrypoint module is loaded from")
     args = parser.parse_args()
 
@@ -45,12 +47,12 @@ def main() -> int:
         if spec.model.kind == "custom":
             result = run_custom(spec, args.data_root, args.run_dir, reporter, args.resume_from, args.plugin_dir)
         else:
-            result = train(spec, args.data_root, args.run_dir, reporter, args.resume_from)
+            result = train(spec, args.data_root, args.run_dir, reporter, args.resume_from, args.skip_steps)
     except SpecError as exc:
         return bad_spec(str(exc), reporter)
     finally:
         reporter.close()
-    return EXIT_PREEMPTED if result.preempted else 0
+    return EXIT_PREEMPTED if result.preempted else EXIT_ROLLBACK if result.spike else 0
 
 
 def describe(error: dict) -> str:

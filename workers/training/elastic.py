@@ -34,3 +34,11 @@ def batches_on(progress: dict, processes: int, spec: JobSpec) -> int:
     if written % processes:
         raise SpecError(f"resources: the checkpoint's position in the epoch does not split over {processes} processes")
     return written // processes
+
+
+def skipped(progress: dict, steps: int, micro_batches_per_step: int, epoch_length: int) -> dict:
+    """The data position `steps` optimizer steps past `progress` (the step count unchanged): where a
+    rolled-back run goes on, past the batches its spike was trained on. An epoch holds whole steps
+    (the data's `multiple_of`), so the position moves on in whole epochs past its end."""
+    position = progress["batch_in_epoch"] + steps * micro_batches_per_step
+    return {**progress, "epoch": progress["epoch"] + position // epoch_length, "batch_in_epoch": position % epoch_length}

@@ -22,7 +22,8 @@ from torch.utils.data import DataLoader
 from api_schemas import JobSpec
 from workers.training.checkpoint import CheckpointWriter, load_state, load_trainer_state
 from workers.training.data import LabelledTexts, TokenWindows, load_labelled_corpus, load_text_corpus
-from workers.training.elastic import accumulation_steps, batches_on
+from workers.training.elastic import accumulation_steps, batches_on, skipped
+from workers.training.guard import LossGuard, Spike
 from workers.training.evaluate import eval_dataloader, evaluate_metrics
 from workers.training.model import build_model
 from workers.training.reporter import Reporter
@@ -35,6 +36,7 @@ class TrainResult:
     step: int
     preempted: bool
     last_eval_loss: float | None
+    spike: Spike | None = None  # the loss guard stopped the run: roll back (guard.py)
 
 
 def make_optimizer(model: torch.nn.Module, spec: JobSpec) -> torch.optim.Optimizer:
@@ -70,7 +72,9 @@ def pinned(accelerator: Accelerator) -> bool:
     return accelerator.device.type == "cuda"
 
 
-def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None = None) -> TrainResult:
+def train(
+    spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None = None, skip_steps: int = 0
+) -> TrainResult:
     cfg = spec.training
     accelerator = make_accelerator(spec)
     # The spec's optimizer step on however many processes run it (elastic.py).
@@ -92,7 +96,8 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
         tokens_per_sample = spec.model.block_size
     else:
         corpus = load_labelled_corpus(spec.dataset, spec.model, data_root)
-        train_set = LabelledTexts(corpus.train.ids, corpus.train.labels, seed=cfg.seed, multiple_of=samples_per_step)
+        shuffled = getattr(spec.dataset, "shuffle", True)
+        train_set = LabelledTexts(corpus.train.ids, corpus.train.labels, seed=cfg.seed if shuffled else None, multiple_of=samples_per_step)
         tokens_per_sample, labels = spec.model.max_length, corpus.labels
     train_dl = DataLoader(train_set, batch_size=cfg.micro_batch_size, shuffle=False, drop_last=True, pin_memory=pinned(accelerator))
     # Evaluation: a sample spread over the validation split on schedule, the whole split at the end.
@@ -124,6 +129,10 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
         progress["batch_in_epoch"] = batches_on(progress, accelerator.num_processes, spec)
         recount_scheduler(scheduler, progress["step"], accelerator.num_processes)
         accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
+    # After a rollback: past the data of the steps the loss guard threw away (guard.py).
+    if skip_steps:
+        progress = skipped(progress, skip_steps, accelerator.gradient_accumulation_steps, len(train_dl))
+        accelerator.print(f"skipping the batches of {skip_steps} steps after step {progress['step']} (a rolled-back spike)")
     # Compiled, training calls the loss alone (training_loss) and evaluation the model; a sharded
     # model's blocks were compiled when sharded.
     compiled = cfg.compile and not sharded
@@ -136,15 +145,19 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
     preempted = False
     lagged = LaggedMetrics(accelerator.device)
     checkpoints = CheckpointWriter(accelerator, run_dir, spec, reporter, corpus.tokenizer, labels, sharded_state)
+    guard, spike = LossGuard(cfg.guard), None
 
     def report(read: tuple[int, dict[str, float]] | None) -> bool:
-        """Report a step's metrics from the main process; True if any process voted to stop."""
+        """Report a step's metrics from the main process and show them to the loss guard (every
+        process sees the same numbers, so all find a spike alike); True if any process voted to stop."""
+        nonlocal spike
         if read is None:
             return False
         read_step, metrics = read
         stop = metrics.pop("stop_votes") > 0
         if accelerator.is_main_process:
             reporter.metrics(read_step, metrics)
+        spike = spike or guard.observe(read_step, metrics["train_loss"], metrics.get("grad_norm"))
         return stop
 
     # Preemption: SIGTERM asks for a checkpoint at the next step boundary, then exit.
@@ -153,7 +166,7 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
         # Step time is wall time between optimizer steps (nanoGPT's dt): reporting, evaluation and
         # checkpointing are paid for by the step after them, never hidden.
         last_step_end = time.perf_counter()
-        while step < cfg.max_steps and not preempted:
+        while step < cfg.max_steps and not preempted and spike is None:
             loader = accelerator.skip_first_batches(train_dl, batch_in_epoch) if batch_in_epoch else train_dl
             # Through the prepared loader, not the dataset: it re-applies its own epoch count to the
             # dataset whenever it starts iterating, and a resumed run's loaders have counted less.
@@ -213,19 +226,23 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
                     },
                     values,
                 )
-                # SIGTERM on any process, seen one step late by all of them alike: stop here.
+                # SIGTERM on any process, seen one step late by all of them alike: stop here. A spike
+                # (seen as late) stops the run at once, with no checkpoint of its suspect state.
                 preempted = report(previous) and not last_step
                 checkpoints.report_finished()  # a checkpoint written meanwhile in the background
+                if spike is not None:
+                    break
 
                 # Checkpoint on schedule, at the end, and when asked to stop; this step's metrics first.
                 # The loop waits only for the state of this step to be taken; the files are finished
                 # in the background (CheckpointWriter), and a save waits for the previous one.
                 if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
                     report(lagged.take())
-                    checkpoints.save(
-                        model, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "processes": accelerator.num_processes}
-                    )
-                if last_step or preempted:
+                    if spike is None:
+                        checkpoints.save(
+                            model, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "processes": accelerator.num_processes}
+                        )
+                if last_step or preempted or spike is not None:
                     break
                 window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
             else:
@@ -233,10 +250,12 @@ def train(spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, res
 
         report(lagged.take())
         checkpoints.finish()  # the last checkpoint is complete and reported before the process exits
+        if spike is not None and accelerator.is_local_main_process:  # every node's worker must know: each rolls back its part
+            reporter.spike(spike.first_step, spike.last_step, spike.reason)
         if sharded_state is not None:
             sharded_state.close()
     accelerator.end_training()
-    return TrainResult(step=step, preempted=preempted, last_eval_loss=last_eval)
+    return TrainResult(step=step, preempted=preempted, last_eval_loss=last_eval, spike=spike)
 
 
 def training_loss(model: torch.nn.Module):

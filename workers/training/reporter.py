@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from api_schemas.worker_protocol import EVENTS_FILE_ENV, CheckpointEvent, InvalidSpecEvent, MetricsEvent, encode_event
+from api_schemas.worker_protocol import EVENTS_FILE_ENV, CheckpointEvent, InvalidSpecEvent, MetricsEvent, SpikeEvent, encode_event
 
 
 class Reporter(Protocol):
@@ -24,6 +24,8 @@ class Reporter(Protocol):
     def checkpoint(self, step: int, path: Path) -> None: ...
 
     def invalid_spec(self, message: str) -> None: ...
+
+    def spike(self, first_step: int, last_step: int, reason: str) -> None: ...
 
     def close(self) -> None: ...
 
@@ -42,7 +44,7 @@ class JsonlReporter:
         self.progress_every_s = progress_every_s
         self._last_progress = time.monotonic()
 
-    def _write(self, event: MetricsEvent | CheckpointEvent) -> None:
+    def _write(self, event: MetricsEvent | CheckpointEvent | InvalidSpecEvent | SpikeEvent) -> None:
         self._file.write(encode_event(event))
         self._file.flush()
 
@@ -60,6 +62,10 @@ class JsonlReporter:
 
     def invalid_spec(self, message: str) -> None:
         self._write(InvalidSpecEvent(message=message))
+
+    def spike(self, first_step: int, last_step: int, reason: str) -> None:
+        self._write(SpikeEvent(first_step=first_step, last_step=last_step, reason=reason))
+        print(f"loss guard: {reason}; rolling back to the checkpoint before step {first_step}", flush=True)
 
     def close(self) -> None:
         self._file.close()
@@ -91,6 +97,9 @@ class ConsoleReporter:
 
     def invalid_spec(self, message: str) -> None:
         pass  # bad_spec prints it
+
+    def spike(self, first_step: int, last_step: int, reason: str) -> None:
+        print(f"loss guard: {reason} (steps {first_step}-{last_step}); stopping", flush=True)
 
     def close(self) -> None:
         pass

@@ -164,7 +164,12 @@ def output_stored(attempt_id: RowId, body: OutputStored, host: CurrentHost, sess
 
 
 @router.post("/attempts/{attempt_id}/finish", response_model=Finished)
-def finish(attempt_id: RowId, body: AttemptEnd, host: CurrentHost, session: WriteSessionDep) -> Finished:
-    """How the attempt ended, through the state machine; `ended` False if its lease was lost first."""
+def finish(attempt_id: RowId, body: AttemptEnd, host: CurrentHost, session: WriteSessionDep, store: StoreDep) -> Finished:
+    """How the attempt ended, through the state machine; `ended` False if its lease was lost first.
+    A rollback's dropped checkpoints are deleted from the store once that is recorded."""
     held = _own(session, host, attempt_id, body.lease_owner)
-    return Finished(ended=finish_attempt(session, held, AttemptStatus(body.outcome), body.reason, retry=body.retry))
+    dropped: list[str] = []
+    ended = finish_attempt(session, held, AttemptStatus(body.outcome), body.reason, retry=body.retry, rollback=body.rollback, dropped=dropped)
+    for path in dropped:
+        store.delete(path)
+    return Finished(ended=ended)
