@@ -636,7 +636,7 @@ class JobSpec(_Config):
             # (Compared with the defaults, not fields_set: a stored spec is re-read with every field.)
             ignored = [
                 f"training.{name}" for name, field in TrainingConfig.model_fields.items()
-                if name not in SCRIPT_TRAINING_FIELDS and getattr(self.training, name) != field.default
+                if name not in SCRIPT_TRAINING_FIELDS and getattr(self.training, name) != field.get_default(call_default_factory=True)
             ]
             ignored += ["schedule"] if self.schedule != ScheduleConfig() else []
             ignored += ["checkpoint.every_steps"] if self.checkpoint.every_steps is not None else []
