@@ -12,6 +12,7 @@ import torch
 from api_schemas.jobs import GuardConfig
 from tests.helpers import guarded_classifier_spec, job_spec, write_poisoned_labels
 from tests.training.support import run_training
+from workers.training.elastic import skipped
 from workers.training.guard import LossGuard
 
 STEPS, EVERY, BATCH = 60, 10, 8
@@ -57,3 +58,10 @@ def test_the_guard_calls_a_spike_after_spike_steps_in_a_row_and_a_nan_at_once():
     fresh = LossGuard(GuardConfig(window=5))
     assert fresh.observe(1, 2.0, grad_norm=math.inf).reason == "grad_norm inf at step 1"  # before any window: at once
     assert LossGuard(GuardConfig(enabled=False)).observe(1, math.nan) is None
+
+
+def test_a_skip_moves_the_data_position_on_in_whole_epochs_past_an_epochs_end():
+    progress = {"step": 30, "epoch": 0, "batch_in_epoch": 90, "processes": 1}
+    # 3 steps of 4 micro-batches from position 90 of a 96-batch epoch: 6 left in epoch 0, then 6 into epoch 1.
+    assert skipped(progress, 3, 4, 96) == {"step": 30, "epoch": 1, "batch_in_epoch": 6, "processes": 1}
+    assert skipped(progress, 1, 4, 96)["batch_in_epoch"] == 94
