@@ -280,12 +280,15 @@ class FSDPConfig(_Config):
 class GuardConfig(_Config):
     """The loss guard: a run that diverges rolls back instead of training on (workers/training/guard.py).
     A non-finite loss or gradient norm, or a loss above `spike_factor` × the median of the last
-    `window` steps for `spike_steps` steps in a row, stops the attempt; the job resumes from its last
+    `window` steps (and `min_increase` above it) for `spike_steps` steps in a row, stops the attempt; the job resumes from its last
     checkpoint before the spike began, skipping the batches trained between that checkpoint and the
     spike's last step."""
 
     enabled: bool = Field(True, description="Watch the loss and roll back a spike or NaN; false: train on whatever happens.")
-    spike_factor: float = Field(3.0, gt=1.0, le=1000.0, description="A step's loss this many times the recent median is a spike step.")
+    spike_factor: float = Field(3.0, gt=1.0, le=1000.0, description="A step's loss this many times the recent median is a spike step…")
+    min_increase: float = Field(
+        0.5, ge=0.0, le=1000.0, description="…when it is also at least this much above the median: a loss near zero triples by noise alone."
+    )
     window: int = Field(50, ge=5, le=100_000, description="Steps the recent median is taken over; no spike is called before this many.")
     spike_steps: int = Field(3, ge=1, le=10_000, description="Spike steps in a row that make a spike (a non-finite loss or norm: one).")
     max_rollbacks: int = Field(3, ge=0, le=100, description="Rollbacks a job may take; the next spike fails it, saying why.")

@@ -62,11 +62,14 @@ def rollback_seconds() -> dict:
     with tempfile.TemporaryDirectory() as tmp, embedded_stack(Path(tmp) / "yard", free_port(), workers=1) as info:
         write_poisoned_labels(info.data_dir / "data", range(31, 34), batch=8)
         with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
-            job_id = client.post("/v1/jobs", json=guarded_classifier_spec("poisoned.jsonl", steps=200)).json()["id"]
+            # 100 steps: within one epoch (120 batches), as the poisoned rows come back in the next.
+            job_id = client.post("/v1/jobs", json=guarded_classifier_spec("poisoned.jsonl", steps=100)).json()["id"]
             first_new_step_seen = None
             while True:
                 job = client.get(f"/v1/jobs/{job_id}").json()
-                if first_new_step_seen is None and job["rollbacks"] and len(job["attempts"]) > 1 and job["step"] > 30:
+                # The resumed attempt claimed (the job's step set back to 30) and reporting steps past it.
+                resumed = job["attempts"][1:] and job["attempts"][1]["started_at"] is not None
+                if first_new_step_seen is None and resumed and job["status"] == "running" and job["step"] > 30:
                     first_new_step_seen = datetime.now().astimezone()
                 if job["status"] in ("succeeded", "failed", "cancelled"):
                     break

@@ -5,7 +5,8 @@ caused them; OPT-175B's logbook records dozens of such restarts by hand. The gua
 did. It watches each step's reported train_loss and grad_norm (the same numbers on every process:
 the loss is all-reduced, the norm is the whole model's, so every process decides alike with no
 extra collective). A step is a spike step when its loss is above `spike_factor` × the median of
-the last `window` steps' losses (a median, so one earlier spike doesn't raise the bar); `spike_steps`
+the last `window` steps' losses (a median, so one earlier spike doesn't raise the bar) and at least
+`min_increase` above it (a classifier's loss near zero triples by noise alone); `spike_steps`
 of them in a row make a spike, and a non-finite loss or gradient norm is one at once (its update has
 already poisoned the weights). Before `window` steps no spike is called (the first losses fall fast).
 
@@ -49,7 +50,7 @@ class LossGuard:
             self.recent.append(loss)
             return None
         median = statistics.median(self.recent)
-        if loss <= self.config.spike_factor * median:
+        if loss <= self.config.spike_factor * median or loss - median < self.config.min_increase:
             self.spike_started = None
             self.recent.append(loss)
             return None
