@@ -49,10 +49,10 @@ test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) $(NFT) $(SLURMCTLD) serv
 test-quick: $(VENV)/.test-stamp
 	TRAINYARD_TEST_BACKENDS=sqlite $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=10 tests/unit tests/service tests/client $(PYTEST_ARGS)
 
-# Each prints one JSON line with its peer's figure and the ratio; none asserts a time. About 8
+# Each prints one JSON line with its peer's figure and the ratio; none asserts a time. About 11
 # minutes on 2 cores, against PostgreSQL and Redis as the tests use them. A failing one stops the run.
 BENCHMARKS := throughput job_start dispatch_latency scheduler_placement metric_ingest metrics_query dashboard_page \
-              download_throughput checkpoint_stall checkpoint_ingest environment fair_share
+              download_throughput checkpoint_stall checkpoint_ingest environment fair_share guard
 
 bench: $(VENV)/.test-stamp $(NGINX) $(BWRAP)
 	@for name in $(BENCHMARKS); do \

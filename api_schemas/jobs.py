@@ -334,7 +334,14 @@ class TrainingConfig(_Config):
         description="Validation batches per evaluation (per process), spread evenly over the whole validation split (the same "
         "samples in every run of the same data and counts); null: the whole split, every sample once.",
     )
-    guard: GuardConfig = Field(default_factory=lambda: GuardConfig(), description="Roll back a loss spike or NaN (built-in and custom loops).")
+    guard: GuardConfig = Field(
+        default_factory=lambda: GuardConfig(), description="Roll back a loss spike or NaN (built-in models); `false` is `{\"enabled\": false}`."
+    )
+
+    @field_validator("guard", mode="before")
+    @classmethod
+    def _guard_on_or_off(cls, value):
+        return {"enabled": value} if isinstance(value, bool) else value
     stall_timeout_s: float | None = Field(
         None,
         gt=0.0,

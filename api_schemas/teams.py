@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
 Device = Literal["cpu", "cuda"]
+Slots = Annotated[int, Field(ge=0, le=1_000_000)]
 TeamName = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class TeamIn(BaseModel):
     name: str = TeamName
-    quota: dict[Device, int] = Field(
+    quota: dict[Device, Slots] = Field(
         default_factory=dict,
         description="Nominal quota in process slots per device kind (`cpu` slots, `cuda` GPUs): what the team may always get "
         "back. Beyond it a team borrows idle slots, which are reclaimed at a checkpoint when a team under its own quota waits.",
@@ -20,7 +21,7 @@ class TeamIn(BaseModel):
 
 
 class QuotaIn(BaseModel):
-    quota: dict[Device, int] = Field(description="The team's new nominal quota per device kind; a kind left out has none.")
+    quota: dict[Device, Slots] = Field(description="The team's new nominal quota per device kind; a kind left out has none.")
 
 
 class MemberIn(BaseModel):
@@ -35,7 +36,9 @@ class TeamOut(BaseModel):
     in_use: dict[str, int] = Field(description="Slots its running and starting attempts hold now, per device kind.")
     borrowed: dict[str, int] = Field(description="Of those, the slots beyond its quota: given back at a checkpoint when reclaimed.")
     waiting_jobs: int = Field(description="Its jobs queued now.")
-    recent_device_hours: float = Field(description="Its usage decayed with the fair-share half-life: what orders its waiting jobs.")
+    recent_device_hours: float = Field(
+        description="Its usage decayed with the fair-share half-life, as of the scheduler's last update (every fair_share_update_seconds): what orders its waiting jobs."
+    )
     fair_share: float = Field(
         description="Its fair-share factor, 2^(-usage share / entitled share): 1 unused, 0.5 at its entitlement, lower above it."
     )

@@ -493,6 +493,10 @@ class Client:
             raise TrainyardError(f"Trainyard at {self.server} did not answer in time ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:  # e.g. the connection dropped mid-response
             raise TrainyardError(f"the connection to Trainyard at {self.server} failed: {exc or type(exc).__name__}") from exc
+        except ValueError as exc:  # httpx refuses to write NaN or an infinity as JSON
+            if "JSON compliant" not in str(exc):
+                raise
+            raise TrainyardError("the request holds NaN or an infinite number, which JSON can't carry: give finite numbers") from exc
 
 
 def sse_messages(lines: Iterator[str]) -> Iterator[dict[str, str]]:

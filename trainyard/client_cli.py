@@ -177,9 +177,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     team = f", team {job.spec.team}" if job.spec.team else ""
     print(f"job {job.id}: {job.name} (owner {job.owner}{team}, priority {job.priority})")
     print(f"  status    {job.status.value}")
-    rolled = f", rollbacks {job.rollbacks} (the loss guard; the attempts below say why)" if job.rollbacks else ""
+    rolled = f", rollbacks {job.rollbacks}" if job.rollbacks else ""
     print(f"  progress  {steps_text(job.step, job.max_steps)} steps, batch {job.effective_batch_size or '-'}, restarts {job.restarts}{rolled}")
     print(f"  created   {local_time(job.created_at)}  started {local_time(job.started_at)}  finished {local_time(job.finished_at)}")
+    for mark in job.rollback_marks:  # the loss guard's (training.guard)
+        print(f"  rollback  steps {mark.first_step}-{mark.last_step} spiked; went on from step {mark.resume_step} past their batches: {mark.reason}")
     if job.waiting_reason:
         print("  waiting   " + job.waiting_reason)
     if job.failure_reason:

@@ -18,6 +18,14 @@ def quota_item(text: str) -> tuple[str, int]:
     return device, int(slots)
 
 
+def quota_of(items: list[tuple[str, int]]) -> dict[str, int]:
+    """DEVICE=SLOTS items as a quota; a device named twice is a mistake, not a last-one-wins."""
+    quota = dict(items)
+    if len(quota) != len(items):
+        raise SystemExit("error: a device kind is given more than once")
+    return quota
+
+
 def slots(by_device: dict[str, int]) -> str:
     return ", ".join(f"{n} {device}" for device, n in sorted(by_device.items())) or "-"
 
@@ -38,13 +46,13 @@ def cmd_team_ls(args: argparse.Namespace) -> int:
 
 def cmd_team_create(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        print_teams([client.create_team(args.name, dict(args.quota))])
+        print_teams([client.create_team(args.name, quota_of(args.quota))])
     return 0
 
 
 def cmd_team_quota(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        print_teams([client.set_team_quota(args.name, dict(args.quota))])
+        print_teams([client.set_team_quota(args.name, quota_of(args.quota))])
     return 0
 
 

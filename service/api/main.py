@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import uuid
 
 from fastapi import FastAPI, Request
@@ -137,7 +138,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's own 422, with each location as the user knows the field (`body.dataset.path`).
         errors = [{**error, "loc": field_location(error["loc"])} for error in exc.errors()]
-        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+        return JSONResponse({"detail": finite(jsonable_encoder(errors))}, status_code=422)
 
     @app.exception_handler(Refused)
     async def _refused(_request: Request, exc: Refused) -> JSONResponse:
@@ -150,3 +151,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=exc.status, headers=headers)
 
     return app
+
+
+def finite(value):
+    """`value` with each NaN or infinite number as its name: a 422 echoes the input it refused, and a
+    `NaN` in a body (Python's json reads it) is no JSON to answer with."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [finite(item) for item in value]
+    return value

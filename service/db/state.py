@@ -208,8 +208,8 @@ def end_attempt(
     stop. cancelled, or any end of a job whose cancel was requested → job cancelled. Any other end
     of a job its sweep pruned (see request_prune) → job pruned. preempted →
     queued again, using no restart (the job did nothing wrong); with `rollback` (its loss guard stopped
-    it), the same while the job has rollbacks left (training.guard.max_rollbacks), else failed saying
-    why, and a `rollback` event either way. failed or lost → queued again
+    it), the same with a `rollback` event while the job has rollbacks left (training.guard.max_rollbacks),
+    else the attempt and the job fail, saying why, using no restart. failed or lost → queued again
     while restarts remain, else failed with the attempt's reason; failed with `retry=False` (the
     job's own spec can't run: every attempt would fail the same) → failed at once, using no restart.
     A queued job resumes from its latest complete checkpoint.
@@ -218,6 +218,13 @@ def end_attempt(
     # (before the other committed) and neither ended the job, which stayed `running` for good (found
     # on PostgreSQL, the nodes 1 ms apart). Locked, they take turns, and the gang is read after the lock.
     session.execute(select(Job.id).where(Job.id == job.id).with_for_update())
+    if rollback is not None and job.rollbacks >= (allowed := JobSpec.model_validate(job.spec).training.guard.max_rollbacks):
+        # No rollback left: the spike ends the job, as a failure no retry mends.
+        outcome, retry, rollback = AttemptStatus.failed, False, None
+        reason = (
+            f"{reason}; not rolled back again, after {allowed} rollback{'s' if allowed != 1 else ''} (training.guard.max_rollbacks). "
+            "A spike that comes back after each rollback is the run's own (learning rate, precision), not its data's"
+        )
     if not move_attempt(session, attempt, outcome, reason=reason):
         return False
     gang = [other for other in job.attempts if other.number == attempt.number and other.id != attempt.id]
@@ -258,15 +265,9 @@ def end_attempt(
 
 def _roll_back(session: Session, job: Job, attempt: Attempt, rollback: Rollback) -> bool:
     job.rollbacks += 1
-    allowed = JobSpec.model_validate(job.spec).training.guard.max_rollbacks
     resume_step = (job.rollback_skip or {}).get("resume_step", 0)
     data = {**rollback.model_dump(), "resume_step": resume_step, "rollbacks": job.rollbacks}
     append_events(session, job.id, [(JobEventType.rollback, data)])
-    if job.rollbacks > allowed:
-        return move_job(session, job, JobStatus.failed, reason=(
-            f"loss guard: {rollback.reason}; not rolled back again, after {allowed} rollback{'s' if allowed != 1 else ''} "
-            "(training.guard.max_rollbacks)"
-        ))
     return move_job(session, job, JobStatus.queued, reason=(
         f"attempt {attempt.number} rolled back by the loss guard: {rollback.reason}; resuming from step {resume_step}, "
         f"past the batches of steps {resume_step + 1}-{rollback.last_step}"

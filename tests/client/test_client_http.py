@@ -54,6 +54,11 @@ def test_a_rejected_spec_lists_each_problem(client):
     assert "training.max_steps: Input should be greater than or equal to 1" in message
 
 
+def test_a_spec_with_nan_is_a_clear_error_not_a_traceback(client):
+    with pytest.raises(TrainyardError, match="NaN or an infinite number"):
+        client.submit({**tiny_spec(), "priority": float("nan")})
+
+
 def test_http_errors_carry_the_servers_reason(client, api_url):
     with pytest.raises(TrainyardError, match=r"^job not found \(HTTP 404\)$"):
         client.job(12345)

@@ -99,3 +99,12 @@ def test_every_integer_parameter_past_what_the_database_holds_is_a_422_naming_it
             assert parameter["name"] in {str(part) for error in response.json()["detail"] for part in error["loc"]}, response.text
             probed += 1
     assert probed >= 8
+
+
+def test_a_nan_in_a_spec_is_a_422_naming_the_field_not_a_500(api, token):
+    # Python's json reads NaN; the 422 echoes the input it refused, which must still be JSON.
+    body = '{"name": "x", "training": {"max_steps": NaN, "guard": {"min_increase": Infinity}}}'
+    response = api.post("/v1/jobs", content=body, headers={**auth(token), "Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    locations = {".".join(map(str, error["loc"])) for error in response.json()["detail"]}
+    assert {"body.training.max_steps", "body.training.guard.min_increase"} <= locations

@@ -11,7 +11,7 @@ from service.db.accounts import create_user
 from service.db.attempts import claim_attempt, finish_attempt
 from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.jobs import create_job
-from service.db.models import Job, JobEvent
+from service.db.models import Attempt, Job, JobEvent
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from tests.helpers import job_spec
@@ -52,5 +52,6 @@ def test_a_rollback_resumes_before_the_spike_past_its_batches_and_too_many_fail_
         # A second spike, past max_rollbacks 1: the job fails, saying why.
         assert finish_attempt(session, second, AttemptStatus.preempted, "loss guard", rollback=Rollback(first_step=40, last_step=40, reason="train_loss nan at step 40"))
         session.refresh(job)
-        assert job.status == JobStatus.failed and job.rollbacks == 2
-        assert job.failure_reason.startswith("loss guard: train_loss nan at step 40; not rolled back again, after 1 rollback")
+        assert (job.status, job.rollbacks, job.restarts) == (JobStatus.failed, 1, 0)  # what was rolled back: once
+        assert "loss guard; not rolled back again, after 1 rollback (training.guard.max_rollbacks)" in job.failure_reason
+        assert session.get(Attempt, second.attempt_id).status == AttemptStatus.failed

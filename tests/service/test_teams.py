@@ -176,6 +176,8 @@ def test_teams_through_the_api_admins_only_audited_and_shown_with_what_they_hold
     assert api.post("/v1/teams", json={"name": "vision"}, headers=as_admin).status_code == 409
     refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"tpu": 2}}, headers=as_admin)
     assert refused.status_code == 422 and "quota" in refused.text
+    refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"cpu": -3}}, headers=as_admin)
+    assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "quota", "cpu"]
     refused = api.post("/v1/teams/vision/members", json={"user": "nobody"}, headers=as_admin)
     assert refused.status_code == 422 and refused.json()["detail"][0] == {"loc": ["body", "user"], "msg": "no user named 'nobody'", "type": "value_error"}
     assert api.post("/v1/teams/vision/members", json={"user": "alice"}, headers=as_admin).json()["members"] == ["alice*"]

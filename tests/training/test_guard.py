@@ -58,6 +58,7 @@ def test_the_guard_calls_a_spike_after_spike_steps_in_a_row_and_a_nan_at_once():
     fresh = LossGuard(GuardConfig(window=5))
     assert fresh.observe(1, 2.0, grad_norm=math.inf).reason == "grad_norm inf at step 1"  # before any window: at once
     assert LossGuard(GuardConfig(enabled=False)).observe(1, math.nan) is None
+    assert job_spec(**{"training.guard": False}).training.guard == GuardConfig(enabled=False)  # the shorthand
 
 
 def test_a_skip_moves_the_data_position_on_in_whole_epochs_past_an_epochs_end():

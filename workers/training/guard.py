@@ -61,5 +61,5 @@ class LossGuard:
         return Spike(
             self.spike_started, step,
             f"train_loss above {self.config.spike_factor:g} × its median of the last {self.config.window} steps ({median:.4g}) "
-            f"for {step - self.spike_started + 1} steps, {loss:.4g} at step {step}",
+            f"for {step - self.spike_started + 1} step{'s' if step > self.spike_started else ''}, {loss:.4g} at step {step}",
         )

@@ -65,7 +65,7 @@ class JsonlReporter:
 
     def spike(self, first_step: int, last_step: int, reason: str) -> None:
         self._write(SpikeEvent(first_step=first_step, last_step=last_step, reason=reason))
-        print(f"loss guard: {reason}; rolling back to the checkpoint before step {first_step}", flush=True)
+        print(f"loss guard: {reason}; stopping, to go on from the checkpoint before step {first_step} (while rollbacks are left)", flush=True)
 
     def close(self) -> None:
         self._file.close()
