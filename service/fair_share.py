@@ -32,9 +32,8 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from service.db.models import Attempt, Job
-from service.db.teams import active_attempts_on, all_teams, decayed_usage, slots_held_by_team, waiting_claimants
+from service.db.teams import NO_TEAM, active_attempts_on, all_teams, decayed_usage, device_of, slots_held_by_team, waiting_claimants
 
-NO_TEAM = 0  # the team id of a job that runs under none
 
 
 @dataclass
@@ -170,7 +169,7 @@ def load_fair_share(
     if waiting is None:
         claimants = waiting_claimants(session)
     else:
-        claimants = {(job.owner_id, job.team_id, job.spec.get("resources", {}).get("device", "cpu")) for job in waiting}
+        claimants = {(job.owner_id, job.team_id, device_of(job)) for job in waiting}
     return FairShare(usage, quotas, {(user, team or NO_TEAM, device) for user, team, device in claimants})
 
 
@@ -181,4 +180,4 @@ def reclaimable_attempts(session: Session, quotas: Quotas) -> tuple[list[Attempt
     if not governed:
         return [], set()
     attempts = active_attempts_on(session, governed)
-    return attempts, quotas.reclaimable([(a.id, a.job.team_id, a.job.spec["resources"]["device"], a.slots) for a in attempts])
+    return attempts, quotas.reclaimable([(a.id, a.job.team_id, device_of(a.job), a.slots) for a in attempts])

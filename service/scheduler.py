@@ -42,6 +42,7 @@ from service.db.scheduling import (
 from service.logs import job_fields
 from service.placement import HostRoom, Rooms, preemption_plan, waiting_reason
 from service.settings import Settings
+from service.db.teams import device_of
 from service.fair_share import FairShare, Quotas, load_fair_share, load_quotas, reclaimable_attempts
 from service.sweeps import advance_sweeps
 
@@ -92,6 +93,13 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     placements = []
     to_pools: dict[str, list] = {}
     borrowing: list[tuple[Job, ResourcesConfig]] = []
+
+    def take(job: Job, resources: ResourcesConfig, chosen: list, processes: int) -> None:
+        for name, devices in chosen:
+            rooms.take(name, processes, devices)
+        quotas.take(job.team_id, resources.device, len(chosen) * processes)
+        placements.append((job, chosen, processes))
+
     for job in queue_order(queued, now, settings, shares):
         # Only the resources: the spec was validated whole when admitted, and validating all of it
         # again for each of 10,000 jobs cost a tenth of the pass.
@@ -127,10 +135,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
                 reason += f"; {', '.join(held)} held for it" + (f" ({why})" if why else "")
             set_waiting_reason(job, reason)
             continue
-        for name, devices in chosen:
-            rooms.take(name, processes, devices)
-        quotas.take(job.team_id, resources.device, len(chosen) * processes)
-        placements.append((job, chosen, processes))
+        take(job, resources, chosen, processes)
 
     # Beyond their team's quota, on what the jobs within theirs left idle: no host is held and
     # nothing stopped for them, and what they take is reclaimed when its owners want it.
@@ -140,10 +145,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved))
             set_waiting_reason(job, f"{quotas.describe(job.team_id, resources.device)}; it borrows idle slots beyond it: {reason}")
             continue
-        for name, devices in chosen:
-            rooms.take(name, resources.processes_per_node, devices)
-        quotas.take(job.team_id, resources.device, resources.nodes * resources.processes_per_node)
-        placements.append((job, chosen, resources.processes_per_node))
+        take(job, resources, chosen, resources.processes_per_node)
     attempts = place_jobs(session, placements, now)
     for pool, handed in to_pools.items():
         attempts += place_jobs(session, handed, now, pool=pool)
@@ -194,9 +196,8 @@ def queue_order(jobs: list[Job], now: datetime, settings: Settings, shares: Fair
     queued, and up to `fair_share_weight` points for its team's and user's fair share."""
 
     def effective(job: Job) -> float:
-        device = job.spec.get("resources", {}).get("device", "cpu")
         waited = (now - job.created_at).total_seconds() / settings.priority_aging_seconds
-        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, device)
+        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, device_of(job))
 
     return sorted(jobs, key=lambda job: (-effective(job), job.id))
 
@@ -222,14 +223,13 @@ def hold_for(job: Job, resources: ResourcesConfig, rooms: dict[str, HostRoom], s
     that borrowed may be stopped so); else a higher priority preempts preemptible jobs, but never a
     team's jobs within its quota for another team's. (Attempts already asked to stop count as gone.)"""
     team, governed = job.team_id, quotas.governed(resources.device)
-    plan = None
-    if governed:
-        plan = preemption_plan(resources, rooms, stoppable.governed, lambda a: a.id in stoppable.borrowed and a.job.team_id != team)
-        lenders = sorted({quotas.name(victim.job.team_id) for victim in plan.victims}) if plan else []
-        slots = sum(victim.slots for victim in plan.victims) if plan else 0
-        why = f"{slots} slot{'s' if slots != 1 else ''} borrowed by {', '.join(lenders)} reclaimed at their next checkpoint" if slots else "borrowed slots being reclaimed"
+    plan = preemption_plan(resources, rooms, stoppable.governed, lambda a: a.id in stoppable.borrowed and a.job.team_id != team) if governed else None
+    if plan is not None:
+        lenders = ", ".join(sorted({quotas.name(victim.job.team_id) for victim in plan.victims}))
+        slots = sum(victim.slots for victim in plan.victims)
+        why = f"{slots} slot{'s' if slots != 1 else ''} borrowed by {lenders} reclaimed at their next checkpoint" if slots else "borrowed slots being reclaimed"
         stop_reason = f"reclaimed for {quotas.name(team)}'s quota (job {job.id})"
-    if plan is None:
+    else:
         plan = preemption_plan(
             resources, rooms, stoppable.preemptible,
             lambda a: a.job.priority < job.priority and (not governed or a.job.team_id == team or a.id in stoppable.borrowed),

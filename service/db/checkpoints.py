@@ -37,9 +37,7 @@ def record_checkpoint(
             job.rollback_skip = None
     newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc())).all()
     stale = newest_first[keep_last:]
-    if stale:
-        session.add_all(DeletedCheckpoint(id=c.id, job_id=job_id, step=c.step, deleted_at=utcnow()) for c in stale)
-        session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in stale])))
+    _forget(session, job_id, stale)
     session.commit()
     return [c.path for c in stale if c.path != path]
 
@@ -48,11 +46,16 @@ def drop_checkpoints_from(session: Session, job_id: int, step: int) -> tuple[lis
     """Drop the job's checkpoints of `step` and after (a rollback: they hold a diverged run), remembered
     as deleted; their paths to delete, and the step of the newest left (0: none, the run's start)."""
     dropped = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.step >= step)).all()
-    if dropped:
-        session.add_all(DeletedCheckpoint(id=c.id, job_id=job_id, step=c.step, deleted_at=utcnow()) for c in dropped)
-        session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in dropped])))
+    _forget(session, job_id, dropped)
     newest = session.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc()).limit(1))
     return [c.path for c in dropped], newest or 0
+
+
+def _forget(session: Session, job_id: int, checkpoints: list[Checkpoint]) -> None:
+    """Delete these checkpoints' rows, remembered as deleted (their files are the caller's to delete)."""
+    if checkpoints:
+        session.add_all(DeletedCheckpoint(id=c.id, job_id=job_id, step=c.step, deleted_at=utcnow()) for c in checkpoints)
+        session.execute(delete(Checkpoint).where(Checkpoint.id.in_([c.id for c in checkpoints])))
 
 
 def record_refused(session: Session, job_id: int, kind: JobEventType, step: int | None, what: str, reason: str) -> None:

@@ -12,8 +12,13 @@ from api_schemas import JobStatus
 from service.db import state
 from service.db.models import Attempt, FairShareUsage, Job, Team, TeamMember, User
 
-# The device kind of a job, read from its spec in SQL (both dialects' JSON path).
+# The device kind of a job, read from its spec in SQL (both dialects' JSON path), and in Python.
 JOB_DEVICE = Job.spec["resources"]["device"].as_string()
+NO_TEAM = 0  # the team id a job of no team is counted under
+
+
+def device_of(job: Job) -> str:
+    return job.spec.get("resources", {}).get("device", "cpu")
 
 
 class TeamError(ValueError):
@@ -102,7 +107,7 @@ def team_for_job(session: Session, user: User, name: str | None) -> Team | None:
 # --- what the scheduler's fair share reads (service/fair_share.py) ---------------------------------
 
 def usage_key(user_id: int, team_id: int | None, device: str) -> str:
-    return f"{user_id}:{team_id or 0}:{device}"
+    return f"{user_id}:{team_id or NO_TEAM}:{device}"
 
 
 def decay_and_add(

@@ -14,9 +14,9 @@ from service.api.deps import NEEDS_TOKEN, AdminUser, CurrentUser, SessionDep, Se
 from service.db.accounts import user_by_name
 from service.db.models import Team, utcnow
 from service.db.teams import (
-    TeamError, add_member, all_teams, create_team, forget_team, members, remove_member, set_quota, team_named, waiting_jobs_by_team,
+    NO_TEAM, TeamError, add_member, all_teams, create_team, forget_team, members, remove_member, set_quota, team_named, waiting_jobs_by_team,
 )
-from service.fair_share import NO_TEAM, load_fair_share, load_quotas
+from service.fair_share import load_fair_share, load_quotas
 
 router = APIRouter(prefix="/v1/teams", tags=["teams"], responses=NEEDS_TOKEN, route_class=SessionsEndWithRoute)
 ADMINS_ONLY = {403: {"description": "Not an admin."}}
@@ -29,27 +29,25 @@ def list_teams(session: SessionDep, user: CurrentUser, settings: SettingsDep) ->
     # As the scheduler last brought it up to date: a GET writes nothing.
     shares = load_fair_share(session, quotas, utcnow(), settings.fair_share_half_life_seconds, every=None)
     waiting = waiting_jobs_by_team(session)
-    out = []
-    for team in all_teams(session):
-        devices = sorted({*team.quota, *(device for t, device in quotas.in_use if t == team.id)})
-        out.append(TeamOut(
-            name=team.name, quota=team.quota,
-            members=[name + ("*" if default else "") for name, default in members(session, team)],
-            in_use={device: quotas.held(team.id, device) for device in devices},
-            borrowed={device: quotas.borrowed(team.id, device) for device in devices if quotas.borrowed(team.id, device)},
-            waiting_jobs=waiting.get(team.id, 0),
-            recent_device_hours=round(sum(shares.team_usage(team.id, device) for device in devices) / 3600, 3),
-            fair_share=round(min((shares.team_factor(team.id, device) for device in devices), default=1.0), 3),
-        ))
-    held = {device: n for (t, device), n in quotas.in_use.items() if t == NO_TEAM and n}
+
+    def view(name: str, quota: dict, members: list[str], team_id: int | None, devices: list[str]) -> TeamOut:
+        return TeamOut(
+            name=name, quota=quota, members=members,
+            in_use={device: quotas.held(team_id, device) for device in devices},
+            borrowed={device: quotas.borrowed(team_id, device) for device in devices if quotas.borrowed(team_id, device)},
+            waiting_jobs=waiting.get(team_id, 0),
+            recent_device_hours=round(sum(shares.team_usage(team_id, device) for device in devices) / 3600, 3),
+            fair_share=round(min((shares.team_factor(team_id, device) for device in devices), default=1.0), 3),
+        )
+
+    out = [
+        view(team.name, team.quota, [name + ("*" if default else "") for name, default in members(session, team)], team.id,
+             sorted({*team.quota, *(device for t, device in quotas.in_use if t == team.id)}))
+        for team in all_teams(session)
+    ]
+    held = sorted(device for (t, device), n in quotas.in_use.items() if t == NO_TEAM and n)
     if out and (held or waiting.get(None)):
-        out.append(TeamOut(  # jobs of users in no team: shown so the numbers add up
-            name="(no team)", quota={}, members=[], in_use=held,
-            borrowed={device: quotas.borrowed(None, device) for device in held if quotas.borrowed(None, device)},
-            waiting_jobs=waiting.get(None, 0),
-            recent_device_hours=round(sum(shares.team_usage(NO_TEAM, device) for device in held) / 3600, 3),
-            fair_share=round(min((shares.team_factor(None, device) for device in held), default=1.0), 3),
-        ))
+        out.append(view("(no team)", {}, [], None, held))  # jobs of users in no team: shown so the numbers add up
     return out
 
 
