@@ -63,6 +63,7 @@ class HostTerms(BaseModel):
     dispatch_timeout_seconds: float
     max_log_lines_per_attempt: int
     max_runtime_hours: float
+    max_attempt_disk_gb: float = Field(100.0, description="What an attempt's directory may hold unless its spec says (resources.disk_gb).")
     control_plane_ports: list[int] = Field(
         description="The service's ports (database, broker, API) that a host closes to its multi-node jobs (workers/egress.py)."
     )

@@ -395,8 +395,15 @@ class ResourcesConfig(_Config):
     min_gpu_memory_gb: float | None = Field(None, gt=0, description="Only GPUs with at least this much memory (cuda only).")
     memory_gb: float | None = Field(
         None, gt=0, le=65536,
-        description="Most host memory (RAM) the job's processes on one host may use together; past it the kernel kills "
-        "them and the attempt fails saying so. None: no limit of its own.",
+        description="Most host memory (RAM) the job's processes on one host may use together, /dev/shm and /tmp "
+        "included; past it the kernel kills them and the attempt fails saying so. None: its slots' share of the host "
+        "(the host's memory divided by its slots, or the service's TRAINYARD_MEMORY_GB_PER_SLOT).",
+    )
+    disk_gb: float | None = Field(
+        None, gt=0, le=1_048_576,
+        description="Most the job's directory on one host may hold (what it writes there: checkpoints, outputs, files); "
+        "past it the training is stopped and the job fails saying so, not retried. None: the service's "
+        "TRAINYARD_MAX_ATTEMPT_DISK_GB (100 unless its operator says otherwise).",
     )
     max_runtime_hours: float | None = Field(
         None, gt=0, le=8760,

@@ -148,6 +148,15 @@ class WorkerSettings(_FromEnvironment):
         168.0, gt=0, description="Longest an attempt runs (wall clock) when its spec doesn't say (resources.max_runtime_hours); "
         "past it the training is stopped and the job fails saying so.",
     )
+    memory_gb_per_slot: float | None = Field(
+        None, gt=0, description="Memory an attempt may use on a host for each process slot it holds, unless its spec says "
+        "(resources.memory_gb); its CPU is bounded the same way, to its slots' cores. None: the host's memory divided by its "
+        "slots. Enforced where the worker has cgroups (workers/limits.py).",
+    )
+    max_attempt_disk_gb: float = Field(
+        100.0, gt=0, description="Most an attempt's directory may hold on a host (what it writes: checkpoints, outputs, "
+        "files) unless its spec says (resources.disk_gb); past it the training is stopped and the job fails saying so.",
+    )
     failed_attempt_retention_hours: float = Field(
         24.0, ge=0, description="How long a worker keeps the directory of a failed or lost attempt for someone to look into; "
         "others' are removed 10 minutes after they end (workers/attempt_dirs.py).",

@@ -15,6 +15,7 @@ from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make
 from service.settings import Settings
 from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
+from workers.limits import SlotShare
 from workers.supervisor import AttemptRunner
 from workers.egress import close_control_plane, open_control_plane
 from workers.warm_pool import WarmPool
@@ -45,14 +46,6 @@ def parse_devices(devices: str) -> tuple[str, int, dict]:
         ]
         return "cuda", len(gpus), {"gpus": gpus}
     raise ValueError(f"--devices {devices!r}: expected cpu:N, cuda:all or cuda:0,1,…")
-
-
-def cpu_threads_per_slot(device: str, slots: int) -> int | None:
-    """A CPU slot's share of the cores this worker may use (its CPU affinity: a host started on some
-    cores of a machine has those); None on a GPU host, whose processes keep the launcher's default."""
-    if device != "cpu":
-        return None
-    return max(1, len(os.sched_getaffinity(0)) // slots)
 
 
 def run_worker(settings: Settings, host_name: str, devices: str, address: str, unsafe_no_sandbox: bool = False) -> None:
@@ -94,7 +87,9 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
 
     warm = WarmPool(settings, sandbox, settings.warm_interpreters)
     warm.fill()
-    runner = AttemptRunner(settings, service, host_name, address, sandbox, warm, cpu_threads_per_slot(device, slots))
+    # Each slot's share of the host's cores and memory: a CPU process's threads, and what an attempt is bounded by.
+    share = SlotShare.of_host(slots, settings.memory_gb_per_slot)
+    runner = AttemptRunner(settings, service, host_name, address, sandbox, warm, share.cores if device == "cpu" else None, share)
     threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()  # also sweeps ended attempts' directories
 
     @app.task(name=RUN_ATTEMPT_TASK)

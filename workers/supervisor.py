@@ -48,9 +48,9 @@ from workers.host_client import HostClient, ServiceError, ServiceUnreachable
 from workers.launch import (
     EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
 )
-from workers.limits import AttemptLimits, limited
+from workers.limits import AttemptLimits, Bounds, DiskWatch, SlotShare, limited
 from workers.sandbox import (
-    MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, data_inputs, job_inputs, plugin_module, prepare_attempt, sandbox_command,
+    INPUT_COPIES, MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, data_inputs, job_inputs, plugin_module, prepare_attempt, sandbox_command,
     service_state,
 )
 from workers.warm_pool import WarmPool, place_inputs
@@ -76,6 +76,10 @@ FORWARD_SECONDS = 0.25
 # Characters of lines waiting to be stored, at most: past it (printed faster than they can be stored,
 # or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
 MAX_PENDING_LOG_CHARS = 32 * 2**20
+# How often an attempt's directory is measured against its disk limit: a job writing at 1 GB/s is
+# over it by a few GB at most when stopped.
+DISK_WATCH_SECONDS = 2.0
+CPU_HELD_BACK_NOTED = 0.2  # the share of its time a job is held to its cores before its logs say so
 
 
 def forward_pause(round_trip: float) -> float:
@@ -275,10 +279,11 @@ class EndedBeforeStart(Exception):
 class AttemptRunner:
     def __init__(
         self, settings: Settings, service: HostClient, host_name: str, address: str = "127.0.0.1", sandbox: HostSandbox | None = None,
-        warm: WarmPool | None = None, cpu_threads: int | None = None,
+        warm: WarmPool | None = None, cpu_threads: int | None = None, share: SlotShare | None = None,
     ):
         self.settings, self.service, self.host_name, self.address = settings, service, host_name, address
         self.cpu_threads = cpu_threads  # threads of each CPU process: the cores of one slot of this host
+        self.share = share  # what an attempt gets per slot it holds, unless its spec says; None: unbounded (a Slurm allocation bounds it)
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
         self.store = ArtifactStore(settings.resolved_artifact_root)
@@ -395,8 +400,8 @@ class AttemptRunner:
         # An elastic job placed on fewer processes than its spec's launches that many; the training
         # reads the spec itself and accumulates to keep its optimizer step.
         placed = spec.placed_on(claimed.slots) if claimed.slots != spec.resources.processes_per_node else spec
-        memory_bytes = int(spec.resources.memory_gb * 2**30) if spec.resources.memory_gb else None
-        if environment is None and (started := self._start_warm(claimed, spec, placed, run_dir, resume_from, rendezvous, memory_bytes)):
+        bounds = self._bounds(spec, claimed.slots)
+        if environment is None and (started := self._start_warm(claimed, spec, placed, run_dir, resume_from, rendezvous, bounds)):
             return started
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / SPEC_FILE_NAME).write_text(json.dumps(claimed.spec))
@@ -433,21 +438,29 @@ class AttemptRunner:
             command = sandbox_command(command, cwd, view, self.sandbox.tool)
         limits = None
         if self.sandbox.limits:
-            limits = AttemptLimits.create(f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}", memory_bytes, MAX_PROCESSES)
+            limits = AttemptLimits.create(f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}", bounds, MAX_PROCESSES)
         process = subprocess.Popen(
-            limited(command, MAX_OPEN_FILES, limits, memory_bytes), cwd=cwd, env={}, stdout=subprocess.PIPE,
+            limited(command, MAX_OPEN_FILES, limits, bounds.memory_bytes), cwd=cwd, env={}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,
         )
         return run_dir, process, limits
 
+    def _bounds(self, spec: JobSpec, slots: int) -> Bounds:
+        """What the attempt may use here: the memory its spec asks for, else its slots' share of the
+        host, and its slots' cores. Without cgroups only an asked-for limit holds (workers/limits.py)."""
+        memory = int(spec.resources.memory_gb * 2**30) if spec.resources.memory_gb else None
+        if self.share is None or not self.sandbox.limits:
+            return Bounds(memory_bytes=memory)
+        return Bounds(memory_bytes=memory or self.share.memory_bytes * slots, cpu_cores=self.share.cores * slots)
+
     def _start_warm(
         self, claimed: ClaimedAttempt, spec: JobSpec, placed: JobSpec, link: Path, resume_from: Path | None, rendezvous: str,
-        memory_bytes: int | None,
+        bounds: Bounds,
     ) -> tuple[Path, subprocess.Popen, AttemptLimits | None] | None:
         """The attempt started from a warm interpreter, if it can be (workers/warm_pool.py): its
         inputs placed in the interpreter's slot, its spec written, and the launch command a cold
         start would run handed to it. `link`, the attempt's usual directory, points at the slot's."""
-        if self.warm is None or (warm := self.warm.take(spec, memory_bytes)) is None:
+        if self.warm is None or (warm := self.warm.take(spec, bounds)) is None:
             return None
         inputs, run_dir = warm.inputs, warm.run_dir
         plugin = plugin_module(spec, self.settings) if spec.model.kind == "custom" else None
@@ -610,7 +623,10 @@ class RunningAttempt:
         self.noted: set[str] = set()  # what the job's logs were told the service can't keep
         self.started_at = time.monotonic()
         self.max_runtime_s = (spec.resources.max_runtime_hours or runner.settings.max_runtime_hours) * 3600
-        self.over_time: str | None = None  # why it was stopped for running too long, once it was
+        self.over_limit: str | None = None  # why it was stopped for running too long or writing too much, once it was
+        disk_gb = spec.resources.disk_gb or runner.settings.max_attempt_disk_gb
+        every = min(runner.settings.heartbeat_seconds, DISK_WATCH_SECONDS)
+        self.disk = DiskWatch(run_dir, int(disk_gb * 2**30), every, skip=frozenset({INPUT_COPIES}))
         self.stall = StallWatch(spec.training.stall_timeout_s)
         self.outputs_collected_at_end = False
         self.stalled = False
@@ -629,6 +645,12 @@ class RunningAttempt:
         return self.exit_code is not None and self.output_done
 
     def supervise(self) -> Outcome:
+        try:
+            return self._supervise()
+        finally:
+            self.disk.stop()
+
+    def _supervise(self) -> Outcome:
         while True:
             self.exit_code = self.process.poll()
             if self.runner.shutting_down.is_set():
@@ -637,7 +659,7 @@ class RunningAttempt:
             self._take_output()
             self._take_events()
             self._kill_if_stalled()
-            self._stop_if_over_time()
+            self._stop_if_over_limits()
             self._collect_outputs_at_end()
             if (ended := self._sync_if_due()) is not None:
                 return ended
@@ -656,6 +678,7 @@ class RunningAttempt:
                 self.output_done = True
                 for note in self.dropped.resumed():
                     self._note(note)
+                self._note_cpu_held_back()
                 return
             rank, line = split_rank(line, self.claimed.node_rank, self.spec)
             line = final_state(line)  # after the rank's prefix, which only the line's start has
@@ -665,6 +688,12 @@ class RunningAttempt:
                 self._note(note)
             if keep:
                 self.outbox.add_line(rank, line)
+
+    def _note_cpu_held_back(self) -> None:
+        # A job slower than its owner expects says why: it starts more busy threads than its slots have cores.
+        if self.limits is not None and (share := self.limits.throttled()) >= CPU_HELD_BACK_NOTED:
+            self._note(f"trainyard: the job's processes wanted more than their {self.limits.cpu_cores} core(s) and were held "
+                       f"back in {share:.0%} of the time they ran (the CPU its slots hold on {self.runner.host_name})")
 
     def _note(self, line: str) -> None:
         """A line of the worker's own in the job's logs."""
@@ -754,13 +783,21 @@ class RunningAttempt:
             _stop(self.process, grace_seconds=0)
             self.stalled = True
 
-    def _stop_if_over_time(self) -> None:
+    def _stop_if_over_limits(self) -> None:
         # Bounded by default: a job that never ends (a loop without max_steps, a hung script that
-        # still prints) would hold its devices for ever.
-        if self.exit_code is None and self.over_time is None and time.monotonic() - self.started_at > self.max_runtime_s:
+        # still prints) would hold its devices for ever, and one that writes without end fill the host's disk.
+        if self.exit_code is not None or self.over_limit is not None:
+            return
+        if time.monotonic() - self.started_at > self.max_runtime_s:
             hours = self.max_runtime_s / 3600
-            self.over_time = f"max runtime: ran {hours:g} h (resources.max_runtime_hours, or the service's TRAINYARD_MAX_RUNTIME_HOURS)"
-            log.warning("job %s attempt %s: %s; stopping it", self.claimed.job_id, self.claimed.number, self.over_time)
+            self.over_limit = f"max runtime: ran {hours:g} h (resources.max_runtime_hours, or the service's TRAINYARD_MAX_RUNTIME_HOURS)"
+        elif self.disk.over():
+            self.over_limit = (
+                f"disk limit: its directory on {self.runner.host_name} held {self.disk.used / 2**30:.2f} GB, over its "
+                f"{self.disk.limit_bytes / 2**30:g} GB (resources.disk_gb, or the service's TRAINYARD_MAX_ATTEMPT_DISK_GB)"
+            )
+        if self.over_limit is not None:
+            log.warning("job %s attempt %s: %s; stopping it", self.claimed.job_id, self.claimed.number, self.over_limit)
             _stop(self.process)
 
     def _sync_if_due(self) -> Outcome | None:
@@ -828,12 +865,10 @@ class RunningAttempt:
             return AttemptStatus.succeeded, None
         if self.stalled:
             return AttemptStatus.failed, self.stall.reason
-        if self.over_time is not None:
-            return AttemptStatus.failed, FinalReason(self.over_time)
+        if self.over_limit is not None:
+            return AttemptStatus.failed, FinalReason(self.over_limit)
         if self.limits is not None and self.limits.oom_kills():
-            limit = self.spec.resources.memory_gb
-            over = f"went over its limit of {limit:g} GB (resources.memory_gb)" if limit else "ran out of memory"
-            return AttemptStatus.failed, f"out of memory: the job {over}, and the kernel killed a process of it"
+            return AttemptStatus.failed, f"out of memory: the job {self._memory_limit()}, and the kernel killed a process of it"
         # Accelerate's launcher turns any failed child into exit code 1 (and dies on SIGTERM
         # itself), so what counts is that the stop was asked for, not the code we got back: by us,
         # or by whoever sent SIGTERM to the host's processes, ours and the training's at once (a
@@ -849,6 +884,14 @@ class RunningAttempt:
             return AttemptStatus.failed, FinalReason(f"invalid job spec: {self.invalid_spec}")
         tail = "\n".join(without_launcher_traceback(list(self.recent_lines)))
         return AttemptStatus.failed, f"training process exited with code {self.exit_code}; last output:\n{tail}"
+
+    def _memory_limit(self) -> str:
+        if (asked := self.spec.resources.memory_gb) is not None:
+            return f"went over its limit of {asked:g} GB (resources.memory_gb)"
+        if (share := self.limits.memory_bytes) is not None:
+            return (f"went over its {share / 2**30:.1f} GB, its slots' share of host {self.runner.host_name} "
+                    "(resources.memory_gb asks for a limit of its own)")
+        return "ran out of memory"
 
 
 def without_launcher_traceback(lines: list[str]) -> list[str]:

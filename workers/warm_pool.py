@@ -36,7 +36,7 @@ from pathlib import Path
 from api_schemas import JobSpec
 from service.settings import Settings
 from workers.launch import SERVICE_SETTINGS_PREFIX
-from workers.limits import AttemptLimits, limited
+from workers.limits import AttemptLimits, Bounds, limited
 from workers.sandbox import (
     MAX_OPEN_FILES, MAX_PROCESSES, SANDBOX_GID, SANDBOX_UID, AttemptView, HostSandbox, prepare_attempt, sandbox_command, service_state,
 )
@@ -107,9 +107,9 @@ class WarmPool:
         """Start interpreters up to the pool's size, on a thread of their own."""
         threading.Thread(target=self._fill, name="warm-pool", daemon=True).start()
 
-    def take(self, spec: JobSpec, memory_bytes: int | None) -> WarmInterpreter | None:
-        """A warm interpreter for an attempt of `spec`, if it can start warm and one is ready."""
-        if not self._fits(spec, memory_bytes):
+    def take(self, spec: JobSpec, bounds: Bounds) -> WarmInterpreter | None:
+        """A warm interpreter for an attempt of `spec`, bounded by `bounds`, if it can start warm and one is ready."""
+        if not self._fits(spec, bounds):
             return None
         warm = None
         with self.lock:
@@ -121,9 +121,9 @@ class WarmPool:
                     candidate.discard()
         if warm is None:
             return None
-        if memory_bytes is not None:
+        if warm.limits is not None:
             try:
-                warm.limits.set_memory(memory_bytes)
+                warm.limits.bound(bounds)
             except OSError:  # it already holds more than the limit: a cold start fails on its own terms
                 warm.discard()
                 return None
@@ -139,10 +139,11 @@ class WarmPool:
         for warm in ready:
             warm.discard()
 
-    def _fits(self, spec: JobSpec, memory_bytes: int | None) -> bool:
+    def _fits(self, spec: JobSpec, bounds: Bounds) -> bool:
+        # A limit it can't take on once started (no cgroups: a cold start's rlimit) keeps it cold.
         return (
             self.size > 0 and spec.script is None and spec.environment is None and spec.resources.nodes == 1
-            and spec.resources.device == "cpu" and (memory_bytes is None or self.sandbox.limits is not None)
+            and spec.resources.device == "cpu" and (bounds.memory_bytes is None or self.sandbox.limits is not None)
         )
 
     def _fill(self) -> None:
@@ -183,7 +184,7 @@ class WarmPool:
             command = sandbox_command(command, run_dir, view, self.sandbox.tool)
         limits = None
         if self.sandbox.limits:
-            limits = AttemptLimits.create(f"trainyard-warm-{slot.name}", None, MAX_PROCESSES)
+            limits = AttemptLimits.create(f"trainyard-warm-{slot.name}", Bounds(), MAX_PROCESSES)
         niced = os.geteuid() == 0  # only root can raise it back at hand-over
         if niced:
             command = ["nice", "-n", str(LOADING_NICENESS), *command]

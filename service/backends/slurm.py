@@ -153,6 +153,7 @@ class SlurmBackend:
             "TRAINYARD_LEASE_SECONDS": str(s.lease_seconds),
             "TRAINYARD_DISPATCH_TIMEOUT_SECONDS": str(s.dispatch_timeout_seconds),
             "TRAINYARD_MAX_RUNTIME_HOURS": str(s.max_runtime_hours),
+            "TRAINYARD_MAX_ATTEMPT_DISK_GB": str(s.max_attempt_disk_gb),
             "TRAINYARD_MAX_LOG_LINES_PER_ATTEMPT": str(s.max_log_lines_per_attempt),
             "TRAINYARD_LOG_FORMAT": s.log_format,
         }

@@ -3,7 +3,8 @@ job and a `custom` plugin (tests/e2e/sandbox_probe.py) try to read the token, th
 user's upload and checkpoint, other processes' environments; to run a library of theirs outside the
 sandbox (LD_PRELOAD in the job's env); to connect to the database, broker and API; to write into the
 service's directories; to start threads without bound. Every try fails and the job's logs say so; a
-job over its memory limit fails saying so; the worker lives on, and the other user's checkpoint is
+job over its memory limit fails saying so, one asking for nothing is held to its slot's core and
+stopped when it writes past its disk limit; the worker lives on, and the other user's checkpoint is
 untouched."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import hashlib
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -25,6 +27,7 @@ from service.settings import Settings
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_scripts import upload_code
 from tests.helpers import tiny_spec
+from workers.limits import own_group
 from workers.sandbox import SANDBOX_UID
 from workers.supervisor import free_port
 
@@ -181,4 +184,62 @@ def test_a_job_over_its_memory_limit_fails_saying_so_and_the_worker_lives_on(yar
     assert not [line for line in logs_of(mallory, job["id"]) if line.startswith("LEAK")]
     after = admin.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 6, "checkpoint.every_steps": 6})).json()
     assert wait_for(admin, after["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    assert_the_service_is_unharmed(admin, settings, checkpoint)
+
+
+# Four busy processes for a 1-slot job, then a file written without end.
+GREEDY = """
+import multiprocessing, time
+
+def spin(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+if __name__ == "__main__":
+    workers = [multiprocessing.Process(target=spin, args=(8,)) for _ in range(4)]
+    for worker in workers:
+        worker.start()
+    print("GREEDY spinning", flush=True)
+    for worker in workers:
+        worker.join()
+    with open("filler.bin", "wb") as out:
+        for megabytes in range(1, 100_000):
+            out.write(b"x" * 2**20)
+            out.flush()
+            if megabytes % 100 == 0:
+                print(f"GREEDY wrote {megabytes} MB", flush=True)
+"""
+
+
+def cpu_quota_of(attempt_id: int) -> str:
+    """The CPU quota the kernel holds the attempt's processes to (cgroup v2's cpu.max, v1's
+    quota/period), read from the attempt's own cgroup beside the worker's (workers/limits.py)."""
+    group = own_group("cpu") / f"trainyard-attempt-{attempt_id}-0"
+    if (group / "cpu.max").exists():
+        return (group / "cpu.max").read_text().strip()
+    return f"{(group / 'cpu.cfs_quota_us').read_text().strip()} {(group / 'cpu.cfs_period_us').read_text().strip()}"
+
+
+@pytest.mark.skipif(own_group("cpu") is None, reason="no writable cpu cgroup here: the worker leaves CPU unbounded")
+def test_a_job_asking_for_nothing_is_held_to_its_slots_cores_and_stopped_past_its_disk_limit(yard, tmp_path):
+    admin, mallory, _, settings, _, _, checkpoint = yard
+    greedy = tmp_path / "greedy.py"
+    greedy.write_text(GREEDY)
+    spec = {"name": "greedy", "script": {"entrypoint": "greedy.py", "code": {"upload_id": upload_code(mallory, greedy)}},
+            "resources": {"disk_gb": 0.25}, "max_restarts": 0}
+    response = mallory.post("/v1/jobs", json=spec)
+    assert response.status_code == 201, response.text
+    job_id = response.json()["id"]
+    # While its four processes spin, its cgroup holds them to one core: the slot's share of the host's two.
+    deadline = time.monotonic() + 120
+    while "GREEDY spinning" not in logs_of(mallory, job_id):
+        assert time.monotonic() < deadline, mallory.get(f"/v1/jobs/{job_id}").json()
+        time.sleep(0.2)
+    [attempt] = mallory.get(f"/v1/jobs/{job_id}").json()["attempts"]
+    assert cpu_quota_of(attempt["id"]) == "100000 100000", "one core of the two: the slot's share"
+    job = wait_for(mallory, job_id, {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "failed" and "not retried: disk limit: its directory on local-0 held " in job["failure_reason"], job["failure_reason"]
+    assert "over its 0.25 GB (resources.disk_gb" in job["failure_reason"], job["failure_reason"]
+    assert "GREEDY wrote 200 MB" in logs_of(mallory, job_id)
     assert_the_service_is_unharmed(admin, settings, checkpoint)

@@ -123,7 +123,7 @@ def test_a_spec_the_training_found_it_cannot_run_fails_the_attempt_for_good(tmp_
 def test_an_attempt_past_its_max_runtime_is_stopped_and_fails_for_good(tmp_path):
     attempt = script_attempt(tmp_path, ("sleep", "600"), resources={"max_runtime_hours": 0.0001})  # 0.36 s
     time.sleep(0.5)
-    attempt._stop_if_over_time()
+    attempt._stop_if_over_limits()
     attempt.exit_code = attempt.process.wait(5)
     status, reason = attempt._outcome()
     assert status == AttemptStatus.failed and isinstance(reason, FinalReason)

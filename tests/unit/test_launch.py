@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from api_schemas import JobSpec
 from tests.helpers import job_spec
 from stack.embedded import host_cores
-from workers.host import cpu_threads_per_slot
+from workers.limits import SlotShare
 from workers.launch import JOB_ENV_FILE_NAME, enter_job_env, launch_command, script_environment, training_environment, working_dir
 
 
@@ -44,8 +44,7 @@ def test_a_two_process_job_is_one_accelerate_launch_of_the_training_entry_point_
 
 def test_a_worker_gives_each_cpu_process_the_cores_of_its_slot_never_the_whole_machine(monkeypatch, tmp_path: Path):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert cpu_threads_per_slot("cpu", 8) == 1 and cpu_threads_per_slot("cpu", 2) == 4 and cpu_threads_per_slot("cpu", 16) == 1
-    assert cpu_threads_per_slot("cuda", 2) is None  # a GPU host's processes keep the launcher's count
+    assert [SlotShare.of_host(slots, None).cores for slots in (8, 2, 16)] == [1, 4, 1]  # at least a core each
     command = launch_command(job_spec(), tmp_path, tmp_path / "data", None, "10.0.0.1:29500", cpu_threads=1)
     assert command[command.index("--num_cpu_threads_per_process") + 1] == "1"
 

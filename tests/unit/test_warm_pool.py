@@ -11,6 +11,7 @@ from api_schemas import JobSpec
 from service.settings import Settings
 from tests.helpers import job_spec
 from workers import warm_pool
+from workers.limits import Bounds
 from workers.sandbox import SANDBOX_UID, HostSandbox
 from workers.warm_pool import WarmInterpreter, WarmPool, place_inputs
 
@@ -77,10 +78,10 @@ def script_spec(**fields) -> JobSpec:
 ])
 def test_built_in_and_custom_loops_on_one_cpu_node_start_warm(tmp_path, spec, warm):
     pool = WarmPool(Settings(data_dir=tmp_path), HostSandbox(tool=None, unsafe=True, limits=None), size=1)
-    assert pool._fits(spec, memory_bytes=None) is warm
+    assert pool._fits(spec, Bounds()) is warm
     # A memory limit needs a cgroup to apply it once the attempt is known.
-    assert not pool._fits(job_spec(), memory_bytes=2**30)
-    assert not WarmPool(Settings(data_dir=tmp_path), HostSandbox(tool=None, unsafe=True, limits=None), size=0)._fits(spec, None)
+    assert not pool._fits(job_spec(), Bounds(memory_bytes=2**30))
+    assert not WarmPool(Settings(data_dir=tmp_path), HostSandbox(tool=None, unsafe=True, limits=None), size=0)._fits(spec, Bounds())
 
 
 def test_fills_asked_at_once_start_only_what_the_pool_lacks(tmp_path, monkeypatch):

@@ -59,7 +59,7 @@ def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep
     return HostTerms(
         heartbeat_seconds=settings.heartbeat_seconds, lease_seconds=settings.lease_seconds,
         dispatch_timeout_seconds=settings.dispatch_timeout_seconds, max_log_lines_per_attempt=settings.max_log_lines_per_attempt,
-        max_runtime_hours=settings.max_runtime_hours, control_plane_ports=control_plane_ports(settings),
+        max_runtime_hours=settings.max_runtime_hours, max_attempt_disk_gb=settings.max_attempt_disk_gb, control_plane_ports=control_plane_ports(settings),
     )
 
 
