@@ -95,10 +95,10 @@ def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_
 
 def test_a_rank_that_dies_ends_the_whole_gang_which_resumes_on_both_hosts_with_every_step_once(two_hosts):
     client, hosts, data_dir = two_hosts
-    steps = 400
+    steps = 240  # killed after its first checkpoint (step 40), well before its end
     spec = tiny_spec(**{
         "name": "gang", "resources.nodes": 2, "resources.processes_per_node": 1, "training.max_steps": steps,
-        "training.eval_every": 100, "checkpoint.every_steps": 40, "checkpoint.keep_last": 10, "max_restarts": 1,
+        "training.eval_every": 80, "checkpoint.every_steps": 40, "checkpoint.keep_last": 10, "max_restarts": 1,
     })
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
     wait_for_checkpoint(client, job_id, timeout=180)

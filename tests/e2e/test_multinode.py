@@ -90,11 +90,8 @@ def test_cancelling_a_two_node_job_stops_every_rank_on_both_hosts_within_seconds
 
 def test_a_preemptible_gang_makes_way_on_one_host_stops_on_both_and_resumes_with_every_step_once(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")  # how often a worker looks at its lease (5 s in production)
-    steps = 150  # a checkpoint every 50: preempted after the first, resumed from its own at the stop
-    gang_spec = {
-        **FAULT_SPEC, "name": "spot-gang", "preemptible": True, "training": {**FAULT_SPEC["training"], "max_steps": steps},
-        "resources": {"nodes": 2, "processes_per_node": 1},
-    }
+    steps = FAULT_SPEC["training"]["max_steps"]  # a checkpoint every 25: preempted after the first, resumed from its own at the stop
+    gang_spec = {**FAULT_SPEC, "name": "spot-gang", "preemptible": True, "resources": {"nodes": 2, "processes_per_node": 1}}
     urgent_spec = spec_dict(**{"name": "urgent", "priority": 10, "training.max_steps": 20, "schedule.warmup_steps": 2})
     # Two one-slot hosts: the gang holds both, and the urgent job needs one of them.
     with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1") as info:

@@ -109,10 +109,10 @@ def test_an_mlp_and_an_hf_model_shard_and_their_whole_model_reloads(model, label
 
 def test_fsdp_killed_with_sigkill_mid_run_resumes_from_its_last_checkpoint_bit_identically(tmp_path):
     # Long enough that the kill, sent when the first checkpoint is reported, lands well before the end.
-    steps = 200
+    steps = 120
     data_root = tmp_path / "data"
     spec = job_spec(**{
-        "dataset.path": write_corpus(data_root, 100_000), "model.dropout": 0.1, "training.max_steps": steps, "training.eval_every": 50,
+        "dataset.path": write_corpus(data_root, 100_000), "model.dropout": 0.1, "training.max_steps": steps, "training.eval_every": 40,
         "checkpoint.every_steps": 20, "resources.processes_per_node": 2, "training.strategy": "fsdp",
     })
     killed = launch(spec, data_root, tmp_path / "killed", tmp_path / "killed.jsonl")
