@@ -11,6 +11,7 @@ on it; no database credential reaches a machine that runs user code. The routes,
     POST attempts/{id}/claim  ClaimRequest → ClaimedAttempt     (409: not ours to run; a duplicate dispatch)
     POST attempts/{id}/lease  LeaseRequest → Lease              (renew; learn of a cancel or preemption)
     POST attempts/{id}/rendezvous  LeaseRequest → Rendezvous    (a gang's node 0's host:port, lease renewed)
+    POST attempts/{id}/environment EnvironmentReport → 204      (what it runs with: inputs' digests, packages, device)
     POST attempts/{id}/report      Report → 204                 (metrics, log lines, refused transfers)
     POST attempts/{id}/checkpoints CheckpointStored → 204       (a checkpoint taken into the store)
     POST attempts/{id}/outputs     OutputStored → 204           (a script's output folder taken into the store)
@@ -27,6 +28,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
+
+from api_schemas.run_record import RunEnvironment
 
 HOST_API_PREFIX = "/v1/host"
 
@@ -67,6 +70,13 @@ class HostTerms(BaseModel):
     control_plane_ports: list[int] = Field(
         description="The service's ports (database, broker, API) that a host closes to its multi-node jobs (workers/egress.py)."
     )
+
+
+class EnvironmentReport(BaseModel):
+    """What the attempt runs with, for its job's run record (api_schemas/run_record.py)."""
+
+    lease_owner: str = LeaseOwner
+    environment: RunEnvironment
 
 
 class ClaimRequest(BaseModel):

@@ -629,6 +629,11 @@ class JobSpec(_Config):
     preemptible: bool = Field(
         False, description="May be stopped for a higher-priority job: it checkpoints, goes back to the queue and resumes from there."
     )
+    inputs_sha256: dict[Annotated[str, Field(max_length=1000)], Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] | None = Field(
+        None, max_length=50,
+        description="The sha256 each input must have when an attempt starts, by its name in a run record (RunEnvironment.inputs); "
+        "`trainyard rerun` sets it from the job it reruns. An input that differs fails the attempt, naming it, not retried.",
+    )
 
     @model_serializer(mode="wrap")
     def _without_what_a_script_decides(self, serialize):

@@ -14,6 +14,7 @@ import sys
 from trainyard.account_cli import add_account_commands
 from trainyard.client_cli import EXIT_FAILED, add_client_commands, add_connection_options
 from trainyard.compare_cli import add_compare_command
+from trainyard.record_cli import add_record_commands
 from trainyard.sweep_cli import add_sweep_commands
 from trainyard.team_cli import add_team_commands
 
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     connection = add_client_commands(subparsers)
     add_sweep_commands(subparsers, connection)
     add_compare_command(subparsers, connection)
+    add_record_commands(subparsers, connection)
     add_account_commands(subparsers, connection)
     add_team_commands(subparsers, connection)
     return parser

@@ -38,6 +38,7 @@ from api_schemas import (
 )
 from api_schemas.jobs import relative_inside_root
 from api_schemas.manifest import CorruptCheckpoint, verify_manifest
+from api_schemas.run_record import RunRecord
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 SHA256_HEADER = "X-Checkpoint-SHA256"
@@ -276,6 +277,10 @@ class Client:
             if failures > retries:
                 raise error
             time.sleep(retry_seconds)
+
+    def record(self, job_id: int) -> RunRecord:
+        """The job's run record: its spec and what each attempt ran with (api_schemas/run_record.py)."""
+        return self._call(RunRecord, "GET", f"/v1/jobs/{job_id}/record")
 
     def checkpoints(self, job_id: int) -> list[CheckpointOut]:
         return self._call(list[CheckpointOut], "GET", f"/v1/jobs/{job_id}/checkpoints")

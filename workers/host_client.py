@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 
 from api_schemas.host_api import (
-    HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, Finished, HostRegistration, HostTerms, Lease,
-    LeaseRequest, OutputStored, RefusedTransfer, Rendezvous, Report, Rollback,
+    HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, EnvironmentReport, Finished, HostRegistration,
+    HostTerms, Lease, LeaseRequest, OutputStored, RefusedTransfer, Rendezvous, Report, Rollback,
 )
+from api_schemas.run_record import RunEnvironment
 
 LOST = Lease(held=False, cancel_requested=False)
 # A report is one POST of up to 20,000 points or 5,000 lines: on a loaded API that takes a while.
@@ -119,6 +120,9 @@ class HostClient:
         points = [(step, name, value if math.isfinite(value) else None) for step, name, value in metrics]
         body = Report(lease_owner=claimed.lease_owner, metrics=points, logs=logs, refused=list(refused), resent=resent)
         self._post(f"/attempts/{claimed.attempt_id}/report", body)
+
+    def environment(self, claimed: ClaimedAttempt, environment: RunEnvironment) -> None:
+        self._post(f"/attempts/{claimed.attempt_id}/environment", EnvironmentReport(lease_owner=claimed.lease_owner, environment=environment))
 
     def checkpoint_stored(self, claimed: ClaimedAttempt, step: int, path: str, sha256: str, size: int) -> None:
         body = CheckpointStored(lease_owner=claimed.lease_owner, step=step, path=path, sha256=sha256, size=size)

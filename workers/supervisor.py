@@ -54,6 +54,7 @@ from workers.sandbox import (
     service_state,
 )
 from workers.warm_pool import WarmPool, place_inputs
+from workers.run_environment import changed_inputs, digest, input_digests, run_environment
 from workers.system_metrics import SystemSampler
 
 log = logging.getLogger("trainyard.worker")
@@ -269,7 +270,7 @@ class CannotStart(Exception):
 
 
 class EndedBeforeStart(Exception):
-    """The attempt ended while it was getting ready (cancelled, or its lease lost); `outcome` says how."""
+    """The attempt ended while it was getting ready (cancelled, its lease lost, a rerun's input changed); `outcome` says how."""
 
     def __init__(self, outcome: Outcome):
         super().__init__(outcome[1])
@@ -335,8 +336,10 @@ class AttemptRunner:
             try:
                 if refusal := self.sandbox.refusal(spec):  # before anything is installed for it
                     raise CannotStart(refusal)
+                inputs = self._inputs(claimed, spec)
                 environment = self._prepare_environment(claimed, spec, outbox)
                 run_dir, process, limits = self._start(claimed, spec, environment)
+                self._report_environment(claimed, spec, inputs, environment)
             except CannotStart as exc:
                 if not outbox.empty():
                     self._sync(claimed, outbox)  # the install log that says why
@@ -353,6 +356,25 @@ class AttemptRunner:
                 environment.release()  # no longer in use: it may be collected
             if self.warm is not None:
                 self.warm.fill()  # replace the interpreter this attempt may have used, now that it no longer needs the cores
+
+    def _inputs(self, claimed: ClaimedAttempt, spec: JobSpec) -> dict[str, str]:
+        """The digests of the attempt's inputs (its script's code too); a rerun's that differ from
+        those of the job it reruns end the attempt, for good: the next would read the same."""
+        inputs = input_digests(spec, self.settings)
+        if claimed.code_path is not None and Path(claimed.code_path).is_dir():
+            inputs["code"] = digest(Path(claimed.code_path))
+        if spec.inputs_sha256 and (changed := changed_inputs(spec.inputs_sha256, inputs)):
+            self._report_environment(claimed, spec, inputs, None)  # what it found, for `trainyard diff`
+            raise EndedBeforeStart((AttemptStatus.failed, FinalReason(changed)))
+        return inputs
+
+    def _report_environment(self, claimed: ClaimedAttempt, spec: JobSpec, inputs: dict[str, str], environment: Environment | None) -> None:
+        """Its part of the job's run record; one that can't be sent is logged, the attempt goes on."""
+        try:
+            site_packages = environment.site_packages if environment is not None else None
+            self.service.environment(claimed, run_environment(spec, inputs, claimed.device_ids, site_packages))
+        except (ServiceError, OSError, ValueError):
+            log.exception("job %s attempt %s: its run environment was not recorded", claimed.job_id, claimed.number)
 
     def _prepare_environment(
         self, claimed: ClaimedAttempt, spec: JobSpec, outbox: Outbox

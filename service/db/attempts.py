@@ -123,6 +123,12 @@ def renew_lease(session: Session, attempt: HeldAttempt, lease_seconds: float) ->
     )
 
 
+def record_environment(session: Session, attempt_id: int, environment: dict) -> None:
+    """What the attempt runs with, for its job's run record (not a status: no state machine)."""
+    session.execute(update(Attempt).where(Attempt.id == attempt_id).values(run_environment=environment))
+    session.commit()
+
+
 def finish_attempt(
     session: Session, claimed: HeldAttempt, outcome: AttemptStatus, reason: str | None = None, *, retry: bool = True,
     rollback: Rollback | None = None, dropped: list[str] | None = None,

@@ -218,6 +218,9 @@ class Attempt(Base):
     pool: Mapped[str | None] = mapped_column(String(40), nullable=True, index=True, doc="The cluster pool it was handed to; None: a registered host.")
     cluster_job_id: Mapped[str | None] = mapped_column(String(64), nullable=True, doc="The cluster's id for its try (a Slurm job id).")
     cluster_state: Mapped[str | None] = mapped_column(String(200), nullable=True, doc="The cluster's state for it, and why it waits.")
+    run_environment: Mapped[dict | None] = mapped_column(
+        JSON, nullable=True, doc="What it ran with, as its worker reported at the start (api_schemas.run_record.RunEnvironment).",
+    )
 
     job: Mapped[Job] = relationship(back_populates="attempts")
 

@@ -7,6 +7,7 @@ transport) and production (PostgreSQL + Redis).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import io
 import tarfile
@@ -21,6 +22,8 @@ from safetensors.torch import load as safetensors_load
 from api_schemas import JobSpec, JobStatus
 from api_schemas.worker_protocol import CheckpointEvent, MetricsEvent
 from stack.embedded import embedded_stack
+from tests.training.support import CORPUS
+from trainyard.cli import main
 from tests.helpers import classifier_spec, guarded_classifier_spec, tiny_spec, write_labelled_jsonl, write_poisoned_labels
 from workers.supervisor import EventTail, free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
@@ -234,3 +237,37 @@ def test_the_gan_example_runs_as_a_custom_job_and_its_checkpoint_downloads_with_
             assert hashlib.sha256(response.content).hexdigest() == checkpoints[-1]["sha256"]
     names = {name.split(".")[0] for name in safetensors_load(response.content)}
     assert names == {"generator", "discriminator"}
+
+
+def test_a_rerun_from_the_run_record_trains_the_same_weights_and_refuses_a_changed_dataset(stack, capsys):
+    client, info = stack
+    corpus = info.data_dir / "data" / "rerun.txt"
+    corpus.write_text(CORPUS.read_text(encoding="utf-8")[:30_000], encoding="utf-8")
+    spec = tiny_spec(**{"name": "rerun-me", "dataset.path": corpus.name})
+    first = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+    assert first["status"] == "succeeded", first["failure_reason"]
+
+    # Its record: the dataset's digest as the worker read it, the packages the training ran with, the device.
+    record = client.get(f"/v1/jobs/{first['id']}/record").json()
+    [attempt] = record["attempts"]
+    environment = attempt["environment"]
+    assert environment["inputs"] == {corpus.name: hashlib.sha256(corpus.read_bytes()).hexdigest()}
+    assert environment["packages"]["torch"] == importlib.metadata.version("torch") and environment["device"].startswith("cpu: ")
+
+    # `trainyard rerun`: the same weights, bit for bit; `trainyard diff` finds nothing that differs.
+    cli = ["--server", info.url, "--token", info.token]
+    assert main(["rerun", str(first["id"]), "--follow", *cli]) == 0
+    rerun_id = int(capsys.readouterr().out.split("submitted job ")[1].split()[0])
+    weights, again = final_weights(client, first["id"]), final_weights(client, rerun_id)
+    assert weights.keys() == again.keys() and all(torch.equal(weights[name], again[name]) for name in weights)
+    assert main(["diff", str(first["id"]), str(rerun_id), *cli]) == 0
+    assert "ran the same spec on the same inputs, packages and kind of device" in capsys.readouterr().out
+
+    # The dataset changed since: a rerun fails at once, naming it, and is not retried.
+    corpus.write_text(corpus.read_text(encoding="utf-8").replace("the", "THE"), encoding="utf-8")
+    assert main(["rerun", str(first["id"]), "--follow", *cli]) == 1
+    failed = client.get(f"/v1/jobs/{int(capsys.readouterr().out.split('submitted job ')[1].split()[0])}").json()
+    assert failed["status"] == "failed" and len(failed["attempts"]) == 1, failed
+    assert f"input {corpus.name} changed since the job it reruns" in failed["failure_reason"], failed["failure_reason"]
+    assert main(["diff", str(first["id"]), str(failed["id"]), *cli]) == 0
+    assert f"inputs.{corpus.name}" in capsys.readouterr().out  # its attempt reported what it found

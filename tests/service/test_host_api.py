@@ -10,13 +10,14 @@ from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
 from api_schemas.host_api import HostRegistration
+from api_schemas.run_record import RunEnvironment
 from service.api.main import create_app
-from service.db.accounts import create_user
+from service.db.accounts import create_user, rotate_token
 from service.db.host_tokens import issue_host_token, revoke_host_token
 from service.db.jobs import create_job
 from service.db.log_lines import log_lines_after
 from service.db.metrics import metric_series
-from service.db.models import Attempt, Job, JobEvent
+from service.db.models import Attempt, Job, JobEvent, User
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from tests.helpers import auth, job_spec
@@ -168,3 +169,28 @@ def test_what_the_database_cant_keep_is_a_422_naming_the_field(app, sessions, se
     ):
         answer = raw.post(f"/v1/host/attempts/{claimed.attempt_id}/{path}", json={"lease_owner": "a", **body}, headers=auth(a.token))
         assert answer.status_code == 422 and answer.json()["detail"][0]["loc"] == field, (path, answer.text)
+
+
+def test_what_an_attempt_ran_with_is_its_part_of_the_jobs_run_record_and_only_its_host_reports_it(app, sessions, settings):
+    a, b = host(app, sessions, "host-a"), host(app, sessions, "host-b")
+    a.register(REGISTRATION), b.register(REGISTRATION)
+    attempts = placed_on(sessions, settings, ["host-a"])
+    claimed = a.claim(attempts["host-a"], "a", "127.0.0.1:1")
+    environment = RunEnvironment(
+        python="3.11.7", platform="Linux-x86_64", device="cpu: a test CPU", packages={"torch": "2.13.0"}, inputs={"corpus.txt": "ab" * 32},
+    )
+    other = TestClient(app).post(f"/v1/host/attempts/{claimed.attempt_id}/environment", headers=auth(b.token),
+                                 json={"lease_owner": "a", "environment": environment.model_dump()})
+    assert other.status_code == 404  # another host's attempt, as one that doesn't exist
+    a.environment(claimed, environment)
+
+    with sessions() as session:
+        bob_token = create_user(session, "bob")[1]  # a user who can't see alice's job
+        alice_token = rotate_token(session, session.scalar(select(User).where(User.name == "alice")))[0]
+    users = TestClient(app)
+    record = users.get(f"/v1/jobs/{claimed.job_id}/record", headers=auth(alice_token))
+    assert record.status_code == 200, record.text
+    [attempt] = record.json()["attempts"]
+    assert attempt["host_name"] == "host-a" and attempt["environment"] == environment.model_dump()
+    assert record.json()["spec"]["name"] == job_spec().name and record.json()["code_sha256"] is None
+    assert users.get(f"/v1/jobs/{claimed.job_id}/record", headers=auth(bob_token)).status_code == 404

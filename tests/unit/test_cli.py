@@ -9,7 +9,7 @@ import pytest
 from trainyard.cli import SERVER_COMMANDS, main
 
 CLIENT_COMMANDS = {"submit", "datasets", "ls", "status", "logs", "cancel", "checkpoints", "download", "outputs", "dashboard", "workers", "sweep", "compare",
-                   "token", "open", "usage", "audit", "spec", "team"}
+                   "token", "open", "usage", "audit", "spec", "team", "record", "rerun", "diff"}
 
 
 def help_of(argv: list[str], capsys) -> str:

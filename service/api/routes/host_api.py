@@ -12,13 +12,15 @@ from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobEventType
 from api_schemas.host_api import (
-    HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, Finished, HostRegistration, HostTerms, Lease,
+    HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, EnvironmentReport, Finished, HostRegistration, HostTerms, Lease,
     LeaseRequest, OutputStored, Rendezvous, Report,
 )
 from api_schemas.jobs import CheckpointConfig, CodeSource
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
 from service.artifacts import ArtifactStore
-from service.db.attempts import HeldAttempt, attempt_on_host, claim_attempt, finish_attempt, gang_rendezvous, renew_lease
+from service.db.attempts import (
+    HeldAttempt, attempt_on_host, claim_attempt, finish_attempt, gang_rendezvous, record_environment, renew_lease,
+)
 from service.db.checkpoints import record_checkpoint, record_refused
 from service.db.hosts import deregister_host, record_heartbeat, register_host
 from service.db.log_lines import record_logs
@@ -113,6 +115,14 @@ def rendezvous(attempt_id: RowId, body: LeaseRequest, host: CurrentHost, session
     held = _own(session, host, attempt_id, body.lease_owner)
     lease = renew_lease(session, held, settings.lease_seconds)
     return Rendezvous(rendezvous=gang_rendezvous(session, held) if lease.held else None, lease=lease)
+
+
+@router.post("/attempts/{attempt_id}/environment", status_code=204)
+def environment(attempt_id: RowId, body: EnvironmentReport, host: CurrentHost, session: WriteSessionDep) -> Response:
+    """What the attempt runs with (its inputs' digests, packages, device): its part of the job's run record."""
+    held = _own(session, host, attempt_id, body.lease_owner)
+    record_environment(session, held.attempt_id, body.environment.model_dump(mode="json"))
+    return Response(status_code=204)
 
 
 @router.post("/attempts/{attempt_id}/report", status_code=204)

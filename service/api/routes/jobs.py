@@ -6,6 +6,7 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
 from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
+from api_schemas.run_record import RunRecord
 from service.admission import admit
 from service.api.audit import describe, note
 from service.api.deps import (
@@ -19,6 +20,7 @@ from service.db.checkpoints import list_checkpoints
 from service.db.jobs import jobs_visible_to, last_event_seq, request_cancel
 from service.db.log_lines import log_lines_after, log_tail
 from service.db.metrics import metric_series
+from service.db.run_records import run_record
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING}, route_class=SessionsEndWithRoute)
 
@@ -126,6 +128,12 @@ def get_logs(
     next_cursor = str(lines[-1].id) if lines else str(after or 0)
     out = [log_line_out(line) for line in lines]
     return LogsOut(lines=out, next_cursor=next_cursor)
+
+
+@router.get("/{job_id}/record", response_model=RunRecord)
+def get_record(job: VisibleJob, session: SessionDep) -> RunRecord:
+    """What the job was, to run it again (`trainyard rerun`) or tell two runs apart (`trainyard diff`)."""
+    return run_record(session, job)
 
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])

@@ -1,0 +1,60 @@
+"""A run record's parts (workers/run_environment.py, trainyard/record_cli.py): inputs' digests as the
+worker takes them, a rerun's changed input named, a rerun's spec pinned to what the job ran with."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from api_schemas import JobSpec
+from api_schemas.run_record import AttemptEnvironment, RunEnvironment, RunRecord
+from service.settings import Settings
+from tests.helpers import job_spec
+from trainyard.client import TrainyardError
+from trainyard.record_cli import environment_differences, rerun_spec
+from workers.run_environment import changed_inputs, digest, input_digests, packages
+
+
+def test_inputs_are_digested_by_their_names_in_the_record_a_directory_by_its_files(tmp_path: Path):
+    settings = Settings(data_dir=tmp_path)
+    data = settings.resolved_data_root
+    (data / "model" / "sub").mkdir(parents=True)
+    (data / "corpus.txt").write_text("to be or not to be")
+    (data / "model" / "config.json").write_text("{}")
+    (data / "model" / "sub" / "weights.bin").write_bytes(b"\0" * 10)
+    spec = job_spec(**{"dataset.path": "corpus.txt"})
+    assert input_digests(spec, settings) == {"corpus.txt": hashlib.sha256(b"to be or not to be").hexdigest()}
+    before = digest(data / "model")
+    (data / "model" / "sub" / "weights.bin").write_bytes(b"\1" * 10)  # same names and sizes, other content
+    assert digest(data / "model") != before
+    (data / "model" / "sub" / "weights.bin").rename(data / "model" / "weights.bin")  # same content, other name
+    assert len({before, digest(data / "model")}) == 2
+
+
+def test_a_changed_or_missing_input_is_named():
+    expected = {"a.txt": "1" * 64, "b.txt": "2" * 64}
+    assert changed_inputs(expected, dict(expected)) is None
+    assert changed_inputs(expected, {"a.txt": "1" * 64, "b.txt": "3" * 64}).startswith("input b.txt changed since the job it reruns")
+    assert changed_inputs(expected, {"b.txt": "2" * 64}).startswith("input a.txt is gone")
+    assert packages()["pytest"] == pytest.__version__
+
+
+def record_of(spec: dict, environment: RunEnvironment | None) -> RunRecord:
+    attempt = AttemptEnvironment(attempt=1, node_rank=0, host_name="h", started_at=None, environment=environment)
+    return RunRecord(job_id=7, name=spec["name"], spec=spec, code_sha256=None, attempts=[attempt])
+
+
+def test_a_rerun_holds_the_inputs_it_read_and_pins_its_environment_to_what_it_resolved_to():
+    spec = job_spec(environment={"pip": ["tqdm>=4"]}).model_dump(mode="json")
+    ran = RunEnvironment(python="3.11.7", platform="p", device="cpu: x", packages={"torch": "2.13.0"},
+                         environment_packages={"tqdm": "4.66.4", "colorama": "0.4.6", "torch": "2.13.0"}, inputs={"corpus.txt": "a" * 64})
+    again = rerun_spec(record_of(spec, ran))
+    assert again["inputs_sha256"] == {"corpus.txt": "a" * 64}
+    assert again["environment"]["pip"] == ["colorama==0.4.6", "tqdm==4.66.4"]  # never the worker's own torch
+    assert JobSpec.model_validate(again).inputs_sha256 == {"corpus.txt": "a" * 64}
+    with pytest.raises(TrainyardError, match="never started"):
+        rerun_spec(record_of(spec, None))
+    other = ran.model_copy(update={"packages": {"torch": "2.14.1"}, "inputs": {}})
+    assert environment_differences(ran, other) == [("inputs.corpus.txt", "a" * 64, "-"), ("packages.torch", "2.13.0", "2.14.1")]
