@@ -17,6 +17,19 @@ on it; no database credential reaches a machine that runs user code. The routes,
     POST attempts/{id}/outputs     OutputStored → 204           (a script's output folder taken into the store)
     POST attempts/{id}/finish      AttemptEnd → Finished        (how it ended)
 
+A host that does not share the artifact store's filesystem (TRAINYARD_SHARED_ARTIFACT_STORE=false)
+moves its files through the API instead, each file resumable after a cut, each item verified
+against its manifest before it is listed:
+
+    GET  attempts/{id}/uploads/{upload}/{path}       → Transferred    (how much of a file has arrived)
+    PUT  attempts/{id}/uploads/{upload}/{path}?offset=N  bytes → Transferred  (written at N, the rest dropped)
+    POST attempts/{id}/uploads/{upload}/checkpoint  CheckpointSeal → StoredItem  (verified, moved into the store)
+    POST attempts/{id}/uploads/{upload}/output      OutputSeal → StoredItem      (the same, for a script's output)
+    GET  attempts/{id}/files/{resume|code}           → DirectoryListing  (the checkpoint it resumes from, a script's code)
+    GET  attempts/{id}/files/{resume|code}/{path}    → bytes (Range)     (one file of it)
+
+A sealed item is then registered with `checkpoints` / `outputs` as a shared host's is.
+
 Every attempt route names the lease its host holds: one that has lost it (reaped as lost, a newer
 claim) gets `held: false` or 409, and stops. Everything a host sends is idempotent, so a request
 whose answer was lost is simply sent again: metrics by (job, step, name), log lines by their
@@ -27,7 +40,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 
 from api_schemas.run_record import RunEnvironment
 
@@ -160,6 +173,71 @@ class OutputStored(BaseModel):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(ge=0, le=2**63 - 1)
     files: int = Field(ge=0, le=INT32_MAX)
+
+
+MAX_UPLOAD_PART_BYTES = 16 << 20  # one PUT of a file sent through the API: a cut costs at most this much sent again
+
+
+def is_upload_part(path: str) -> bool:
+    """A request path that PUTs part of a file of an upload (its body may be up to MAX_UPLOAD_PART_BYTES)."""
+    parts = path.split("/")
+    return path.startswith(f"{HOST_API_PREFIX}/attempts/") and len(parts) > 7 and parts[5] == "uploads"
+
+
+UPLOAD_ID_PATTERN = r"^[0-9a-f]{32}$"  # the host's name for one item's upload: a uuid4's hex
+
+
+def inside_path(path: str) -> str:
+    """A path inside a directory, as the store's items name their files and folders: relative, in
+    POSIX form, with no empty, `.` or `..` part (so it can't name anything outside)."""
+    parts = path.split("/")
+    if not path or path.startswith("/") or "\\" in path or "\0" in path or any(part in ("", ".", "..") for part in parts):
+        raise ValueError("must be a relative path with no empty, '.' or '..' parts")
+    return path
+
+
+InsidePath = Annotated[str, Field(min_length=1, max_length=1000), AfterValidator(inside_path)]
+FILE_KINDS = ("resume", "code")  # what of the store an attempt may read through the API
+
+
+class Transferred(BaseModel):
+    received: int = Field(ge=0, description="Bytes of the file the service holds; the next write starts there.")
+
+
+class CheckpointSeal(BaseModel):
+    """The upload holds a whole checkpoint (its manifest.json among its files): verify it and take it in."""
+
+    lease_owner: str = LeaseOwner
+    step: int = Field(ge=0, le=INT32_MAX)
+    folder: InsidePath = Field(description="Its folder under the job's checkpoints (`step-…`; a script's `attempt-N.K/its own name`).")
+
+
+class OutputSeal(BaseModel):
+    """The upload holds a script's output: `name/…` beside the manifest.json of its files."""
+
+    lease_owner: str = LeaseOwner
+    name: InsidePath = Field(description="The output's path in the script's working directory, as its spec names it.")
+    step: Int32 | None
+
+
+class StoredItem(BaseModel):
+    """Where a sealed upload now is in the store, as a shared host's take would say it."""
+
+    path: str
+    sha256: str
+    size: int
+    files: int
+
+
+class ListedFile(BaseModel):
+    size: int
+    sha256: str
+
+
+class DirectoryListing(BaseModel):
+    """The files of a stored directory an attempt reads (relative POSIX paths), to fetch and verify each."""
+
+    files: dict[str, ListedFile]
 
 
 class Rollback(BaseModel):

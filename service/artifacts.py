@@ -14,11 +14,15 @@ import os
 import shutil
 import stat
 import uuid
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from api_schemas.manifest import (
     MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, checkpoint_name, read_manifest, sha256_file, verify_manifest, write_manifest,
 )
+
+
+INCOMING = "incoming"  # a job's uploads from hosts without the store, until sealed
 
 
 class ArtifactStore:
@@ -32,11 +36,15 @@ class ArtifactStore:
             raise ValueError(f"{relative!r} is outside the artifact store")
         return path
 
-    def ingest_checkpoint(self, source: Path, job_id: int, step: int, folder: str | None = None) -> tuple[str, str, int]:
+    def ingest_checkpoint(
+        self, source: Path, job_id: int, step: int, folder: str | None = None, hashed_here: bool = True
+    ) -> tuple[str, str, int]:
         """Take a finished checkpoint directory in, as `folder` under the job's checkpoints (by
         default the built-in loop's `step-…` name); returns (relative path, sha256, size) of its
         model.safetensors, or for a checkpoint without one (a script's), of its manifest.json and
-        the total size of its files. The directory is moved in when it is on the store's
+        the total size of its files. `hashed_here`: its manifest was written on this machine by a
+        writer we trust to have hashed what it listed (False for an upload: every byte is hashed).
+        The directory is moved in when it is on the store's
         filesystem (its writer hands it over: a copy would cost a second write of every byte on
         the training host, and its files need no second hash unless changed since their manifest),
         else copied; either way verified before it is renamed into place. A checkpoint already
@@ -52,7 +60,7 @@ class ArtifactStore:
             staging = final.parent / f".tmp-{uuid.uuid4().hex}"
             moved = _move_or_copy(source, staging)
             try:
-                manifest = verify_manifest(staging, moved)
+                manifest = verify_manifest(staging, moved and hashed_here)
                 _take_ownership(staging)
                 os.replace(staging, final)
             except BaseException:
@@ -76,12 +84,51 @@ class ArtifactStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.parent / f".tmp-{uuid.uuid4().hex}"
         try:
-            shutil.copytree(source, staging / name, ignore=_links_and_special_files)
+            shutil.copytree(source, staging / name, ignore=links_and_special_files)
             manifest = write_manifest(staging, step)
             os.replace(staging, final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
+        sizes = [entry["size"] for entry in manifest["files"].values()]
+        return relative, sha256_file(final / MANIFEST_FILE), sum(sizes), len(sizes)
+
+    # -- what hosts without the store's filesystem send through the API (service/api/routes/host_transfers.py)
+
+    def upload_dir(self, job_id: int, attempt_id: int, upload_id: str) -> Path:
+        """Where one upload's files gather until it is sealed: beside the job's items, on their filesystem."""
+        return self.path(f"jobs/{job_id}/{INCOMING}/{attempt_id}-{upload_id}")
+
+    def drop_uploads(self, job_id: int, which: Callable[[list[int]], list[int]]) -> None:
+        """Delete the unsealed uploads of those of the job's attempts with any that `which` picks (an upload
+        not sealed when its attempt ended never will be)."""
+        incoming = self.path(f"jobs/{job_id}/{INCOMING}")
+        found: dict[int, list[Path]] = {}
+        for directory in incoming.iterdir() if incoming.is_dir() else ():
+            attempt, _, _ = directory.name.partition("-")
+            if attempt.isdigit():
+                found.setdefault(int(attempt), []).append(directory)
+        for attempt in which(list(found)) if found else ():
+            for directory in found[attempt]:
+                shutil.rmtree(directory, ignore_errors=True)
+
+    def seal_output(self, staging: Path, job_id: int, upload_id: str, name: str) -> tuple[str, str, int, int]:
+        """Take an uploaded output in (`name/…` beside its manifest.json), every file verified, at a
+        folder its upload names, so a seal sent again finds it. Returns what ingest_output does."""
+        relative = f"jobs/{job_id}/outputs/{upload_id}"
+        final = self.path(relative)
+        if not final.exists():
+            if not staging.is_dir():
+                raise CorruptCheckpoint("nothing was uploaded")
+            manifest = read_manifest(staging)
+            top = PurePosixPath(name).parts[0]
+            if any(not path.startswith(f"{name}/") for path in manifest["files"]) or {p.name for p in staging.iterdir()} - {top, MANIFEST_FILE}:
+                raise CorruptCheckpoint(f"an output's upload holds only {name}/ and its manifest")
+            verify_manifest(staging)
+            _take_ownership(staging)
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging, final)
+        manifest = read_manifest(final)
         sizes = [entry["size"] for entry in manifest["files"].values()]
         return relative, sha256_file(final / MANIFEST_FILE), sum(sizes), len(sizes)
 
@@ -116,7 +163,7 @@ def _move_or_copy(source: Path, destination: Path) -> bool:
     return False
 
 
-def _links_and_special_files(directory: str, names: list[str]) -> list[str]:
+def links_and_special_files(directory: str, names: list[str]) -> list[str]:
     """copytree's `ignore`: the entries that are neither a directory nor a regular file, links not followed."""
     return [name for name in names if not _plain(os.lstat(os.path.join(directory, name)).st_mode)]
 

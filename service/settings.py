@@ -28,6 +28,10 @@ class StorageSettings(_FromEnvironment):
     database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/trainyard.db.")
     broker_url: str | None = Field(None, description="Celery broker URL; default sqla+sqlite:///<data_dir>/broker.db.")
     artifact_root: Path | None = Field(None, description="Checkpoint store, shared by API and workers; default <data_dir>/artifacts.")
+    shared_artifact_store: bool = Field(
+        True, description="Workers: this host mounts the artifact root at the same path as the API, and moves checkpoints and "
+        "outputs in; false: it sends them through the API, and fetches a resume's checkpoint and a script's code from it."
+    )
     data_root: Path | None = Field(None, description="Datasets that job specs may name; default <data_dir>/data.")
     work_root: Path | None = Field(None, description="Worker scratch space for running attempts; default <data_dir>/work.")
     plugin_dir: Path | None = Field(

@@ -106,17 +106,19 @@ def embedded_stack(
     broker_url: str | None = None,
     devices: str | None = None,
     unsafe_no_sandbox: bool = False,
+    worker_settings: dict[str, str] | None = None,
 ) -> Iterator[StackInfo]:
     """API, scheduler and `workers` local worker hosts as child processes; stopped on exit.
 
     By default on SQLite and the SQLAlchemy broker transport in `data_dir`; given URLs, the same
     processes run on PostgreSQL and Redis (the tests use this for the production backends).
+    `worker_settings`: TRAINYARD_* variables for the workers only (a host that doesn't mount the store, say).
     Raises StackRefused, having started nothing, if another stack runs on `data_dir` or `port` is taken."""
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     with _sole_stack_on(data_dir):
         _refuse_taken_port(port)
-        with _running_stack(data_dir, port, workers, database_url, broker_url, devices, unsafe_no_sandbox) as info:
+        with _running_stack(data_dir, port, workers, database_url, broker_url, devices, unsafe_no_sandbox, worker_settings or {}) as info:
             yield info
 
 
@@ -152,7 +154,7 @@ def _refuse_taken_port(port: int) -> None:
 @contextlib.contextmanager
 def _running_stack(
     data_dir: Path, port: int, workers: int, database_url: str | None, broker_url: str | None, devices: str | None,
-    unsafe_no_sandbox: bool,
+    unsafe_no_sandbox: bool, worker_settings: dict[str, str],
 ) -> Iterator[StackInfo]:
     overrides = {"TRAINYARD_DATA_DIR": str(data_dir)}
     if database_url:
@@ -168,7 +170,7 @@ def _running_stack(
     host_names = [f"local-{i}" for i in range(workers)]
     # The workers get the API's address and each its own token, and no database URL: they speak the
     # worker protocol over HTTP, as hosts elsewhere do (api_schemas/host_api.py).
-    worker_env = {name: value for name, value in child_env.items() if name != "TRAINYARD_DATABASE_URL"}
+    worker_env = {name: value for name, value in child_env.items() if name != "TRAINYARD_DATABASE_URL"} | worker_settings
     token_files = host_token_files(Settings(data_dir=data_dir, database_url=database_url), host_names)
     log_dir = data_dir / "logs"
     log_dir.mkdir(exist_ok=True)

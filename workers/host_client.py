@@ -16,14 +16,17 @@ from pathlib import Path
 import httpx
 
 from api_schemas.host_api import (
-    HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, EnvironmentReport, Finished, HostRegistration,
-    HostTerms, Lease, LeaseRequest, OutputStored, RefusedTransfer, Rendezvous, Report, Rollback,
+    HOST_API_PREFIX, AttemptEnd, CheckpointSeal, CheckpointStored, ClaimedAttempt, ClaimRequest, DirectoryListing, EnvironmentReport,
+    Finished, HostRegistration, HostTerms, Lease, LeaseRequest, OutputSeal, OutputStored, RefusedTransfer, Rendezvous, Report, Rollback,
+    StoredItem, Transferred,
 )
 from api_schemas.run_record import RunEnvironment
 
 LOST = Lease(held=False, cancel_requested=False)
 # A report is one POST of up to 20,000 points or 5,000 lines: on a loaded API that takes a while.
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+# A seal hashes every byte of the item on the service's side: a large checkpoint takes a while.
+SEAL_TIMEOUT = httpx.Timeout(600.0, connect=5.0)
 
 
 class ServiceError(Exception):
@@ -57,11 +60,18 @@ class HostClient:
     def close(self) -> None:
         self.http.close()
 
-    def _post(self, path: str, body=None) -> httpx.Response:
+    def _post(self, path: str, body=None, **options) -> httpx.Response:
+        return self._send("POST", path, content=None if body is None else body.model_dump_json(), **options)
+
+    def _send(self, method: str, path: str, **options) -> httpx.Response:
         try:
-            answer = self.http.post(path, content=None if body is None else body.model_dump_json())
+            answer = self.http.request(method, path, **options)
         except httpx.HTTPError as exc:
             raise ServiceUnreachable(f"{path}: {exc}") from exc
+        return self._check(path, answer)
+
+    @staticmethod
+    def _check(path: str, answer: httpx.Response) -> httpx.Response:
         if answer.status_code >= 500 or answer.status_code == 429:
             raise ServiceUnreachable(f"{path}: {answer.status_code} {answer.text[:200]}")
         if answer.status_code in (401, 403, 404, 409):
@@ -131,6 +141,45 @@ class HostClient:
     def output_stored(self, claimed: ClaimedAttempt, name: str, step: int | None, path: str, sha256: str, size: int, files: int) -> None:
         body = OutputStored(lease_owner=claimed.lease_owner, name=name, step=step, path=path, sha256=sha256, size=size, files=files)
         self._post(f"/attempts/{claimed.attempt_id}/outputs", body)
+
+    # -- files, for a host without the artifact store's filesystem (workers/store_access.py) ------
+
+    def received(self, claimed: ClaimedAttempt, upload_id: str, path: str) -> int:
+        """How many bytes of an upload's file the service holds."""
+        return Transferred.model_validate_json(self._send("GET", f"/attempts/{claimed.attempt_id}/uploads/{upload_id}/{path}").content).received
+
+    def send_part(self, claimed: ClaimedAttempt, upload_id: str, path: str, offset: int, data: bytes) -> int:
+        """Write `data` at `offset` of the upload's file; how many bytes it now holds."""
+        answer = self._send(
+            "PUT", f"/attempts/{claimed.attempt_id}/uploads/{upload_id}/{path}", params={"offset": offset}, content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        return Transferred.model_validate_json(answer.content).received
+
+    def seal(self, claimed: ClaimedAttempt, upload_id: str, seal: CheckpointSeal | OutputSeal) -> StoredItem:
+        """Have the service verify the upload and take it into the store. Raises ServiceRefused if it doesn't match its manifest."""
+        kind = "checkpoint" if isinstance(seal, CheckpointSeal) else "output"
+        answer = self._post(f"/attempts/{claimed.attempt_id}/uploads/{upload_id}/{kind}", seal, timeout=SEAL_TIMEOUT)
+        return StoredItem.model_validate_json(answer.content)
+
+    def listing(self, claimed: ClaimedAttempt, kind: str) -> DirectoryListing:
+        """The files of what the attempt reads from the store: `resume` (its checkpoint) or `code`."""
+        return DirectoryListing.model_validate_json(self._send("GET", f"/attempts/{claimed.attempt_id}/files/{kind}").content)
+
+    def fetch_file(self, claimed: ClaimedAttempt, kind: str, path: str, into, offset: int) -> None:
+        """Append the file's bytes from `offset` on to the open file `into`, as they arrive."""
+        url = f"/attempts/{claimed.attempt_id}/files/{kind}/{path}"
+        try:
+            with self.http.stream("GET", url, headers={"Range": f"bytes={offset}-"} if offset else {}) as answer:
+                if answer.status_code >= 400:
+                    answer.read()
+                    self._check(url, answer)
+                if offset and answer.status_code != 206:
+                    raise ServiceRefused(f"{url}: asked from byte {offset}, got {answer.status_code}")
+                for block in answer.iter_bytes(1 << 20):
+                    into.write(block)
+        except httpx.HTTPError as exc:
+            raise ServiceUnreachable(f"{url}: {exc}") from exc
 
     def finish(self, claimed: ClaimedAttempt, outcome, reason: str | None, retry: bool, rollback: Rollback | None = None) -> bool:
         """Record the end; False if it was too late (the lease lost, the token revoked)."""

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec
@@ -40,7 +41,6 @@ from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
 from api_schemas.host_api import Rollback
 from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, SpikeEvent, decode_events
-from service.artifacts import ArtifactStore
 from service.settings import Settings
 from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
@@ -55,6 +55,7 @@ from workers.sandbox import (
 )
 from workers.warm_pool import WarmPool, place_inputs
 from workers.run_environment import changed_inputs, digest, input_digests, run_environment
+from workers.store_access import SharedStore, StoreThroughApi
 from workers.system_metrics import SystemSampler
 
 log = logging.getLogger("trainyard.worker")
@@ -153,7 +154,7 @@ class Transfers:
     refused: list[tuple] = field(default_factory=list)  # (item, why the store refused it), not reported yet
     last_refused: str | None = None  # why the latest item was refused, if it was
 
-    def take_in(self, pool: ThreadPoolExecutor, take: Callable, unfit: type[Exception], timeout: float | None) -> None:
+    def take_in(self, pool: ThreadPoolExecutor, take: Callable, unfit: type[Exception] | tuple, timeout: float | None) -> None:
         """Take items in, waiting at most `timeout` seconds for one still being taken (None: until it is)."""
         while self.items:
             if self.taking is None:
@@ -287,7 +288,10 @@ class AttemptRunner:
         self.share = share  # what an attempt gets per slot it holds, unless its spec says; None: unbounded (a Slurm allocation bounds it)
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
-        self.store = ArtifactStore(settings.resolved_artifact_root)
+        self.store = (  # where checkpoints go and resumes come from: workers/store_access.py
+            SharedStore(settings.resolved_artifact_root) if settings.shared_artifact_store
+            else StoreThroughApi(service, settings.resolved_work_root / "store-transfers")
+        )
         self.ended_attempts = EndedAttempts(settings.failed_attempt_retention_hours)  # their directories, removed in time
         # Checkpoints are taken into the store off the supervising thread: one copied to another
         # filesystem and hashed can take longer than a lease lasts, and must not keep it from renewal.
@@ -319,6 +323,7 @@ class AttemptRunner:
         log.info("running job %s attempt %s (resume from step %s)", claimed.job_id, claimed.number, claimed.resume_step)
         outcome, reason = self._supervise(claimed)
         self._finish(claimed, outcome, reason)
+        self.store.release(claimed)
         self.ended_attempts.ended(self._run_dir(claimed), outcome)
         self.ended_attempts.sweep()
 
@@ -336,6 +341,7 @@ class AttemptRunner:
             try:
                 if refusal := self.sandbox.refusal(spec):  # before anything is installed for it
                     raise CannotStart(refusal)
+                self._fetch_from_store(claimed, outbox)
                 inputs = self._inputs(claimed, spec)
                 environment = self._prepare_environment(claimed, spec, outbox)
                 run_dir, process, limits = self._start(claimed, spec, environment)
@@ -387,24 +393,46 @@ class AttemptRunner:
         if spec.environment is None:
             return None
         lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="environment")
-        preparing = pool.submit(self.environments.acquire, spec.environment.pip, lines.put)
-        pool.shutdown(wait=False)
-        while True:
-            done = wait_for([preparing], timeout=self.settings.heartbeat_seconds).done
-            while not lines.empty():
-                outbox.add_line(None, lines.get())
-            lease = self._sync(claimed, outbox)
-            if done:
-                break
-            if lease is not None and (not lease.held or lease.cancel_requested):
-                # The build goes on for whoever wants it next; what it holds is let go once it is done.
-                preparing.add_done_callback(lambda built: built.exception() is None and built.result().release())
-                raise EndedBeforeStart((None, "lease lost") if not lease.held else (AttemptStatus.cancelled, "cancelled by user"))
+        # The build goes on for whoever wants it next if the attempt ends; what it holds is let go once it is done.
+        preparing = self._renewing_lease_while(
+            claimed, outbox, "environment", lambda: self.environments.acquire(spec.environment.pip, lines.put),
+            abandoned=lambda built: built.exception() is None and built.result().release(), lines=lines,
+        )
         try:
             return preparing.result()
         except EnvironmentFailed as exc:
             raise CannotStart(str(exc)) from exc
+
+    def _fetch_from_store(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+        """What the attempt reads from the artifact store, onto this host if it doesn't mount it (a
+        large checkpoint fetched through the API takes longer than a lease lasts). Raises CannotStart
+        if it can't be had, EndedBeforeStart if the attempt ends meanwhile."""
+        fetching = self._renewing_lease_while(claimed, outbox, "store-fetch", lambda: self.store.prepare(claimed))
+        try:
+            fetching.result()
+        except CorruptCheckpoint as exc:
+            raise CannotStart(f"cannot fetch what it reads from the service on {self.host_name}: {exc}") from exc
+
+    def _renewing_lease_while(
+        self, claimed: ClaimedAttempt, outbox: Outbox, name: str, work: Callable, abandoned: Callable = lambda _done: None,
+        lines: queue.SimpleQueue | None = None,
+    ) -> Future:
+        """`work()` on a thread of its own, done; meanwhile this one renews the lease every heartbeat
+        and forwards the job's logs (and `lines` into them). If the attempt is cancelled or lost
+        first, raises EndedBeforeStart and leaves `work` to finish, then `abandoned(its future)`."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        running = pool.submit(work)
+        pool.shutdown(wait=False)
+        while True:
+            done = wait_for([running], timeout=self.settings.heartbeat_seconds).done
+            while lines is not None and not lines.empty():
+                outbox.add_line(None, lines.get())
+            lease = self._sync(claimed, outbox)
+            if done:
+                return running
+            if lease is not None and (not lease.held or lease.cancel_requested):
+                running.add_done_callback(abandoned)
+                raise EndedBeforeStart((None, "lease lost") if not lease.held else (AttemptStatus.cancelled, "cancelled by user"))
 
     def _start(
         self, claimed: ClaimedAttempt, spec: JobSpec, environment: Environment | None = None
@@ -413,7 +441,7 @@ class AttemptRunner:
         started (in the job's own Python `environment` if it has one), with their cgroups if this
         host has them. Raises CannotStart if they can't be launched here."""
         run_dir = self._run_dir(claimed)
-        resume_from = self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
+        resume_from = self.store.resume_directory(claimed)
         rendezvous = self._wait_for_node_0(claimed)
         if rendezvous is None:
             raise CannotStart(f"node 0 of this job did not start within {self.node_0_wait_seconds:.0f} s")
@@ -549,10 +577,8 @@ class AttemptRunner:
             log.warning("could not deliver what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
 
     def _take_in(self, claimed: ClaimedAttempt, outbox: Outbox, timeout: float | None) -> None:
-        job_id = claimed.job_id
-        outbox.checkpoints.take_in(self.ingest, lambda source, step, folder: self.store.ingest_checkpoint(source, job_id, step, folder),
-                                   CorruptCheckpoint, timeout)
-        outbox.outputs.take_in(self.ingest, lambda source, name, step: self.store.ingest_output(source, job_id, name, step), OSError, timeout)
+        outbox.checkpoints.take_in(self.ingest, partial(self.store.checkpoint, claimed), CorruptCheckpoint, timeout)
+        outbox.outputs.take_in(self.ingest, partial(self.store.output, claimed), (OSError, CorruptCheckpoint), timeout)
 
     def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
         """Send the outbox's metrics and lines in bounded reports for up to DELIVERY_SECONDS (what a

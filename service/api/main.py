@@ -14,12 +14,13 @@ from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas import field_location
+from api_schemas.host_api import MAX_UPLOAD_PART_BYTES, is_upload_part
 from service.admission import Refused
 from service.api.events import Feeds
 from service.api.limits import limits_for
 from service.api.stream_tokens import StreamTokens
 from service.api.audit import AuditTrail
-from service.api.routes import audit, checkpoints, dashboard, host_api, jobs, login, monitoring, outputs, sweeps, teams, tokens, uploads, usage
+from service.api.routes import audit, checkpoints, dashboard, host_api, host_transfers, jobs, login, monitoring, outputs, sweeps, teams, tokens, uploads, usage
 from service.db.doorbell import libpq_dsn
 from service.db.session import read_session_factory, session_factory
 from service.settings import Settings, get_settings
@@ -42,6 +43,8 @@ class BodySizeLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         limit = self.max_upload_bytes if scope["path"].rstrip("/") in UPLOAD_PATHS else self.max_bytes
+        if scope["method"] == "PUT" and is_upload_part(scope["path"]):
+            limit = MAX_UPLOAD_PART_BYTES
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             return await self._too_large(scope, receive, send, limit)
@@ -129,6 +132,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.include_router(monitoring.router)
     app.include_router(host_api.router)
+    app.include_router(host_transfers.router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:  # on the event loop: it answers even while the thread pool is busy

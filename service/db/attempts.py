@@ -37,6 +37,12 @@ def attempt_on_host(session: Session, attempt_id: int, host_name: str, lease_own
     return HeldAttempt(row.id, row.job_id, row.number, lease_owner)
 
 
+def ended_attempts(session: Session, attempt_ids: list[int]) -> list[int]:
+    """Those of `attempt_ids` that have ended, whatever how."""
+    rows = session.execute(select(Attempt.id, Attempt.status).where(Attempt.id.in_(attempt_ids))).all()
+    return [row.id for row in rows if AttemptStatus(row.status).is_final]
+
+
 def claim_attempt(
     session: Session, attempt_id: int, lease_owner: str, lease_seconds: float, rendezvous: str | None = None
 ) -> ClaimedAttempt | None:

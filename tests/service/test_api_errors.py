@@ -10,9 +10,11 @@ import pytest
 from fastapi.responses import StreamingResponse
 from fastapi.testclient import TestClient
 
+from api_schemas.host_api import HOST_API_PREFIX
 from service.api.main import create_app
 from service.db.accounts import create_user
 from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.host_tokens import issue_host_token
 from service.db.session import session_factory
 from tests.helpers import auth, start_job, tiny_spec
 
@@ -80,6 +82,7 @@ def test_every_integer_parameter_past_what_the_database_holds_is_a_422_naming_it
     # in a query, path or header of a GET route, from the schema itself, at 10**20, as an admin (who may call them all).
     with session_factory(settings.resolved_database_url)() as session:
         token = create_user(session, "root", is_admin=True)[1]
+        host_token = issue_host_token(session, "probe-host")  # the worker protocol's routes take a host's
     job = api.post("/v1/jobs", json=tiny_spec(), headers=auth(token)).json()["id"]
     huge = str(10**20)
     probed = 0
@@ -93,7 +96,7 @@ def test_every_integer_parameter_past_what_the_database_holds_is_a_422_naming_it
             location = parameter["in"]
             response = api.get(
                 url, params={parameter["name"]: huge} if location == "query" else None,
-                headers={**auth(token), **({parameter["name"]: huge} if location == "header" else {})},
+                headers={**auth(host_token if path.startswith(HOST_API_PREFIX) else token), **({parameter["name"]: huge} if location == "header" else {})},
             )
             assert response.status_code == 422, (url, parameter["name"], response.status_code, response.text)
             assert parameter["name"] in {str(part) for error in response.json()["detail"] for part in error["loc"]}, response.text

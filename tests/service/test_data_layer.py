@@ -737,4 +737,4 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
         assert outbox.empty() and not source.exists()  # stored, then the copy's source removed
         with sessions() as session:
             stored = list_checkpoints(session, claimed.job_id)[-1]
-            assert stored.step == 10 and stored.sha256 == sha256_file(runner.store.path(stored.path) / MODEL_FILE)
+            assert stored.step == 10 and stored.sha256 == sha256_file(runner.store.store.path(stored.path) / MODEL_FILE)

@@ -19,7 +19,7 @@ from api_schemas.jobs import CheckpointConfig, CodeSource
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
 from service.artifacts import ArtifactStore
 from service.db.attempts import (
-    HeldAttempt, attempt_on_host, claim_attempt, finish_attempt, gang_rendezvous, record_environment, renew_lease,
+    HeldAttempt, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
 )
 from service.db.checkpoints import record_checkpoint, record_refused
 from service.db.hosts import deregister_host, record_heartbeat, register_host
@@ -87,12 +87,16 @@ def _own(session, host: str, attempt_id: int, lease_owner: str) -> HeldAttempt:
 
 
 @router.post("/attempts/{attempt_id}/claim", response_model=ClaimedAttempt, responses={409: {"description": "Not this host's to run now."}})
-def claim(attempt_id: RowId, body: ClaimRequest, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> ClaimedAttempt:
+def claim(
+    attempt_id: RowId, body: ClaimRequest, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep, store: StoreDep
+) -> ClaimedAttempt:
     """Take the attempt under a lease: 409 if it is not to be run (already claimed, ended, cancelled)."""
     _own(session, host, attempt_id, body.lease_owner)
     claimed = claim_attempt(session, attempt_id, body.lease_owner, settings.lease_seconds, body.rendezvous)
     if claimed is None:
         raise HTTPException(status.HTTP_409_CONFLICT, "attempt is not to be run (already claimed, ended or cancelled)")
+    # What earlier attempts of the job (lost with their host, say) left half uploaded won't be sealed now.
+    store.drop_uploads(claimed.job_id, lambda attempts: ended_attempts(session, attempts))
     if (script := claimed.spec.get("script")) is not None:
         # Where the script's code is on the storage the hosts share; a path that is refused (gone,
         # or outside the code root) says why in place of one.
@@ -182,4 +186,5 @@ def finish(attempt_id: RowId, body: AttemptEnd, host: CurrentHost, session: Writ
     ended = finish_attempt(session, held, AttemptStatus(body.outcome), body.reason, retry=body.retry, rollback=body.rollback, dropped=dropped)
     for path in dropped:
         store.delete(path)
+    store.drop_uploads(held.job_id, lambda attempts: [held.attempt_id] if held.attempt_id in attempts else [])
     return Finished(ended=ended)

@@ -1,0 +1,203 @@
+"""A host without the artifact store's filesystem (service/api/routes/host_transfers.py,
+workers/store_access.py), on both backends, against the real API served over TCP: its checkpoint
+arrives file by file, a cut mid-file goes on from where the service's copy ends, every byte is
+verified before the checkpoint is listed; the next attempt fetches it back the same way; what
+doesn't match its manifest, or reaches outside, is refused; another host's token opens none of it."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import httpx
+import pytest
+
+from api_schemas.host_api import CheckpointSeal, HostRegistration, inside_path
+from api_schemas.manifest import CorruptCheckpoint, write_manifest
+from service.api.main import create_app
+from service.db.accounts import create_user
+from service.db.host_tokens import issue_host_token
+from service.db.jobs import create_job
+from service.db.session import session_factory
+from service.scheduler import schedule_pass
+from tests.client.serve import serve_app
+from tests.helpers import auth, job_spec
+from workers.host_client import HostClient, ServiceRefused
+from workers.store_access import StoreThroughApi
+
+REGISTRATION = HostRegistration(device="cpu", slots=1, address="127.0.0.1")
+pytestmark = pytest.mark.timeout(120)
+
+
+class CutOnce(httpx.HTTPTransport):
+    """A transport that cuts the first request `picks` says to, halfway, as a network would: half a
+    PUT's body reaches the server over TCP before the socket closes, or half a GET's answer reaches
+    us. Counts the bytes every PUT that got through carried."""
+
+    def __init__(self, picks):
+        super().__init__()
+        self.picks, self.cut, self.sent, self.ranges = picks, None, 0, []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.cut is None and self.picks(request):
+            self.cut = request.url.path
+            return self._cut(request)
+        if request.method == "PUT":
+            self.sent += len(request.read())
+        if "/files/" in request.url.path:
+            self.ranges.append(request.headers.get("Range"))
+        return super().handle_request(request)
+
+    def _cut(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "PUT":
+            body = request.read()
+            head = [f"PUT {request.url.raw_path.decode()} HTTP/1.1", f"Host: {request.url.netloc.decode()}",
+                    f"Authorization: {request.headers['Authorization']}", "Content-Type: application/octet-stream",
+                    f"Content-Length: {len(body)}", "", ""]
+            with socket.create_connection((request.url.host, request.url.port)) as raw:
+                raw.sendall("\r\n".join(head).encode() + body[: len(body) // 2])
+            raise httpx.WriteError("the connection was cut mid-body")
+        answer = super().handle_request(request)
+        whole = b"".join(answer.stream)
+        answer.close()
+
+        def half_then_cut():
+            yield whole[: len(whole) // 2]
+            raise httpx.ReadError("the connection was cut mid-answer")
+
+        return httpx.Response(answer.status_code, headers=answer.headers, stream=_Stream(half_then_cut()))
+
+
+class _Stream(httpx.SyncByteStream):
+    def __init__(self, chunks):
+        self.chunks = chunks
+
+    def __iter__(self):
+        yield from self.chunks
+
+
+@pytest.fixture
+def api(settings):
+    with serve_app(create_app(settings)) as url:
+        yield url
+
+
+def on_a_host(settings, url: str, name: str, transport: httpx.BaseTransport | None = None) -> HostClient:
+    with session_factory(settings.resolved_database_url)() as session:
+        token = issue_host_token(session, name)
+    client = HostClient(url, token, http=httpx.Client(transport=transport, timeout=30) if transport else None)
+    client.register(REGISTRATION)
+    return client
+
+
+def a_checkpoint(directory, step: int):
+    directory.mkdir(parents=True)
+    (directory / "model.safetensors").write_bytes(os.urandom(3_000_001))
+    (directory / "optimizer.bin").write_bytes(os.urandom(100_000))
+    (directory / "rng").mkdir()
+    (directory / "rng" / "empty").write_bytes(b"")
+    write_manifest(directory, step)
+    return directory
+
+
+def test_a_checkpoint_sent_through_the_api_survives_a_cut_is_verified_listed_and_fetched_back(settings, api, tmp_path):
+    sessions = session_factory(settings.resolved_database_url)
+    cutter = CutOnce(lambda request: request.method == "PUT" and request.url.path.endswith("model.safetensors"))
+    host = on_a_host(settings, api, "far-host", cutter)
+    with sessions() as session:
+        user, token = create_user(session, "alice")
+        job_id = create_job(session, user, job_spec()).id
+        [(attempt_id, _)] = schedule_pass(session, settings)
+    claimed = host.claim(attempt_id, "far-host:1", "127.0.0.1:1")
+    store = StoreThroughApi(host, tmp_path / "host-scratch")
+    source = a_checkpoint(tmp_path / "run" / "step-00000005", 5)
+    files = {path.relative_to(source): path.read_bytes() for path in source.rglob("*") if path.is_file()}
+
+    path, sha256, size = store.checkpoint(claimed, source, 5, None)
+
+    # The cut file went on from where the service's copy ended: half of it was not sent twice.
+    assert cutter.cut and cutter.cut.endswith("model.safetensors")
+    total = sum(len(data) for data in files.values())
+    assert cutter.sent == total - 3_000_001 // 2
+    stored = settings.resolved_artifact_root / path
+    assert path == f"jobs/{job_id}/checkpoints/step-00000005"
+    assert {p.relative_to(stored): p.read_bytes() for p in stored.rglob("*") if p.is_file()} == files
+    assert not (settings.resolved_artifact_root / f"jobs/{job_id}/incoming").exists() or not any(
+        (settings.resolved_artifact_root / f"jobs/{job_id}/incoming").iterdir()
+    )
+    # Sealed again (its answer lost), it is described as it is.
+    assert host.seal(claimed, "0" * 32, CheckpointSeal(lease_owner=claimed.lease_owner, step=5, folder="step-00000005")).path == path
+
+    # Registered as a shared host's would be: listed, its weights' hash, downloadable.
+    host.checkpoint_stored(claimed, 5, path, sha256, size)
+    user_api = httpx.Client(base_url=api, headers=auth(token))
+    [listed] = user_api.get(f"/v1/jobs/{job_id}/checkpoints").json()
+    assert (listed["step"], listed["sha256"]) == (5, sha256)
+    assert user_api.get(f"/v1/checkpoints/{listed['id']}/download").content == (source / "model.safetensors").read_bytes()
+
+    # The next attempt resumes from it: fetched file by file, a cut answer continued by Range.
+    assert host.finish(claimed, "failed", "the host went away", retry=True)
+    with sessions() as session:
+        [(attempt_id, _)] = schedule_pass(session, settings)
+    fetcher = CutOnce(lambda request: request.method == "GET" and request.url.path.endswith("/files/resume/model.safetensors"))
+    host = on_a_host(settings, api, "far-host", fetcher)
+    store = StoreThroughApi(host, tmp_path / "host-scratch")
+    resumed = host.claim(attempt_id, "far-host:2", "127.0.0.1:1")
+    assert resumed.resume_checkpoint_path == path
+    store.prepare(resumed)
+    fetched = store.resume_directory(resumed)
+    assert {p.relative_to(fetched): p.read_bytes() for p in fetched.rglob("*") if p.is_file()} == {
+        p.relative_to(stored): p.read_bytes() for p in stored.rglob("*") if p.is_file()
+    }
+    [continued] = [r for r in fetcher.ranges if r]  # asked from where the cut left the file, not from its start
+    assert fetcher.cut and continued.startswith("bytes=") and int(continued.removeprefix("bytes=").rstrip("-")) > 0
+    store.release(resumed)
+    assert not fetched.exists()
+
+
+def test_what_does_not_match_its_manifest_or_reaches_outside_is_refused_and_another_host_opens_nothing(settings, api, tmp_path):
+    sessions = session_factory(settings.resolved_database_url)
+    host, other = on_a_host(settings, api, "far-host"), on_a_host(settings, api, "other-host")
+    with sessions() as session:
+        user, _ = create_user(session, "alice")
+        job_id = create_job(session, user, job_spec()).id
+        [(attempt_id, _)] = schedule_pass(session, settings)
+    claimed = host.claim(attempt_id, "far-host:1", "127.0.0.1:1")
+    store = StoreThroughApi(host, tmp_path / "scratch")
+
+    # A file changed after its manifest was written: the service hashes it and refuses the whole.
+    source = a_checkpoint(tmp_path / "run" / "step-00000005", 5)
+    (source / "optimizer.bin").write_bytes(os.urandom(100_000))
+    with pytest.raises(CorruptCheckpoint, match="does not match its manifest"):
+        store.checkpoint(claimed, source, 5, None)
+    assert not (settings.resolved_artifact_root / f"jobs/{job_id}/checkpoints/step-00000005").exists()
+
+    # A manifest that names a file outside the upload is refused before anything is read.
+    upload = "a" * 32
+    host.send_part(claimed, upload, "manifest.json", 0, b'{"step": 1, "files": {"../../../../secret": {"sha256": "0", "size": 1}}}')
+    with pytest.raises(ServiceRefused, match="outside"):
+        host.seal(claimed, upload, CheckpointSeal(lease_owner=claimed.lease_owner, step=1, folder="step-00000001"))
+    with pytest.raises(ValueError):
+        CheckpointSeal(lease_owner="x", step=1, folder="../elsewhere")
+    for bad in ("", "/etc", "a/../b", "a//b", ".", "a\\b"):
+        with pytest.raises(ValueError):
+            inside_path(bad)
+
+    # Another host can't write into, ask about or read this host's attempt.
+    raw = httpx.Client(base_url=api, headers={"Authorization": other.http.headers["Authorization"]})
+    assert raw.put(f"/v1/host/attempts/{attempt_id}/uploads/{upload}/x", content=b"x").status_code == 404
+    assert raw.get(f"/v1/host/attempts/{attempt_id}/uploads/{upload}/x").status_code == 404
+    assert raw.get(f"/v1/host/attempts/{attempt_id}/files/resume").status_code == 404
+    assert raw.get(f"/v1/host/attempts/{attempt_id}/files/code").status_code == 404
+    # Nor can this one write past what has arrived, or read the store beyond its own resume and code.
+    assert httpx.Client(base_url=api, headers={"Authorization": host.http.headers["Authorization"]}).put(
+        f"/v1/host/attempts/{attempt_id}/uploads/{upload}/y", params={"offset": 10}, content=b"x"
+    ).status_code == 416
+    assert host.http.get(f"/attempts/{attempt_id}/files/resume").status_code == 404  # nothing to resume from
+    assert host.http.get(f"/attempts/{attempt_id}/files/database").status_code == 422
+
+    # The attempt's end drops what it left unsealed.
+    incoming = settings.resolved_artifact_root / f"jobs/{job_id}/incoming"
+    assert any(incoming.iterdir())
+    host.finish(claimed, "failed", "done", retry=False)
+    assert not any(incoming.iterdir())

@@ -1,0 +1,169 @@
+"""How a worker host reaches the artifact store: on its own filesystem (`SharedStore`: checkpoints
+and outputs moved in, then registered), or through the API (`StoreThroughApi`, for a host that
+doesn't mount it: TRAINYARD_SHARED_ARTIFACT_STORE=false).
+
+Through the API, every file is sent in parts, each written where the service says its copy ends,
+so a cut connection or an API restart costs at most the part in flight; the service hashes every
+byte against the item's manifest before it takes the item in. What an attempt reads from the store
+(the checkpoint it resumes from, a script's code) is fetched file by file the same way (Range), each
+checked against the listing's sha256, into a directory of the attempt's own that goes when it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import uuid
+from pathlib import Path, PurePosixPath
+
+from api_schemas.host_api import MAX_UPLOAD_PART_BYTES, CheckpointSeal, ClaimedAttempt, OutputSeal
+from api_schemas.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_name, sha256_file, write_manifest
+from service.artifacts import ArtifactStore, links_and_special_files
+from workers.host_client import HostClient, ServiceRefused, ServiceUnreachable
+
+log = logging.getLogger(__name__)
+
+RETRY_SECONDS = (1, 2, 4, 8, 15, 30)  # the pauses between tries while the API is out of reach, the last repeated
+GIVE_UP_SECONDS = 30 * 60  # an item that could not be moved for this long is refused (an event of the job), not retried for ever
+
+
+class SharedStore:
+    """The store's directory is on this host, at the API's path: items are moved or copied in."""
+
+    def __init__(self, root: Path):
+        self.store = ArtifactStore(root)
+
+    def prepare(self, claimed: ClaimedAttempt) -> None:
+        """Nothing to fetch: the resume checkpoint and the code are read where they are."""
+
+    def resume_directory(self, claimed: ClaimedAttempt) -> Path | None:
+        return self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
+
+    def checkpoint(self, claimed: ClaimedAttempt, source: Path, step: int, folder: str | None) -> tuple[str, str, int]:
+        return self.store.ingest_checkpoint(source, claimed.job_id, step, folder)
+
+    def output(self, claimed: ClaimedAttempt, source: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
+        return self.store.ingest_output(source, claimed.job_id, name, step)
+
+    def release(self, claimed: ClaimedAttempt) -> None:
+        pass
+
+
+class StoreThroughApi:
+    """The store as the API serves it to a host that doesn't mount it."""
+
+    def __init__(self, service: HostClient, scratch: Path):
+        self.service = service
+        self.scratch = scratch  # on this host: what attempts fetched, and outputs made ready to send
+
+    def _fetched(self, claimed: ClaimedAttempt) -> Path:
+        return self.scratch / f"attempt-{claimed.attempt_id}"
+
+    def prepare(self, claimed: ClaimedAttempt) -> None:
+        """Fetch what the attempt reads from the store onto this host: the checkpoint it resumes from,
+        its script's code (then `claimed.code_path`, or `code_refused` saying why not)."""
+        if (resume := self.resume_directory(claimed)) is not None:
+            self._fetch(claimed, "resume", resume)
+        if claimed.spec.get("script") is not None:
+            try:
+                claimed.code_path = str(self._fetch(claimed, "code", self._fetched(claimed) / "code"))
+            except (ServiceRefused, CorruptCheckpoint) as exc:
+                claimed.code_path, claimed.code_refused = None, f"cannot fetch its code from the service: {exc}"
+
+    def resume_directory(self, claimed: ClaimedAttempt) -> Path | None:
+        """Under the name it has in the store: a script parses its step from it (`…/step_1200`)."""
+        if not claimed.resume_checkpoint_path:
+            return None
+        return self._fetched(claimed) / "resume" / PurePosixPath(claimed.resume_checkpoint_path).name
+
+    def checkpoint(self, claimed: ClaimedAttempt, source: Path, step: int, folder: str | None) -> tuple[str, str, int]:
+        """Send the checkpoint (its manifest, as the training wrote it, among its files) and have it sealed."""
+        if not (source / MANIFEST_FILE).is_file():
+            raise CorruptCheckpoint(f"{source}: no manifest")
+        stored = self._send(claimed, source, CheckpointSeal(lease_owner=claimed.lease_owner, step=step, folder=folder or checkpoint_name(step)))
+        return stored.path, stored.sha256, stored.size
+
+    def output(self, claimed: ClaimedAttempt, source: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
+        """Copy the output as it is now beside a manifest of its files (as the store would), send it, have it sealed."""
+        ready = self.scratch / f"output-{uuid.uuid4().hex}"
+        try:
+            shutil.copytree(source, ready / name, ignore=links_and_special_files)
+            write_manifest(ready, step)
+            stored = self._send(claimed, ready, OutputSeal(lease_owner=claimed.lease_owner, name=name, step=step))
+        finally:
+            shutil.rmtree(ready, ignore_errors=True)
+        return stored.path, stored.sha256, stored.size, stored.files
+
+    def release(self, claimed: ClaimedAttempt) -> None:
+        shutil.rmtree(self._fetched(claimed), ignore_errors=True)
+
+    # -- moving files --------------------------------------------------------------------------
+
+    def _send(self, claimed: ClaimedAttempt, directory: Path, seal: CheckpointSeal | OutputSeal):
+        """Every file of `directory` to a new upload, each from where the service's copy ends, then
+        the seal; tried again while the API is out of reach. A seal refused means the files don't
+        match their manifest (changed while sent, or corrupt): CorruptCheckpoint, not retried."""
+        upload_id = uuid.uuid4().hex
+        files = [path for path in sorted(directory.rglob("*")) if path.is_file() and not path.is_symlink()]
+
+        def send_all():
+            for path in files:
+                self._send_file(claimed, upload_id, path, path.relative_to(directory).as_posix())
+            return self.service.seal(claimed, upload_id, seal)
+
+        try:
+            return _retrying(send_all, f"job {claimed.job_id}: sending {directory.name}")
+        except ServiceRefused as exc:
+            raise CorruptCheckpoint(f"{directory.name}: the service refused it: {exc}") from exc
+
+    def _send_file(self, claimed: ClaimedAttempt, upload_id: str, path: Path, relative: str) -> None:
+        size = path.stat().st_size
+        received = self.service.received(claimed, upload_id, relative)  # 0, or where a cut left it
+        if size == 0:
+            self.service.send_part(claimed, upload_id, relative, 0, b"")  # an empty file is made by sending nothing
+        with open(path, "rb") as file:
+            while received < size:
+                file.seek(received)
+                received = self.service.send_part(claimed, upload_id, relative, received, file.read(MAX_UPLOAD_PART_BYTES))
+
+    def _fetch(self, claimed: ClaimedAttempt, kind: str, into: Path) -> Path:
+        """The files of `kind` into `into`, each verified against the listing; a file half fetched is
+        continued from its end."""
+        def fetch_all():
+            listing = self.service.listing(claimed, kind)
+            for relative, expected in listing.files.items():
+                target = into / relative
+                if not target.resolve().is_relative_to(into.resolve()):
+                    raise CorruptCheckpoint(f"the listing names {relative!r}, outside the directory")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                have = target.stat().st_size if target.is_file() else 0
+                if have > expected.size:
+                    target.unlink()
+                    have = 0
+                with open(target, "ab") as file:  # made, if empty
+                    if have < expected.size:
+                        self.service.fetch_file(claimed, kind, relative, file, have)
+                if target.stat().st_size != expected.size or sha256_file(target) != expected.sha256:
+                    target.unlink()
+                    raise CorruptCheckpoint(f"{kind} file {relative} does not match the service's listing")
+            return into
+
+        return _retrying(fetch_all, f"job {claimed.job_id}: fetching its {kind}")
+
+
+def _retrying(work, what: str):
+    """`work()` until it gets through: tried again after a pause while the API is out of reach (a cut
+    mid-file goes on from where the service's copy ends), for up to GIVE_UP_SECONDS."""
+    deadline = time.monotonic() + GIVE_UP_SECONDS
+    for attempt in range(1_000_000):
+        try:
+            return work()
+        except ServiceUnreachable as exc:
+            if time.monotonic() > deadline:
+                raise CorruptCheckpoint(f"{what}: the service was out of reach for {GIVE_UP_SECONDS} s ({exc})") from exc
+            pause = RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)]
+            log.warning("%s: %s; trying again in %s s", what, exc, pause)
+            time.sleep(pause)
+    raise AssertionError("unreachable")
+
