@@ -52,7 +52,7 @@ test-quick: $(VENV)/.test-stamp
 # Each prints one JSON line with its peer's figure and the ratio; none asserts a time. About 11
 # minutes on 2 cores, against PostgreSQL and Redis as the tests use them. A failing one stops the run.
 BENCHMARKS := throughput job_start dispatch_latency scheduler_placement metric_ingest metrics_query dashboard_page \
-              download_throughput checkpoint_stall checkpoint_ingest environment fair_share guard
+              download_throughput checkpoint_stall checkpoint_ingest checkpoint_upload environment fair_share guard
 
 bench: $(VENV)/.test-stamp $(NGINX) $(BWRAP)
 	@for name in $(BENCHMARKS); do \
