@@ -169,7 +169,7 @@ class JobEventType(str, Enum):
     # data: {"step", "what" (its folder, or the output's name), "reason"}. Not stored, so no resume from it.
     checkpoint_refused = "checkpoint_refused"
     output_refused = "output_refused"
-    # The loss guard stopped a diverging run (workers/training/guard.py): data: {"first_step",
+    # The loss guard stopped a diverging run (workers/loss_guard.py): data: {"first_step",
     # "last_step", "resume_step" (the checkpoint it goes on from; 0: the start), "reason", "rollbacks"}.
     rollback = "rollback"
 

@@ -80,6 +80,9 @@ class HostTerms(BaseModel):
     max_log_lines_per_attempt: int
     max_runtime_hours: float
     max_attempt_disk_gb: float = Field(100.0, description="What an attempt's directory may hold unless its spec says (resources.disk_gb).")
+    attempt_subnet: str | None = Field(
+        None, description="The /24 this host's gang attempts take their addresses from, when it makes gang networks (its info said so)."
+    )
     control_plane_ports: list[int] = Field(
         description="The service's ports (database, broker, API) that a host closes to its multi-node jobs (workers/egress.py)."
     )
@@ -113,6 +116,10 @@ class ClaimedAttempt(BaseModel):
     code_path: str | None = Field(None, description="A script job's code directory, on the storage hosts share with the service.")
     code_refused: str | None = Field(None, description="Why a script job's code can't be had (gone, outside the code root), in place of code_path.")
     skip_steps: int = Field(0, description="After a rollback: train on past the batches of this many steps after the resume checkpoint's.")
+    net_address: str | None = Field(
+        None, description="A gang's attempt on hosts that make gang networks: its own address (its rendezvous is there), "
+        "in a network namespace of its own that reaches only its gang (workers/gang_network.py)."
+    )
 
 
 class LeaseRequest(BaseModel):
@@ -126,9 +133,16 @@ class Lease(BaseModel):
     preempt_reason: str | None = Field(None, description="Why the scheduler wants the attempt stopped at a checkpoint, when it said.")
 
 
+class GangNode(BaseModel):
+    node_rank: int
+    address: str = Field(description="The attempt's own address (ClaimedAttempt.net_address).")
+    host_address: str = Field(description="Its host's: the route to the attempt's /24 goes through it.")
+
+
 class Rendezvous(BaseModel):
     rendezvous: str | None = Field(description="host:port of node 0 of the gang's try, once it has claimed; None until then.")
     lease: Lease
+    gang: list[GangNode] | None = Field(None, description="Every node of a gang in gang networks, once all have claimed; None until then, or on hosts' networks.")
 
 
 class Report(BaseModel):
@@ -247,6 +261,11 @@ class Rollback(BaseModel):
     first_step: int = Field(ge=1)
     last_step: int = Field(ge=1)
     reason: str = Field(max_length=1000)
+    drop: list[Annotated[str, Field(max_length=1000)]] | None = Field(
+        None, max_length=10_000, description="A script's or custom loop's: the store paths of its attempt's checkpoints saved after the "
+        "spike began (in the order it wrote them: their steps are its own numbering), to drop; none skipped past. "
+        "None (the built-in loop): every checkpoint of `first_step` and after.",
+    )
 
 
 class AttemptEnd(BaseModel):

@@ -278,7 +278,7 @@ class FSDPConfig(_Config):
 
 
 class GuardConfig(_Config):
-    """The loss guard: a run that diverges rolls back instead of training on (workers/training/guard.py).
+    """The loss guard: a run that diverges rolls back instead of training on (workers/loss_guard.py).
     A non-finite loss or gradient norm, or a loss above `spike_factor` × the median of the last
     `window` steps (and `min_increase` above it) for `spike_steps` steps in a row, stops the attempt; the job resumes from its last
     checkpoint before the spike began, skipping the batches trained between that checkpoint and the
@@ -292,6 +292,11 @@ class GuardConfig(_Config):
     window: int = Field(50, ge=5, le=100_000, description="Steps the recent median is taken over; no spike is called before this many.")
     spike_steps: int = Field(3, ge=1, le=10_000, description="Spike steps in a row that make a spike (a non-finite loss or norm: one).")
     max_rollbacks: int = Field(3, ge=0, le=100, description="Rollbacks a job may take; the next spike fails it, saying why.")
+    metric: str | None = Field(
+        None, min_length=1, max_length=64,
+        description="A `script`'s or `custom` loop's: the metric it logs its loss as (default: `train_loss`, else `loss`), watched by "
+        "the worker; on a spike the job goes on from its checkpoint saved before it, through its own resume (skipping data is its own).",
+    )
 
 
 class TrainingConfig(_Config):

@@ -51,7 +51,7 @@ class InvalidSpecEvent(BaseModel):
 
 class SpikeEvent(BaseModel):
     """`{"type": "spike", "first_step": P, "last_step": S, "reason": "…"}`: the loss guard saw the run
-    diverge from step P through S (workers/training/guard.py), and the training exits EXIT_ROLLBACK
+    diverge from step P through S (workers/loss_guard.py), and the training exits EXIT_ROLLBACK
     without a checkpoint: the job goes on from its last checkpoint before P, past the batches of
     the steps up to S."""
 

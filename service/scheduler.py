@@ -69,6 +69,8 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     to_dispatch: list[tuple[int, str]] = []
     resend_before = now - timedelta(seconds=settings.dispatch_timeout_seconds)
     for attempt in unclaimed_attempts(session, online, resend_before) if reap else []:
+        if attempt.status != AttemptStatus.scheduled:
+            continue  # ended with its gang's node ended just before it in this loop
         if attempt.host_name not in online:
             state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
         elif attempt.dispatched_at < resend_before:

@@ -8,11 +8,12 @@ read to start any role.
 
 from __future__ import annotations
 
+import ipaddress
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -28,10 +29,25 @@ class StorageSettings(_FromEnvironment):
     database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/trainyard.db.")
     broker_url: str | None = Field(None, description="Celery broker URL; default sqla+sqlite:///<data_dir>/broker.db.")
     artifact_root: Path | None = Field(None, description="Checkpoint store, shared by API and workers; default <data_dir>/artifacts.")
+    gang_network: str | None = Field(
+        "100.64.0.0/10", description="Addresses for multi-node gangs' attempts: each worker host that makes gang networks (root, "
+        "sandboxed, with ip and nft) takes a /24 of it, each gang attempt a network namespace and an address there that reaches only "
+        "its own gang (workers/gang_network.py). Must not overlap a network the hosts use. Empty: gangs keep their hosts' network.",
+    )
     shared_artifact_store: bool = Field(
         True, description="Workers: this host mounts the artifact root at the same path as the API, and moves checkpoints and "
         "outputs in; false: it sends them through the API, and fetches a resume's checkpoint and a script's code from it."
     )
+
+    @field_validator("gang_network")
+    @classmethod
+    def _a_pool_of_subnets(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        network = ipaddress.ip_network(value)  # a ValueError names the setting
+        if network.version != 4 or network.prefixlen > 24:
+            raise ValueError("an IPv4 network of /24 or larger, e.g. 100.64.0.0/10")
+        return str(network)
     data_root: Path | None = Field(None, description="Datasets that job specs may name; default <data_dir>/data.")
     work_root: Path | None = Field(None, description="Worker scratch space for running attempts; default <data_dir>/work.")
     plugin_dir: Path | None = Field(

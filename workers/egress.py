@@ -11,9 +11,9 @@ the database's, the broker's and the API's, which the service names as the host 
 
 Why nftables: it is the kernel's packet filter and its maintained front end; the owner match
 (`meta skuid`) picks out the jobs' packets with no change to how the gang meets. What this does
-not do: keep one gang from another gang's ports on the same hosts. That needs a network namespace
-per attempt routed between hosts (a gang's collectives listen on ephemeral ports on every host),
-which is left for later.
+not do: keep one gang from another gang's ports on the same hosts. Where every host of a gang can,
+its attempts run in networks of their own instead (workers/gang_network.py), and this is what is
+left for a gang whose hosts can't.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefuse
 from workers.sandbox import HostSandbox
 from workers.limits import SlotShare
 from workers.supervisor import AttemptRunner
+from workers import gang_network
 from workers.egress import close_control_plane, open_control_plane
 from workers.warm_pool import WarmPool
 
@@ -60,6 +61,10 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request (a report every heartbeat) drowns the worker's own
     sandbox = HostSandbox.detect(unsafe_no_sandbox)
     info["sandbox"] = sandbox.describe()
+    # A gang's attempts in networks of their own, where this host can make them (workers/gang_network.py).
+    if sandbox.enabled and gang_network.available() is None:
+        gang_network.remove_orphans()
+        info["gang_network"] = True
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
     registration = HostRegistration(device=device, slots=slots, info=info, address=address)
@@ -67,8 +72,14 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     settings = follow_terms(settings, terms)
     # A gang keeps the host's network: only a root worker can close the service's ports to its jobs' user.
     ports = [*terms.control_plane_ports, api_port(settings.api_url)]
+    said = []
+    if terms.attempt_subnet:
+        said.append(f"a multi-node job's attempts: a network of their own in {terms.attempt_subnet}, reaching their gang only")
+    # Still, for a gang whose other hosts can't make such networks (it keeps the hosts' network then).
     if sandbox.enabled and os.geteuid() == 0 and (closed := close_control_plane(ports)):
-        info["sandbox"] += f"; a multi-node job's network: {closed}"
+        said.append(f"a multi-node job on the host's network: {closed}")
+    if said:
+        info["sandbox"] += "; " + "; ".join(said)
         registration.info["sandbox"] = info["sandbox"]
         service.register(registration)  # again, with that said, for GET /v1/workers
     (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, info["sandbox"])

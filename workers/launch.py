@@ -71,7 +71,7 @@ def launch_command(
         command += ["--resume-from", str(resume_from)]
     if plugin_dir is not None:
         command += ["--plugin-dir", str(plugin_dir)]
-    if skip_steps:  # after a rollback (workers/training/guard.py)
+    if skip_steps:  # after a rollback (workers/loss_guard.py)
         command += ["--skip-steps", str(skip_steps)]
     return command
 

@@ -91,8 +91,7 @@ class AttemptLimits:
     memory_dir: Path
     pids_dir: Path
     cpu_dir: Path | None  # None: this host can't bound CPU
-    memory_bytes: int | None = None
-    cpu_cores: int | None = None
+    bounds: Bounds = Bounds()  # what it is held to (a CPU quota only where cpu_dir is)
 
     @classmethod
     def create(cls, name: str, bounds: Bounds, max_processes: int) -> AttemptLimits:
@@ -112,10 +111,11 @@ class AttemptLimits:
 
     def bound(self, bounds: Bounds) -> None:
         """Apply `bounds` (a warm interpreter's, once its attempt is known: workers/warm_pool.py)."""
+        cpu_cores = bounds.cpu_cores if self.cpu_dir is not None else None
+        self.bounds = Bounds(memory_bytes=bounds.memory_bytes, cpu_cores=cpu_cores)
         if bounds.memory_bytes is not None:
-            self.set_memory(bounds.memory_bytes)
-        if bounds.cpu_cores is not None and self.cpu_dir is not None:
-            self.cpu_cores = bounds.cpu_cores
+            self._set_memory(bounds.memory_bytes)
+        if cpu_cores is not None:
             quota = bounds.cpu_cores * CPU_PERIOD_US
             if (self.cpu_dir / "cpu.max").exists():
                 (self.cpu_dir / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
@@ -123,8 +123,7 @@ class AttemptLimits:
                 (self.cpu_dir / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
                 (self.cpu_dir / "cpu.cfs_quota_us").write_text(str(quota))
 
-    def set_memory(self, memory_bytes: int) -> None:
-        self.memory_bytes = memory_bytes
+    def _set_memory(self, memory_bytes: int) -> None:
         if self.v2:
             (self.memory_dir / "memory.max").write_text(str(memory_bytes))
         else:

@@ -100,6 +100,8 @@ class AttemptView:
     host_network: bool
     gpus: tuple[int, ...] = ()
     command_is_init: bool = False  # the command is the PID namespace's first process (workers/enter_job_env.py --init)
+    interface: str | None = None  # with host_network: the one interface of the gang network it runs in (workers/gang_network.py)
+    gang: tuple[str, ...] = ()  # in a gang network: its nodes' addresses, by node rank (named in its hosts file)
 
 
 def job_inputs(spec: JobSpec, settings: Settings, resume_from: Path | None) -> list[Path]:
@@ -170,6 +172,8 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
     if not view.host_network:
         # Loopback only: the processes meet there, whatever interface the host told them to use.
         args += ["--unshare-net", "--setenv", "GLOO_SOCKET_IFNAME", "lo", "--setenv", "NCCL_SOCKET_IFNAME", "lo"]
+    elif view.interface is not None:  # the network namespace it is started in: its gang meets on that interface
+        args += ["--setenv", "GLOO_SOCKET_IFNAME", view.interface, "--setenv", "NCCL_SOCKET_IFNAME", view.interface]
     privileged = os.geteuid() == 0
     if privileged:
         args += ["--cap-add", "CAP_SETUID,CAP_SETGID"]  # only for setpriv below, which drops them
@@ -178,7 +182,11 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
     args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/dev/shm", "--perms", "1777", "--tmpfs", "/tmp"]
     args += _system_view()
     if not view.host_network:
-        args += ["--ro-bind", str(_loopback_hosts(view.run_dir)), "/etc/hosts"]
+        args += ["--ro-bind", str(_hosts_file(view.run_dir, [(a, "localhost") for a in ("::1", "::ffff:127.0.0.1")])), "/etc/hosts"]
+    elif view.gang:  # its nodes' addresses have names: no lookup goes to a DNS it can't reach (each a 10 s wait)
+        # TCPStore's dual-stack socket sees its clients as ::ffff:<address>: those named too.
+        named = [(form, f"trainyard-node-{rank}") for rank, address in enumerate(view.gang) for form in (address, f"::ffff:{address}")]
+        args += ["--ro-bind", str(_hosts_file(view.run_dir, named)), "/etc/hosts"]
     for path in view.hidden:
         args += ["--tmpfs", str(path)]
     for source, target in view.inputs:
@@ -197,18 +205,18 @@ def sandbox_command(command: Sequence[str], cwd: Path, view: AttemptView, tool: 
     return args + list(command)
 
 
-def _loopback_hosts(run_dir: Path) -> Path:
-    """The system's hosts file with names for IPv6 loopback added, for a sandbox with loopback only.
-    torch's TCPStore listens on a dual-stack socket, so its clients come from ::ffff:127.0.0.1; a
-    hosts file without that address (Debian's has only 127.0.0.1) sent the lookup to DNS, which a
-    sandbox can't reach, and every rank logged `[c10d] The hostname of the client socket cannot be
-    retrieved`, which reads like an error in the job's logs."""
+def _hosts_file(run_dir: Path, names: list[tuple[str, str]]) -> Path:
+    """The system's hosts file with `names` (address, name) added where it has none, for a sandbox
+    whose network reaches no DNS: its loopback only (torch's TCPStore listens on a dual-stack socket,
+    so its clients come from ::ffff:127.0.0.1, which Debian's file doesn't name), or its gang. A
+    lookup of an address the file doesn't name went to DNS, which it can't reach, and every rank
+    logged `[c10d] The hostname of the client socket cannot be retrieved`, after a wait."""
     try:
         system = Path("/etc/hosts").read_text()
     except OSError:
         system = "127.0.0.1 localhost\n"
     known = {word for line in system.splitlines() for word in line.split("#")[0].split()[:1]}
-    extra = [f"{address} localhost" for address in ("::1", "::ffff:127.0.0.1") if address not in known]
+    extra = [f"{address} {name}" for address, name in names if address not in known]
     path = run_dir / ".sandbox-hosts"
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(system.rstrip("\n") + "\n" + "".join(f"{line}\n" for line in extra))

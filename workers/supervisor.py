@@ -39,7 +39,7 @@ from api_schemas.host_api import (
 )
 from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
-from api_schemas.host_api import Rollback
+from api_schemas.host_api import Rendezvous, Rollback
 from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, SpikeEvent, decode_events
 from service.settings import Settings
 from workers.attempt_dirs import EndedAttempts
@@ -55,6 +55,8 @@ from workers.sandbox import (
 )
 from workers.warm_pool import WarmPool, place_inputs
 from workers.run_environment import changed_inputs, digest, input_digests, run_environment
+from workers.gang_network import GANG_INTERFACE, GangNetwork, GangNetworkFailed
+from workers.loss_guard import LoggedLossWatch, Spike
 from workers.store_access import SharedStore, StoreThroughApi
 from workers.system_metrics import SystemSampler
 
@@ -97,9 +99,11 @@ class FinalReason(str):
 
 
 class RollbackReason(str):
-    """Why an attempt stopped when its loss guard saw the run diverge: the job rolls back (`spike`)."""
+    """Why an attempt stopped when its loss guard saw the run diverge: the job rolls back (`spike`;
+    `drop`: for a loop the worker watched, the checkpoints it wrote after the spike began)."""
 
     spike: SpikeEvent
+    drop: list[str] | None = None
 
 
 # What an attempt came to: the status to record, and why. No status: nothing to record (lease lost).
@@ -301,6 +305,7 @@ class AttemptRunner:
             settings.environment_find_links, settings.environment_no_index,
         )
         self.shutting_down = threading.Event()
+        self.gang_networks: dict[int, GangNetwork] = {}  # the running gang attempts' own networks, by attempt id
 
     @property
     def node_0_wait_seconds(self) -> float:
@@ -358,6 +363,8 @@ class AttemptRunner:
                 if limits is not None:
                     limits.remove()
         finally:
+            if (network := self.gang_networks.pop(claimed.attempt_id, None)) is not None:
+                network.close()
             if environment is not None:
                 environment.release()  # no longer in use: it may be collected
             if self.warm is not None:
@@ -442,9 +449,11 @@ class AttemptRunner:
         host has them. Raises CannotStart if they can't be launched here."""
         run_dir = self._run_dir(claimed)
         resume_from = self.store.resume_directory(claimed)
-        rendezvous = self._wait_for_node_0(claimed)
-        if rendezvous is None:
-            raise CannotStart(f"node 0 of this job did not start within {self.node_0_wait_seconds:.0f} s")
+        met = self._wait_for_gang(claimed)
+        if met is None:
+            whom = "every node" if claimed.net_address else "node 0"
+            raise CannotStart(f"{whom} of this job did not start within {self.node_0_wait_seconds:.0f} s")
+        rendezvous = met.rendezvous
         if self.sandbox.enabled and spec.resources.nodes == 1:  # its network namespace has loopback only
             rendezvous = f"127.0.0.1:{rendezvous.rpartition(':')[2]}"
         # An elastic job placed on fewer processes than its spec's launches that many; the training
@@ -482,10 +491,18 @@ class AttemptRunner:
             if environment is not None:  # read-only, at its own path (made readable by all when built)
                 inputs += ((environment.path, environment.path),)
             view = AttemptView(
-                run_dir, inputs, service_state(self.settings),
-                host_network=spec.resources.nodes > 1, gpus=tuple(claimed.device_ids or ()), command_is_init=True,
+                run_dir, inputs, service_state(self.settings), host_network=spec.resources.nodes > 1,
+                gpus=tuple(claimed.device_ids or ()), command_is_init=True, interface=GANG_INTERFACE if claimed.net_address else None,
+                gang=tuple(node.address for node in sorted(met.gang, key=lambda node: node.node_rank)) if met.gang else (),
             )
             command = sandbox_command(command, cwd, view, self.sandbox.tool)
+        if claimed.net_address:  # a gang's attempt, in a network that reaches its gang only
+            try:
+                network = GangNetwork.open(claimed.attempt_id, claimed.net_address, met.gang, {self.address})
+            except (GangNetworkFailed, OSError) as exc:
+                raise CannotStart(f"cannot make the attempt's network on {self.host_name}: {exc}") from exc
+            self.gang_networks[claimed.attempt_id] = network
+            command = network.command_prefix + command
         limits = None
         if self.sandbox.limits:
             limits = AttemptLimits.create(f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}", bounds, MAX_PROCESSES)
@@ -535,15 +552,18 @@ class AttemptRunner:
         log.info("job %s attempt %s started from a warm interpreter in %s", claimed.job_id, claimed.number, warm.slot)
         return run_dir, warm.process, warm.limits
 
-    def _wait_for_node_0(self, claimed: ClaimedAttempt) -> str | None:
-        """host:port of node 0 of our try, once it has claimed its attempt (the other nodes of a
-        gang start only then), holding our lease meanwhile. None if that takes too long."""
+    def _wait_for_gang(self, claimed: ClaimedAttempt) -> Rendezvous | None:
+        """Where our try's node 0 listens, once it has claimed its attempt (the other nodes of a
+        gang start only then); in gang networks, once every node has (each one's filter names them
+        all). Our lease is held meanwhile. None if that takes too long, or the gang ended."""
         deadline = time.monotonic() + self.node_0_wait_seconds
         while time.monotonic() < deadline:
             try:
                 answer = self.service.rendezvous(claimed)
-                if answer.rendezvous is not None or not answer.lease.held:
-                    return answer.rendezvous  # None if not held: the gang ended meanwhile
+                if not answer.lease.held:
+                    return None  # the gang ended meanwhile
+                if answer.rendezvous is not None and (answer.gang is not None or not claimed.net_address):
+                    return answer
             except ServiceUnreachable:
                 log.exception("could not reach the service for job %s; will retry", claimed.job_id)
             time.sleep(0.5)
@@ -635,7 +655,7 @@ class AttemptRunner:
         # The outcome must reach the service: retry until it does or our lease is gone.
         while True:
             try:
-                rollback = Rollback(**reason.spike.model_dump(exclude={"type"})) if isinstance(reason, RollbackReason) else None
+                rollback = Rollback(**reason.spike.model_dump(exclude={"type"}), drop=reason.drop) if isinstance(reason, RollbackReason) else None
                 ended = self.service.finish(claimed, outcome, reason, retry=not isinstance(reason, FinalReason), rollback=rollback)
                 log.info("job %s attempt %s %s%s", claimed.job_id, claimed.number, outcome.value, "" if ended else " (too late: lease lost)")
                 return
@@ -668,6 +688,9 @@ class RunningAttempt:
         self.dropped = DroppedLines(runner.settings.max_log_lines_per_attempt)
         self.invalid_spec: str | None = None  # what the training said is wrong with the spec, if it did
         self.spike: SpikeEvent | None = None  # what the loss guard saw, if it stopped the run
+        # A script or custom loop is guarded from here, by what it logs; the built-in loop guards itself (and skips the data).
+        watched = spec.script is not None or getattr(spec.model, "kind", None) == "custom"
+        self.loss_watch = LoggedLossWatch(spec.training.guard) if watched else None
         self.noted: set[str] = set()  # what the job's logs were told the service can't keep
         self.started_at = time.monotonic()
         self.max_runtime_s = (spec.resources.max_runtime_hours or runner.settings.max_runtime_hours) * 3600
@@ -740,7 +763,7 @@ class RunningAttempt:
     def _note_cpu_held_back(self) -> None:
         # A job slower than its owner expects says why: it starts more busy threads than its slots have cores.
         if self.limits is not None and (share := self.limits.throttled()) >= CPU_HELD_BACK_NOTED:
-            self._note(f"trainyard: the job's processes wanted more than their {self.limits.cpu_cores} core(s) and were held "
+            self._note(f"trainyard: the job's processes wanted more than their {self.limits.bounds.cpu_cores} core(s) and were held "
                        f"back in {share:.0%} of the time they ran (the CPU its slots hold on {self.runner.host_name})")
 
     def _note(self, line: str) -> None:
@@ -765,13 +788,27 @@ class RunningAttempt:
             self.step = max(self.step, event.step)
             if isinstance(event, MetricsEvent):
                 self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items() if self._recordable_name(name)]
+                if self.loss_watch is not None and (spike := self.loss_watch.metrics(event.step, event.values)):
+                    self._roll_back(spike)
             # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
             elif (path := event.path.resolve()).is_relative_to(self.run_dir):
-                self.outbox.checkpoints.items.append((path, event.step, self._store_folder(event.step, path)))
+                folder = self._store_folder(event.step, path)
+                self.outbox.checkpoints.items.append((path, event.step, folder))
+                if self.loss_watch is not None:
+                    self.loss_watch.checkpoint(folder)
                 if self.spec.script is not None and self.spec.script.outputs_at_checkpoints:
                     self._collect_outputs()
             else:
                 log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", self.claimed.job_id, path, self.run_dir)
+
+    def _roll_back(self, spike: Spike) -> None:
+        """The watched loop's loss spiked: kill it (what it would save now is suspect); the job goes on
+        from the checkpoint it wrote before the spike began, those after it dropped (`loss_watch.dropped`)."""
+        self.spike = SpikeEvent(first_step=spike.first_step, last_step=spike.last_step, reason=spike.reason)
+        self._note(f"trainyard: loss guard: {spike.reason}; stopping, to go on from its checkpoint saved before step "
+                   f"{spike.first_step} (while rollbacks are left: training.guard)")
+        if self.exit_code is None:
+            _stop(self.process, grace_seconds=0)
 
     # The events file is the job's to write: what the service can't keep is left out here, saying so
     # once in the job's logs, rather than sent and refused again and again, holding up all after it.
@@ -905,6 +942,14 @@ class RunningAttempt:
         time.sleep(max(0.0, woke + 0.1 - time.monotonic()))
 
     def _outcome(self) -> Outcome:
+        # The loss guard stopped the run (every node's processes alike): whatever code the launcher
+        # passed on; a watched loop that ended before it was stopped ended diverged, its last checkpoint too.
+        if self.spike is not None:
+            reason = RollbackReason(f"loss guard: {self.spike.reason}")
+            reason.spike = self.spike
+            if self.loss_watch is not None:
+                reason.drop = [f"jobs/{self.claimed.job_id}/checkpoints/{folder}" for folder in self.loss_watch.dropped]
+            return AttemptStatus.preempted, reason
         if self.exit_code == 0 and (refused := self.outbox.checkpoints.last_refused):
             # Its work would be lost with it: no resume, no download of the end of the run. The job's own
             # code made it so, and would again: not retried.
@@ -921,11 +966,6 @@ class RunningAttempt:
         # itself), so what counts is that the stop was asked for, not the code we got back: by us,
         # or by whoever sent SIGTERM to the host's processes, ours and the training's at once (a
         # cluster preempting its job: workers/slurm_agent.py).
-        # The loss guard stopped the run (every node's processes alike): whatever code the launcher passed on.
-        if self.spike is not None:
-            reason = RollbackReason(f"loss guard: {self.spike.reason}")
-            reason.spike = self.spike
-            return AttemptStatus.preempted, reason
         if self.preempted_because or self.exit_code == EXIT_PREEMPTED or self.runner.shutting_down.is_set():
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         if self.invalid_spec is not None:
@@ -936,7 +976,7 @@ class RunningAttempt:
     def _memory_limit(self) -> str:
         if (asked := self.spec.resources.memory_gb) is not None:
             return f"went over its limit of {asked:g} GB (resources.memory_gb)"
-        if (share := self.limits.memory_bytes) is not None:
+        if (share := self.limits.bounds.memory_bytes) is not None:
             return (f"went over its {share / 2**30:.1f} GB, its slots' share of host {self.runner.host_name} "
                     "(resources.memory_gb asks for a limit of its own)")
         return "ran out of memory"

@@ -9,7 +9,6 @@ Accelerator on the main process (workers/script_hooks.py); it can also be passed
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from pathlib import Path
@@ -42,7 +41,8 @@ class TrainyardTracker(GeneralTracker):
 
     def log(self, values: dict, step: int | None = None, **kwargs) -> None:
         """Numbers are metrics (ints, floats, bools, 0-dim tensors and numpy scalars, as floats; a NaN
-        is left out); anything else is skipped, with one warning per name in the job's logs.
+        or infinity too: the worker's loss guard watches for one); anything else is skipped, with one
+        warning per name in the job's logs.
         Without `step`, the next one."""
         step = step if step is not None else (self.last_step or 0) + 1
         numbers = {}
@@ -52,7 +52,7 @@ class TrainyardTracker(GeneralTracker):
                 if name not in self.warned:
                     self.warned.add(name)
                     print(f"trainyard: metric {name!r} is a {type(value).__name__}, not a number; not recorded", file=sys.stderr, flush=True)
-            elif math.isfinite(number):
+            else:
                 numbers[name] = number
         if numbers:
             self.reporter.metrics(int(step), numbers)

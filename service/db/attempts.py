@@ -10,10 +10,11 @@ from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.orm import Session, aliased, joinedload, lazyload
 
 from api_schemas import AttemptStatus, JobStatus
-from api_schemas.host_api import ClaimedAttempt, Lease, Rollback
+from api_schemas.host_api import ClaimedAttempt, GangNode, Lease, Rollback
 from service.db import state
-from service.db.checkpoints import drop_checkpoints_from
-from service.db.models import Attempt, Checkpoint, Job, utcnow
+from service.db.checkpoints import drop_checkpoints_at, drop_checkpoints_from
+from service.db.models import Attempt, Checkpoint, Job, WorkerHost, utcnow
+from service.db.gang_addresses import free_address, host_subnet
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,14 @@ def ended_attempts(session: Session, attempt_ids: list[int]) -> list[int]:
 
 
 def claim_attempt(
-    session: Session, attempt_id: int, lease_owner: str, lease_seconds: float, rendezvous: str | None = None
+    session: Session, attempt_id: int, lease_owner: str, lease_seconds: float, rendezvous: str | None = None,
+    gang_network: str | None = None,
 ) -> ClaimedAttempt | None:
     """Take ownership of a scheduled attempt. None if it is not ours to run: already claimed (a
     duplicate delivery of the task), ended, or its job was cancelled meanwhile. `rendezvous` is the
-    host:port this worker's node 0 of a gang would listen on; the other nodes read it from here."""
+    host:port this worker's node 0 of a gang would listen on; the other nodes read it from here.
+    `gang_network`: the pool a gang's attempt takes an address of its own from, when every host of
+    its try makes gang networks (its rendezvous is then at that address)."""
     # The job and the checkpoint to resume from in the same read, the job's other attempts only if
     # a rule needs them: a claim is on the path of every job's start.
     row = session.execute(_ATTEMPT_TO_CLAIM, {"attempt_id": attempt_id}).first()
@@ -62,6 +66,10 @@ def claim_attempt(
         session.commit()
         return None
     now = utcnow()
+    net_address = _gang_address(session, attempt, gang_network) if job.spec["resources"].get("nodes", 1) > 1 else None
+    if net_address is not None and rendezvous is not None:
+        rendezvous = f"{net_address}:{rendezvous.rpartition(':')[2]}"
+    attempt.net_address = net_address
     claimed = state.move_attempt(
         session,
         attempt,
@@ -80,7 +88,7 @@ def claim_attempt(
     # others find it there.
     job_running = job.status == JobStatus.running or state.move_job(
         session, job, JobStatus.running, now=now, step=checkpoint.step if checkpoint else 0
-    )
+    ) or _moved_by_another_node(session, job)
     if not claimed or not job_running:
         session.rollback()
         return None
@@ -97,7 +105,31 @@ def claim_attempt(
         resume_checkpoint_path=checkpoint.path if checkpoint else None,
         resume_step=checkpoint.step if checkpoint else None,
         skip_steps=skip_steps,
+        net_address=net_address,
     )
+
+
+def _moved_by_another_node(session: Session, job: Job) -> bool:
+    """The job was read before another node of its gang, claiming at the same moment, moved it to running."""
+    session.refresh(job, ["status"])
+    return job.status == JobStatus.running
+
+
+def _gang_address(session: Session, attempt: Attempt, pool: str | None) -> str | None:
+    """A free address of its host's /24 for a gang's attempt, if every host of its try makes gang
+    networks (a gang is all in them or all on its hosts' networks: they must reach each other)."""
+    if pool is None:
+        return None
+    hosts = set(session.scalars(select(Attempt.host_name).where(Attempt.job_id == attempt.job_id, Attempt.number == attempt.number)))
+    indexes = dict(session.execute(select(WorkerHost.name, WorkerHost.net_index).where(WorkerHost.name.in_(hosts))).all())
+    if any(indexes.get(host) is None for host in hosts) or (subnet := host_subnet(pool, indexes[attempt.host_name])) is None:
+        return None
+    # Its host's row locked: two attempts claimed on it at once don't take the same address.
+    session.execute(select(WorkerHost.name).where(WorkerHost.name == attempt.host_name).with_for_update())
+    taken = set(session.scalars(select(Attempt.net_address).where(
+        Attempt.host_name == attempt.host_name, Attempt.net_address.is_not(None), Attempt.status.in_(state.ACTIVE_ATTEMPT),
+    )))
+    return free_address(subnet, taken)
 
 
 _newest = aliased(Checkpoint)
@@ -149,7 +181,11 @@ def finish_attempt(
         session.rollback()
         return False
     paths: list[str] = []
-    if rollback is not None and outcome == AttemptStatus.preempted:
+    if rollback is not None and outcome == AttemptStatus.preempted and rollback.drop is not None:
+        # A script's or custom loop's: the checkpoints it saved after the spike began; skipping data is its own.
+        paths, resume_step = drop_checkpoints_at(session, attempt.job_id, rollback.drop)
+        attempt.job.rollback_skip = {"resume_step": resume_step, "through_step": resume_step}
+    elif rollback is not None and outcome == AttemptStatus.preempted:
         paths, resume_step = drop_checkpoints_from(session, attempt.job_id, rollback.first_step)
         attempt.job.rollback_skip = {"resume_step": resume_step, "through_step": rollback.last_step}
     ended = state.end_attempt(session, attempt.job, attempt, outcome, reason, retry=retry, rollback=rollback)
@@ -162,11 +198,17 @@ def finish_attempt(
     return True
 
 
-def gang_rendezvous(session: Session, claimed: HeldAttempt) -> str | None:
-    """host:port of node 0 of our try, once it has claimed its attempt; None until then."""
-    query = select(Attempt.rendezvous).where(
-        Attempt.job_id == claimed.job_id, Attempt.number == claimed.number, Attempt.node_rank == 0
-    )
-    rendezvous = session.scalar(query)
+def gang_rendezvous(session: Session, claimed: HeldAttempt) -> tuple[str | None, list[GangNode] | None]:
+    """host:port of node 0 of our try, once it has claimed its attempt (None until then); and where
+    its gang networks are, every node's address and its host's, once every node has claimed (None
+    until then, and for a gang on its hosts' networks)."""
+    rows = session.execute(
+        select(Attempt.node_rank, Attempt.rendezvous, Attempt.net_address, WorkerHost.address)
+        .join(WorkerHost, WorkerHost.name == Attempt.host_name, isouter=True)
+        .where(Attempt.job_id == claimed.job_id, Attempt.number == claimed.number)
+    ).all()
     session.commit()
-    return rendezvous
+    rendezvous = next((row.rendezvous for row in rows if row.node_rank == 0), None)
+    if not rows or any(row.net_address is None for row in rows):
+        return rendezvous, None
+    return rendezvous, [GangNode(node_rank=row.node_rank, address=row.net_address, host_address=row.address or "") for row in rows]

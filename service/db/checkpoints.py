@@ -51,6 +51,14 @@ def drop_checkpoints_from(session: Session, job_id: int, step: int) -> tuple[lis
     return [c.path for c in dropped], newest or 0
 
 
+def drop_checkpoints_at(session: Session, job_id: int, paths: list[str]) -> tuple[list[str], int]:
+    """Drop the job's checkpoints at these store paths (a script's rollback), as drop_checkpoints_from does."""
+    dropped = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id, Checkpoint.path.in_(paths))).all() if paths else []
+    _forget(session, job_id, dropped)
+    newest = session.scalar(select(Checkpoint.step).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc()).limit(1))
+    return [c.path for c in dropped], newest or 0
+
+
 def _forget(session: Session, job_id: int, checkpoints: list[Checkpoint]) -> None:
     """Delete these checkpoints' rows, remembered as deleted (their files are the caller's to delete)."""
     if checkpoints:

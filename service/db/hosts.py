@@ -5,14 +5,17 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from service.db.dialect import dialect_insert
 from service.db.doorbell import ring
 from service.db.models import WorkerHost, utcnow
+from service.db.gang_addresses import lowest_free_index
 
 
-def register_host(session: Session, name: str, device: str, slots: int, info: dict, address: str = "127.0.0.1") -> None:
+def register_host(session: Session, name: str, device: str, slots: int, info: dict, address: str = "127.0.0.1") -> int | None:
+    """Register (again) the host; its `net_index` (gang_addresses.py) if its info says it makes gang networks."""
     insert = dialect_insert(session)
     now = utcnow()
     values = {"device": device, "slots": slots, "info": info, "address": address, "last_heartbeat": now}
@@ -20,6 +23,22 @@ def register_host(session: Session, name: str, device: str, slots: int, info: di
     session.execute(statement.on_conflict_do_update(index_elements=["name"], set_=values))
     ring(session)  # a new host may fit jobs that are waiting
     session.commit()
+    return _net_index(session, name) if info.get("gang_network") else None
+
+
+def _net_index(session: Session, name: str) -> int:
+    """The host's index among those that make gang networks: kept while it stays registered."""
+    for _ in range(5):  # two hosts registering at once may pick the same index: the unique key refuses one
+        index = session.scalar(select(WorkerHost.net_index).where(WorkerHost.name == name))
+        if index is not None:
+            return index
+        taken = set(session.scalars(select(WorkerHost.net_index).where(WorkerHost.net_index.is_not(None))))
+        try:
+            session.execute(update(WorkerHost).where(WorkerHost.name == name).values(net_index=lowest_free_index(taken)))
+            session.commit()
+        except IntegrityError:
+            session.rollback()
+    raise RuntimeError(f"could not give host {name} a gang network index")
 
 
 def deregister_host(session: Session, host_name: str) -> None:

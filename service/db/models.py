@@ -206,6 +206,9 @@ class Attempt(Base):
     lease_expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
     rendezvous: Mapped[str | None] = mapped_column(String(200), nullable=True, doc="host:port where node 0 of a gang listens; set when it claims.")
+    net_address: Mapped[str | None] = mapped_column(
+        String(45), nullable=True, doc="A gang's attempt: its own address in its host's /24 (workers/gang_network.py), set when it claims."
+    )
     preempt_requested: Mapped[bool] = mapped_column(Boolean, default=False, doc="The scheduler wants its host back for a higher priority.")
     preempt_reason: Mapped[str | None] = mapped_column(String(300), nullable=True, doc="Why, in words (a team's quota reclaimed).")
     device_ids: Mapped[list | None] = mapped_column(JSON, nullable=True, doc="GPU indices on its host reserved for it (CUDA_VISIBLE_DEVICES); None on CPU.")
@@ -400,6 +403,9 @@ class WorkerHost(Base):
     device: Mapped[str] = mapped_column(String(16))
     slots: Mapped[int] = mapped_column(Integer, doc="Devices (GPUs, or CPU process slots) the host offers.")
     address: Mapped[str] = mapped_column(String(200), default="127.0.0.1", doc="Where other hosts reach it (multi-node rendezvous).")
+    net_index: Mapped[int | None] = mapped_column(
+        Integer, nullable=True, unique=True, doc="Which /24 of TRAINYARD_GANG_NETWORK its gangs' attempts take their addresses from."
+    )
     info: Mapped[dict] = mapped_column(JSON, default=dict)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

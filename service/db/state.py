@@ -239,7 +239,7 @@ def end_attempt(
         if not other.status.is_final:
             if cancelled:
                 ended = AttemptStatus.cancelled
-            elif outcome == AttemptStatus.preempted:
+            elif outcome == AttemptStatus.preempted and other.status == AttemptStatus.running:
                 ended = AttemptStatus.preempted  # its ranks voted to stop at the same checkpoint
             else:
                 ended = AttemptStatus.failed
@@ -266,11 +266,14 @@ def end_attempt(
 def _roll_back(session: Session, job: Job, attempt: Attempt, rollback: Rollback) -> bool:
     job.rollbacks += 1
     resume_step = (job.rollback_skip or {}).get("resume_step", 0)
-    data = {**rollback.model_dump(), "resume_step": resume_step, "rollbacks": job.rollbacks}
+    data = {**rollback.model_dump(exclude={"drop"}), "resume_step": resume_step, "rollbacks": job.rollbacks}
     append_events(session, job.id, [(JobEventType.rollback, data)])
+    past = (
+        f"past the batches of steps {resume_step + 1}-{rollback.last_step}" if rollback.drop is None
+        else "through its own resume (skipping data is its own)"  # a script's or custom loop's
+    )
     return move_job(session, job, JobStatus.queued, reason=(
-        f"attempt {attempt.number} rolled back by the loss guard: {rollback.reason}; resuming from step {resume_step}, "
-        f"past the batches of steps {resume_step + 1}-{rollback.last_step}"
+        f"attempt {attempt.number} rolled back by the loss guard: {rollback.reason}; resuming from step {resume_step}, {past}"
     ))
 
 

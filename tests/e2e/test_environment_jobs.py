@@ -7,15 +7,19 @@ while other jobs go on, and can be cancelled."""
 from __future__ import annotations
 
 import fcntl
+import shutil
 import time
 
 
 import httpx
 import pytest
+import torch
 
 from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
-from tests.e2e.test_scripts import run, script_spec
+from tests.e2e.test_end_to_end import final_weights
+from tests.e2e.test_scripts import EXAMPLES, TINY_GPT, run, script_spec
+from trainyard.cli import main
 from tests.helpers import tiny_spec
 from tests.wheels import make_wheel
 from workers.environments import EnvironmentCache
@@ -36,6 +40,7 @@ def stack(tmp_path_factory):
     yard = root / "yard"
     (yard / "code" / "show").mkdir(parents=True)
     (yard / "code" / "show" / "show.py").write_text(SHOW)
+    shutil.copytree(EXAMPLES, yard / "code" / "examples")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
         env.setenv("TRAINYARD_LEASE_SECONDS", "6")
@@ -106,3 +111,19 @@ def test_a_job_waiting_for_its_environments_build_keeps_its_lease_while_another_
         assert client.post(f"/v1/jobs/{waiting}/cancel").status_code in (200, 202)
         job = wait_for(client, waiting, {"succeeded", "failed", "cancelled"}, timeout=30)
     assert job["status"] == "cancelled" and job["attempts"][0]["status"] == "cancelled"
+
+
+def test_a_rerun_of_a_script_job_in_its_environment_pins_what_it_resolved_and_trains_the_same_weights(stack, capsys):
+    client, info = stack
+    args = ["--max_steps", "6", "--checkpoint_every", "6", *TINY_GPT]
+    spec = {**script_spec("rerun-script", "char_gpt.py", args, {"path": "examples"}), "environment": {"pip": ["tinypkg"]}}
+    first = run(client, spec)
+    [attempt] = client.get(f"/v1/jobs/{first['id']}/record").json()["attempts"]
+    assert attempt["environment"]["environment_packages"]["tinypkg"] == "1.2" and "code" in attempt["environment"]["inputs"]
+
+    cli = ["--server", info.url, "--token", info.token]
+    assert main(["rerun", str(first["id"]), "--follow", *cli]) == 0
+    rerun = client.get(f"/v1/jobs/{int(capsys.readouterr().out.split('submitted job ')[1].split()[0])}").json()
+    assert rerun["status"] == "succeeded" and rerun["spec"]["environment"]["pip"] == ["tinypkg==1.2"]  # what it resolved, pinned
+    weights, again = final_weights(client, first["id"]), final_weights(client, rerun["id"])
+    assert weights.keys() == again.keys() and all(torch.equal(weights[name], again[name]) for name in weights)

@@ -81,10 +81,11 @@ def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_
     gang = wait_for(client, gang_id, {"succeeded", "failed", "cancelled"})
     assert gang["status"] == "succeeded", gang["failure_reason"]
     assert sorted(a["host_name"] for a in gang["attempts"]) == ["ns-0", "ns-1"]
-    # The ranks met at node 0's namespace address: from the other namespace, only the bridge leads there.
+    # The ranks met at node 0's own address in its gang network (workers/gang_network.py): from the
+    # other host, only the route through node 0's host leads there.
     with session_factory(f"sqlite:///{data_dir}/trainyard.db")() as session:
         node_0 = session.scalars(select(Attempt).where(Attempt.job_id == gang_id, Attempt.node_rank == 0)).one()
-        assert node_0.rendezvous.rpartition(":")[0] == {f"ns-{i}": h.address for i, h in enumerate(hosts)}[node_0.host_name]
+        assert node_0.rendezvous.rpartition(":")[0] == node_0.net_address and node_0.net_address.startswith("100.64.")
 
     single_id = client.post("/v1/jobs", json=one_node).json()["id"]
     single = wait_for(client, single_id, {"succeeded", "failed", "cancelled"})

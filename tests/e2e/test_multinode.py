@@ -1,8 +1,9 @@
 """A 2-node job across two worker hosts of the running stack (separate worker processes, each its
 own host, meeting over gloo at node 0's address) trains like the same job as 1 node × 2 processes,
 a cancel stops every rank of it on every host, and preempting one of its nodes stops both at one
-checkpoint and resumes them there; its processes meet, but can't reach the service's database,
-broker or API (workers/egress.py)."""
+checkpoint and resumes them there; each attempt of a gang has a network of its own, which reaches
+its gang and nothing else: not another gang on the same hosts, nor the hosts and their services
+(workers/gang_network.py)."""
 
 from __future__ import annotations
 
@@ -208,40 +209,88 @@ def alive(pids: list[int]) -> list[int]:
 
 
 GANG_PROBE = '''
-import json, os, socket, sys
-for name, port in json.loads(sys.argv[1]).items():
-    probe = socket.socket()
-    probe.settimeout(3)
-    try:
-        probe.connect(("127.0.0.1", port))
-        print(f"REACHED {name} from rank {os.environ.get('RANK')}")
-    except OSError as exc:
-        print(f"BLOCKED {name} from rank {os.environ.get('RANK')}: {exc}")
+import json, os, socket, sys, time
+args = json.loads(sys.argv[1])
+rank, node_0 = os.environ["RANK"], os.environ["MASTER_ADDR"]
+if rank == "0":  # node 0 listens on its own address, and says where
+    server = socket.socket()
+    server.bind(("0.0.0.0", args["listen"]))
+    server.listen(16)
+    print(f"LISTENING {node_0}:{args['listen']}", flush=True)
+targets = {**{name: tuple(address) for name, address in args["targets"].items()}, "its own node 0": (node_0, args["listen"])}
+for name, (host, port) in targets.items():
+    deadline = time.monotonic() + (20 if name == "its own node 0" else 0)  # node 0 may not listen yet
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=3) as connection:
+                connection.sendall(f"rank{rank}".encode())
+            print(f"REACHED {name} from rank {rank}", flush=True)
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                print(f"BLOCKED {name} from rank {rank}: {exc}", flush=True)
+                break
+            time.sleep(0.2)
+if rank == "0":  # until rank 1 has reached it; with `hold`, until the test says stop (another gang probes it meanwhile)
+    server.settimeout(120)
+    while (said := server.accept()[0].recv(5)) != b"stop" and (args.get("hold") or said != b"rank1"):
+        pass
 '''
 
 
-def test_a_two_node_jobs_processes_meet_but_cannot_reach_the_control_plane(tmp_path, postgres_url, redis_url):
-    # A gang keeps the host's network to meet its other node: before, its processes logged in to
-    # PostgreSQL as superuser and shut both workers down through Redis. Its launchers still meet
-    # (torchrun's rendezvous between the nodes), and a port of no service stays reachable.
+def own_address() -> str:
+    """This machine's address on its default route: where its services listen beside loopback."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("10.255.255.255", 1))
+        return probe.getsockname()[0]
+
+
+def probes(client: httpx.Client, job_id: int) -> set[str]:
+    lines = [line["line"] for line in client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 1000}).json()["lines"]]
+    return {line.partition(":")[0] for line in lines if line.startswith(("REACHED", "BLOCKED"))}
+
+
+def test_a_gangs_processes_reach_their_own_gang_only_not_another_gang_nor_the_control_plane(tmp_path, postgres_url, redis_url):
+    # Each attempt of a gang has a network of its own (workers/gang_network.py). Before, a gang kept
+    # its hosts' network: its processes logged in to PostgreSQL as superuser and shut both workers
+    # down through Redis, and could reach any other gang's ports on the same hosts.
     script = tmp_path / "gang_probe.py"
     script.write_text(GANG_PROBE)
-    with socket.socket() as elsewhere:
-        elsewhere.bind(("127.0.0.1", 0))
-        elsewhere.listen(8)
-        with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1", database_url=postgres_url, broker_url=redis_url) as info:
+    host = own_address()
+    with socket.socket() as on_the_host:  # a port of no service, on every address of this machine
+        on_the_host.bind(("0.0.0.0", 0))
+        on_the_host.listen(8)
+        with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:2", database_url=postgres_url, broker_url=redis_url) as info:
             with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
-                targets = {"PostgreSQL": 5432, "Redis": 6379, "the API": int(info.url.rpartition(":")[2]), "a port of no service": elsewhere.getsockname()[1]}
-                spec = {"name": "gang-probe", "resources": {"nodes": 2}, "max_restarts": 0,
-                        "script": {"entrypoint": script.name, "args": [json.dumps(targets)], "code": {"upload_id": upload_code(client, script)}}}
-                job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
-                lines = [line["line"] for line in client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 1000}).json()["lines"]]
-                assert job["status"] == "succeeded", (job["failure_reason"], lines)
-                said = {line.partition(":")[0] for line in lines if line.startswith(("REACHED", "BLOCKED"))}
-                expected = {f"BLOCKED {name} from rank {rank}" for name in ("PostgreSQL", "Redis", "the API") for rank in (0, 1)}
-                expected |= {f"REACHED a port of no service from rank {rank}" for rank in (0, 1)}
-                assert said == expected, lines
-                assert all("closed to jobs" in host["sandbox"] for host in client.get("/v1/workers").json())
+                bundle = upload_code(client, script)
+                api = int(info.url.rpartition(":")[2])
+                services = {"PostgreSQL": [host, 5432], "Redis": [host, 6379], "the API": [host, api], "a port of the host": [host, on_the_host.getsockname()[1]]}
+
+                def gang(name: str, probe: dict) -> int:
+                    spec = {"name": name, "resources": {"nodes": 2}, "max_restarts": 0,
+                            "script": {"entrypoint": script.name, "args": [json.dumps(probe)], "code": {"upload_id": bundle}}}
+                    return client.post("/v1/jobs", json=spec).json()["id"]
+
+                # Gang A listens at node 0 and holds; gang B, on the same two hosts at once, tries it.
+                first = gang("gang-a", {"listen": 29411, "targets": services, "hold": True})
+                deadline = time.monotonic() + 120
+                while not (said := [line["line"] for line in client.get(f"/v1/jobs/{first}/logs").json()["lines"] if line["line"].startswith("LISTENING")]):
+                    assert time.monotonic() < deadline and client.get(f"/v1/jobs/{first}").json()["status"] in ("queued", "scheduled", "running")
+                    time.sleep(0.5)
+                address, _, port = said[0].split()[1].rpartition(":")
+                assert address != host and not address.startswith("127.")  # its own address, not its host's
+                second = wait_for(client, gang("gang-b", {"listen": 29412, "targets": {**services, "the other gang's node 0": [address, int(port)]}}),
+                                  {"succeeded", "failed", "cancelled"})
+                with socket.create_connection((address, int(port)), timeout=5) as stop:  # the host reaches it: its worker is trusted
+                    stop.sendall(b"stop")
+                first = wait_for(client, first, {"succeeded", "failed", "cancelled"})
+                assert first["status"] == second["status"] == "succeeded", (first["failure_reason"], second["failure_reason"])
+
+                blocked = {f"BLOCKED {name} from rank {rank}" for name in services for rank in "01"}
+                assert probes(client, first["id"]) == blocked | {f"REACHED its own node 0 from rank {rank}" for rank in "01"}
+                assert probes(client, second["id"]) == blocked | {f"REACHED its own node 0 from rank {rank}" for rank in "01"} | {
+                    f"BLOCKED the other gang's node 0 from rank {rank}" for rank in "01"}
+                assert all("reaching their gang only" in worker["sandbox"] for worker in client.get("/v1/workers").json())
                 # The workers speak to the service over its API only: no database URL in their
                 # environment, no connection of theirs in PostgreSQL's own list (before, one each idle).
                 workers = [psutil.Process(pid) for pid in stack_pids_matching("trainyard worker")]

@@ -291,3 +291,24 @@ def test_metrics_the_service_cant_keep_are_left_out_saying_so_and_the_rest_are_s
     lines = [line["line"] for line in client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 100}).json()["lines"]]
     assert any("longer than 64 characters; not recorded" in line for line in lines), lines
     assert any(f"step {2**40} is outside what the service keeps" in line for line in lines), lines
+
+
+def test_a_script_whose_logged_loss_turns_nan_is_stopped_and_resumed_from_its_checkpoint_before_it(stack):
+    # An epoch-numbered script (its checkpoints' steps are 1, 2, 3…, its metrics' 1…60) whose loss goes
+    # NaN at step 40, the last of epoch 4, once: which checkpoints came before the spike is told by the
+    # order it wrote them, not by their steps (epoch_4, saved after the NaN, holds NaN weights).
+    client, _ = stack
+    bundle = upload_code(client, Path(__file__).parent / "scripts" / "epochs_nan.py")
+    spec = script_spec("nan-once", "epochs_nan.py", ["--epochs", "6", "--nan_at_step", "40"], {"upload_id": bundle})
+    job = run(client, spec)
+
+    first, second = job["attempts"]
+    assert first["status"] == "preempted" and "loss guard: loss nan at step 40" in first["failure_reason"]
+    assert second["resumed_from_step"] == 3 and job["rollbacks"] == 1  # from epoch_3, the last one written before the NaN
+    series = client.get(f"/v1/jobs/{job['id']}/metrics", params={"names": "loss"}).json()["series"]["loss"]
+    assert series["steps"] == list(range(1, 61)) and all(value is not None and value == value for value in series["values"])
+    [mark] = job["rollback_marks"]
+    assert (mark["first_step"], mark["resume_step"]) == (40, 3)
+    for checkpoint in client.get(f"/v1/jobs/{job['id']}/checkpoints").json():  # none holds the NaN weights
+        weights = load(client.get(f"/v1/checkpoints/{checkpoint['id']}/download").content)
+        assert all(torch.isfinite(tensor).all() for tensor in weights.values()), checkpoint

@@ -23,7 +23,7 @@ from api_schemas.host_api import ClaimedAttempt
 from service.db.attempts import claim_attempt, finish_attempt, gang_rendezvous, renew_lease
 from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.doorbell import Doorbell, ring, socket_path
-from service.db.hosts import register_host
+from service.db.hosts import deregister_host, register_host
 from service.db.jobs import QuotaExceeded, create_job, job_events_after, request_cancel
 from service.db.log_lines import lock_job_logs, log_lines_after, record_logs
 from service.db.metrics import metric_series, record_metrics
@@ -364,18 +364,51 @@ def test_the_other_nodes_of_a_gang_wait_out_the_re_send_of_a_lost_dispatch_to_no
 
     thread = threading.Thread(target=scheduler_and_node_0_worker)
     thread.start()
-    rendezvous = AttemptRunner(settings, host_client(settings, sessions, node_1.host_name), node_1.host_name)._wait_for_node_0(claimed_1)
+    rendezvous = AttemptRunner(settings, host_client(settings, sessions, node_1.host_name), node_1.host_name)._wait_for_gang(claimed_1).rendezvous
     thread.join()
     assert re_sent.is_set() and rendezvous == "10.0.0.0:2222"
+
+
+def test_a_gangs_attempts_get_addresses_of_their_own_on_hosts_that_make_gang_networks(sessions, settings):
+    # Each host that says it makes gang networks gets a /24 of the pool, kept while it is registered;
+    # each attempt of a gang claimed there an address of it, its rendezvous at that address; every
+    # node learns all of the gang's addresses once all have claimed (workers/gang_network.py).
+    pool = "100.64.0.0/10"
+    with sessions() as session:
+        assert [register_host(session, f"host-{i}", "cpu", 2, {"gang_network": True}, address=f"10.0.0.{i}") for i in range(2)] == [0, 1]
+        assert register_host(session, "host-1", "cpu", 2, {"gang_network": True}, address="10.0.0.1") == 1  # again: the same
+        assert register_host(session, "plain", "cpu", 1, {}) is None
+        deregister_host(session, "plain")
+    first, second = queue_job(sessions, **{"resources.nodes": 2}), queue_job(sessions, **{"resources.nodes": 2})
+    with sessions() as session:
+        schedule_pass(session, settings)
+        claimed = {}
+        for job_id in (first, second):
+            for attempt in session.get(Job, job_id).attempts:
+                claimed[(job_id, attempt.node_rank)] = claim_attempt(session, attempt.id, f"w{attempt.id}", 30, f"{attempt.host_name}:29500", pool)
+                if attempt.node_rank == 0 and job_id == first:
+                    assert gang_rendezvous(session, claimed[(first, 0)])[1] is None  # node 1 has not claimed yet
+        addresses = {key: c.net_address for key, c in claimed.items()}
+        assert sorted(addresses.values()) == ["100.64.0.2", "100.64.0.3", "100.64.1.2", "100.64.1.3"]  # two gangs on two hosts
+        rendezvous, gang = gang_rendezvous(session, claimed[(first, 1)])
+        assert rendezvous == f"{addresses[(first, 0)]}:29500"
+        assert {(node.node_rank, node.address) for node in gang} == {(0, addresses[(first, 0)]), (1, addresses[(first, 1)])}
+        assert {node.host_address for node in gang} == {"10.0.0.0", "10.0.0.1"}
+        # Ended, an attempt's address is free for the next gang.
+        assert finish_attempt(session, claimed[(first, 0)], AttemptStatus.failed, "boom", retry=False)
+        third = queue_job(sessions, **{"resources.nodes": 2})
+        schedule_pass(session, settings)
+        again = [claim_attempt(session, a.id, f"w{a.id}", 30, "x:1", pool) for a in session.get(Job, third).attempts]
+        assert sorted(c.net_address for c in again) == sorted([addresses[(first, 0)], addresses[(first, 1)]])
 
 
 def test_a_gang_runs_when_every_node_claimed_and_succeeds_when_every_node_did(sessions, settings):
     job_id, node_0, node_1 = placed_gang(sessions, settings)
     with sessions() as session:
         claimed_1 = claim_attempt(session, node_1.id, "w1", 30, rendezvous="10.0.0.1:1111")
-        assert gang_rendezvous(session, claimed_1) is None  # node 0 has not started yet
+        assert gang_rendezvous(session, claimed_1) == (None, None)  # node 0 has not started yet
         claimed_0 = claim_attempt(session, node_0.id, "w0", 30, rendezvous="10.0.0.0:2222")
-        assert gang_rendezvous(session, claimed_1) == "10.0.0.0:2222"
+        assert gang_rendezvous(session, claimed_1) == ("10.0.0.0:2222", None)  # on its hosts' network: no gang addresses
         assert session.get(Job, job_id).status == JobStatus.running
         assert finish_attempt(session, claimed_0, AttemptStatus.succeeded)
         assert session.get(Job, job_id).status == JobStatus.running  # node 1 is still finishing

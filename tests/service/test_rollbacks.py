@@ -55,3 +55,26 @@ def test_a_rollback_resumes_before_the_spike_past_its_batches_and_too_many_fail_
         assert (job.status, job.rollbacks, job.restarts) == (JobStatus.failed, 1, 0)  # what was rolled back: once
         assert "loss guard; not rolled back again, after 1 rollback (training.guard.max_rollbacks)" in job.failure_reason
         assert session.get(Attempt, second.attempt_id).status == AttemptStatus.failed
+
+
+def test_a_watched_loops_rollback_drops_the_checkpoints_it_names_and_skips_nothing(settings):
+    # A script's checkpoints are numbered its own way (epochs 1-4 here, its metrics' steps 1-40):
+    # the worker names those written after the spike began; no batches are skipped (that is the script's).
+    sessions = session_factory(settings.resolved_database_url)
+    with sessions() as session:
+        owner, _ = create_user(session, "alice")
+        register_host(session, "host-a", "cpu", 1, {})
+        job = create_job(session, owner, job_spec())
+        first = run_attempt(session, settings)
+        for epoch in (1, 2, 3, 4):
+            record_checkpoint(session, job.id, first.attempt_id, epoch, f"ck/epoch_{epoch}", "0" * 64, 10, keep_last=5)
+        dropped: list[str] = []
+        spike = Rollback(first_step=40, last_step=40, reason="loss nan at step 40", drop=["ck/epoch_4", "ck/never-registered"])
+        assert finish_attempt(session, first, AttemptStatus.preempted, "loss guard", rollback=spike, dropped=dropped)
+        assert dropped == ["ck/epoch_4"] and [c.step for c in list_checkpoints(session, job.id)] == [1, 2, 3]
+        job = session.get(Job, job.id)
+        assert (job.status, job.rollbacks) == (JobStatus.queued, 1)
+        queued = session.query(JobEvent).filter(JobEvent.job_id == job.id, JobEvent.type == JobEventType.status).all()[-1]
+        assert "resuming from step 3, through its own resume" in queued.data["reason"]
+        second = run_attempt(session, settings)
+        assert (second.resume_step, second.resume_checkpoint_path, second.skip_steps) == (3, "ck/epoch_3", 0)

@@ -1,4 +1,4 @@
-"""The loss guard (workers/training/guard.py): a run whose data has a poisoned window of batches
+"""The loss guard (workers/loss_guard.py): a run whose data has a poisoned window of batches
 stops at the spike with no checkpoint of it, and resumed from the checkpoint before it past those
 batches, ends with the weights of a run on the same data with the window removed up front."""
 
@@ -13,7 +13,7 @@ from api_schemas.jobs import GuardConfig
 from tests.helpers import guarded_classifier_spec, job_spec, write_poisoned_labels
 from tests.training.support import run_training
 from workers.training.elastic import skipped
-from workers.training.guard import LossGuard
+from workers.loss_guard import LossGuard
 
 STEPS, EVERY, BATCH = 60, 10, 8
 POISONED = range(31, 34)  # the steps whose batches have their labels swapped: three, as many as spike_steps

@@ -65,7 +65,7 @@ def test_the_disk_an_attempt_takes_is_its_allocated_blocks_each_file_once_withou
 def test_the_kernel_holds_an_attempts_processes_to_its_cores_and_counts_how_often(tmp_path: Path):
     limits = AttemptLimits.create(f"trainyard-test-{os.getpid()}", Bounds(memory_bytes=2**30, cpu_cores=1), max_processes=64)
     try:
-        assert limits.cpu_cores == 1 and limits.memory_bytes == 2**30
+        assert limits.bounds == Bounds(memory_bytes=2**30, cpu_cores=1)
         if (limits.cpu_dir / "cpu.max").exists():
             assert (limits.cpu_dir / "cpu.max").read_text().split() == ["100000", "100000"]
             (limits.cpu_dir / "cpu.max").write_text("5000 100000")  # a twentieth of a core: held back even on a busy machine

@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--data-root", type=Path, required=True, help="directory that dataset.path is relative to")
     parser.add_argument("--run-dir", type=Path, required=True, help="where checkpoints are written")
     parser.add_argument("--resume-from", type=Path, help="checkpoint directory to resume from")
-    parser.add_argument("--skip-steps", type=int, default=0, help="after a rollback: go on past the batches of this many steps (workers/training/guard.py)")
+    parser.add_argument("--skip-steps", type=int, default=0, help="after a rollback: go on past the batches of this many steps (workers/loss_guard.py)")
     parser.add_argument("--plugin-dir", type=Path, help="the only directory a `custom` job's entrypoint module is loaded from")
     args = parser.parse_args()
 

@@ -23,7 +23,7 @@ from api_schemas import JobSpec
 from workers.training.checkpoint import CheckpointWriter, load_state, load_trainer_state
 from workers.training.data import LabelledTexts, TokenWindows, load_labelled_corpus, load_text_corpus
 from workers.training.elastic import accumulation_steps, batches_on, skipped
-from workers.training.guard import LossGuard, Spike
+from workers.loss_guard import LossGuard, Spike
 from workers.training.evaluate import eval_dataloader, evaluate_metrics
 from workers.training.model import build_model
 from workers.training.reporter import Reporter

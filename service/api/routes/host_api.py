@@ -27,6 +27,7 @@ from service.db.log_lines import record_logs
 from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job
 from service.db.outputs import record_output
+from service.db.gang_addresses import host_subnet
 from service.settings import Settings
 from service.uploads import UploadRefused, code_directory
 
@@ -57,8 +58,10 @@ def control_plane_ports(settings: Settings) -> list[int]:
 @router.post("/register", response_model=HostTerms)
 def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> HostTerms:
     """The host joins the pool (again, after a restart) with what it offers; it learns the service's timing."""
-    register_host(session, host, body.device, body.slots, body.info, body.address)
+    net_index = register_host(session, host, body.device, body.slots, body.info, body.address)
+    subnet = host_subnet(settings.gang_network, net_index) if net_index is not None and settings.gang_network else None
     return HostTerms(
+        attempt_subnet=subnet,
         heartbeat_seconds=settings.heartbeat_seconds, lease_seconds=settings.lease_seconds,
         dispatch_timeout_seconds=settings.dispatch_timeout_seconds, max_log_lines_per_attempt=settings.max_log_lines_per_attempt,
         max_runtime_hours=settings.max_runtime_hours, max_attempt_disk_gb=settings.max_attempt_disk_gb, control_plane_ports=control_plane_ports(settings),
@@ -92,7 +95,7 @@ def claim(
 ) -> ClaimedAttempt:
     """Take the attempt under a lease: 409 if it is not to be run (already claimed, ended, cancelled)."""
     _own(session, host, attempt_id, body.lease_owner)
-    claimed = claim_attempt(session, attempt_id, body.lease_owner, settings.lease_seconds, body.rendezvous)
+    claimed = claim_attempt(session, attempt_id, body.lease_owner, settings.lease_seconds, body.rendezvous, settings.gang_network)
     if claimed is None:
         raise HTTPException(status.HTTP_409_CONFLICT, "attempt is not to be run (already claimed, ended or cancelled)")
     # What earlier attempts of the job (lost with their host, say) left half uploaded won't be sealed now.
@@ -118,7 +121,8 @@ def rendezvous(attempt_id: RowId, body: LeaseRequest, host: CurrentHost, session
     """Node 0's host:port of this gang's try, once node 0 has claimed; the lease is renewed while it waits."""
     held = _own(session, host, attempt_id, body.lease_owner)
     lease = renew_lease(session, held, settings.lease_seconds)
-    return Rendezvous(rendezvous=gang_rendezvous(session, held) if lease.held else None, lease=lease)
+    rendezvous, gang = gang_rendezvous(session, held) if lease.held else (None, None)
+    return Rendezvous(rendezvous=rendezvous, gang=gang, lease=lease)
 
 
 @router.post("/attempts/{attempt_id}/environment", status_code=204)
