@@ -209,7 +209,7 @@ def alive(pids: list[int]) -> list[int]:
 
 
 GANG_PROBE = '''
-import json, os, socket, sys, time
+import json, os, socket, sys, threading, time
 args = json.loads(sys.argv[1])
 rank, node_0 = os.environ["RANK"], os.environ["MASTER_ADDR"]
 if rank == "0":  # node 0 listens on its own address, and says where
@@ -217,20 +217,25 @@ if rank == "0":  # node 0 listens on its own address, and says where
     server.bind(("0.0.0.0", args["listen"]))
     server.listen(16)
     print(f"LISTENING {node_0}:{args['listen']}", flush=True)
-targets = {**{name: tuple(address) for name, address in args["targets"].items()}, "its own node 0": (node_0, args["listen"])}
-for name, (host, port) in targets.items():
+def probe(name, host, port):
     deadline = time.monotonic() + (20 if name == "its own node 0" else 0)  # node 0 may not listen yet
     while True:
         try:
             with socket.create_connection((host, port), timeout=3) as connection:
                 connection.sendall(f"rank{rank}".encode())
             print(f"REACHED {name} from rank {rank}", flush=True)
-            break
+            return
         except OSError as exc:
             if time.monotonic() >= deadline:
                 print(f"BLOCKED {name} from rank {rank}: {exc}", flush=True)
-                break
+                return
             time.sleep(0.2)
+targets = {**{name: tuple(address) for name, address in args["targets"].items()}, "its own node 0": (node_0, args["listen"])}
+tries = [threading.Thread(target=probe, args=(name, *address)) for name, address in targets.items()]  # at once: a drop costs a timeout
+for thread in tries:
+    thread.start()
+for thread in tries:
+    thread.join()
 if rank == "0":  # until rank 1 has reached it; with `hold`, until the test says stop (another gang probes it meanwhile)
     server.settimeout(120)
     while (said := server.accept()[0].recv(5)) != b"stop" and (args.get("hold") or said != b"rank1"):

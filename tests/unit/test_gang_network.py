@@ -17,7 +17,7 @@ from workers.gang_network import GangNetwork
 
 pytestmark = pytest.mark.skipif(gang_network.available() is not None, reason=f"gang networks need root, ip and nft: {gang_network.available()}")
 
-CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()"
+CONNECT = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()"
 LISTEN = "import socket, sys; s = socket.socket(); s.bind(('0.0.0.0', 7777)); s.listen(8); print('up', flush=True); s.accept(); s.accept()"
 
 
