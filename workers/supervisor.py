@@ -417,7 +417,7 @@ class AttemptRunner:
         fetching = self._renewing_lease_while(claimed, outbox, "store-fetch", lambda: self.store.prepare(claimed))
         try:
             fetching.result()
-        except CorruptCheckpoint as exc:
+        except (CorruptCheckpoint, ServiceError) as exc:  # corrupt, refused, or not ours any more (then the finish is refused too)
             raise CannotStart(f"cannot fetch what it reads from the service on {self.host_name}: {exc}") from exc
 
     def _renewing_lease_while(

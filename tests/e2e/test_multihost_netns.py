@@ -1,8 +1,10 @@
 """A 2-node job across two worker hosts in separate network namespaces (each its own address; the
-only way between them is the bridge) trains like the same job as 1 node × 2 processes."""
+only way between them is the bridge) trains like the same job as 1 node × 2 processes; its attempts,
+each in a network of its own routed between the hosts, reach each other and nothing else."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +22,8 @@ from tests.conftest import IN_CI
 from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker
 from tests.e2e.test_end_to_end import wait_for, wait_for_checkpoint
 from tests.e2e.test_faults import assert_same_run, assert_trained_alike, run_reference, training_ranks
+from tests.e2e.test_multinode import GANG_PROBE, probes
+from tests.e2e.test_scripts import upload_code
 from tests.helpers import tiny_spec
 from workers.launch import attempt_dir
 from workers.supervisor import free_port
@@ -54,7 +58,7 @@ def two_hosts(tmp_path, monkeypatch):
         wait_for_workers(info.url, info.token, ["ns-0", "ns-1"], [*workers, api], tmp_path)
         try:
             with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
-                yield client, hosts, info.data_dir
+                yield client, hosts, info.data_dir, (hosts[0].gateway, port)
         finally:
             stop_children([*workers, api])
 
@@ -65,8 +69,8 @@ def host_token(name: str, env: dict[str, str]) -> str:
     return made.stdout.strip()
 
 
-def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_processes(two_hosts):
-    client, hosts, data_dir = two_hosts
+def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_processes_and_reaches_only_its_gang(two_hosts, tmp_path):
+    client, hosts, data_dir, api = two_hosts
     base = {"training.max_steps": STEPS, "training.eval_every": 10, "checkpoint.every_steps": 10, "checkpoint.keep_last": 1}
     two_nodes = tiny_spec(**{**base, "name": "two-nodes", "resources.nodes": 2, "resources.processes_per_node": 1})
     one_node = tiny_spec(**{**base, "name": "one-node", "resources.nodes": 1, "resources.processes_per_node": 2})
@@ -93,9 +97,29 @@ def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_
 
     assert_trained_alike(client, gang_id, single_id, STEPS)
 
+    # Its processes reach each other, and nothing else: not the API where the hosts reach it, not
+    # a port of the other host (tests/e2e/test_multinode.py tries another gang's and the services').
+    script = tmp_path / "gang_probe.py"
+    script.write_text(GANG_PROBE)
+    listener = subprocess.Popen(["ip", "netns", "exec", hosts[1].namespace, sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "up"
+        targets = {"the API": list(api), "a port of its other host": [hosts[1].address, 29499]}
+        spec = {"name": "gang-probe", "resources": {"nodes": 2}, "max_restarts": 0,
+                "script": {"entrypoint": script.name, "args": [json.dumps({"listen": 29411, "targets": targets})], "code": {"upload_id": upload_code(client, script)}}}
+        probe = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+        assert probe["status"] == "succeeded", probe["failure_reason"]
+        assert probes(client, probe["id"]) == {f"BLOCKED {name} from rank {rank}" for name in targets for rank in "01"} | {
+            f"REACHED its own node 0 from rank {rank}" for rank in "01"}
+    finally:
+        listener.kill()
+
+
+LISTEN = "import socket; s = socket.socket(); s.bind(('0.0.0.0', 29499)); s.listen(8); print('up', flush=True); s.accept()"
+
 
 def test_a_rank_that_dies_ends_the_whole_gang_which_resumes_on_both_hosts_with_every_step_once(two_hosts):
-    client, hosts, data_dir = two_hosts
+    client, hosts, data_dir, _ = two_hosts
     steps = 240  # killed after its first checkpoint (step 40), well before its end
     spec = tiny_spec(**{
         "name": "gang", "resources.nodes": 2, "resources.processes_per_node": 1, "training.max_steps": steps,

@@ -17,11 +17,11 @@ import httpx
 import pytest
 
 from stack.embedded import embedded_stack
-from tests.e2e.test_end_to_end import wait_for, wait_for_event
+from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_faults import FAULT_SPEC, STEPS, EVERY, assert_same_run, run_reference, training_ranks, wait_until_training
-from tests.e2e.test_scripts import EXAMPLES, TINY_GPT, script_spec, training_processes
-from workers.launch import EVENTS_FILE_NAME, attempt_dir
-from workers.supervisor import EventTail, free_port
+from tests.e2e.test_scripts import EXAMPLES, TINY_GPT, kill_after_its_first_checkpoint, script_spec
+from workers.launch import attempt_dir
+from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -76,12 +76,7 @@ def test_a_script_gets_its_code_and_resume_through_the_api_and_its_outputs_arriv
     job_id = client.post("/v1/jobs", json=spec).json()["id"]
 
     # Killed after its first checkpoint: the resume is the script's own folder, fetched through the API.
-    run_dir = attempt_dir(info.data_dir / "work", job_id, 1)
-    wait_for_event(EventTail(run_dir / EVENTS_FILE_NAME), "checkpoint", timeout=120)
-    victims = training_processes(run_dir / "code")
-    assert victims, "the training process had already ended"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
+    kill_after_its_first_checkpoint(info.data_dir, job_id)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["failure_reason"]

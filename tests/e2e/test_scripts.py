@@ -131,6 +131,16 @@ def test_a_script_whose_requirements_the_host_does_not_meet_fails_saying_which(s
     run(client, {**spec, "name": "met"})
 
 
+def kill_after_its_first_checkpoint(data_dir: Path, job_id: int) -> None:
+    """SIGKILL the script's processes of the job's first attempt once its events file holds a checkpoint."""
+    run_dir = attempt_dir(data_dir / "work", job_id, 1)
+    wait_for_event(EventTail(run_dir / EVENTS_FILE_NAME), "checkpoint", timeout=120)
+    victims = training_processes(run_dir / "code")
+    assert victims, "the training process had already ended"
+    for pid in victims:
+        os.kill(pid, signal.SIGKILL)
+
+
 def training_processes(code_dir: Path) -> list[int]:
     """The script's own processes (not Accelerate's launcher): those running in the attempt's code directory."""
     found = []
@@ -153,13 +163,7 @@ def test_a_script_killed_mid_run_resumes_from_its_last_checkpoint_and_repeats_no
 
     # Killed right after its first checkpoint is written: once the API lists it, a fast machine
     # may have trained all 1000 steps.
-    run_dir = attempt_dir(info.data_dir / "work", job_id, 1)
-    wait_for_event(EventTail(run_dir / EVENTS_FILE_NAME), "checkpoint", timeout=120)
-    code_dir = run_dir / "code"
-    victims = training_processes(code_dir)
-    assert victims, "the training process had already ended"
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
+    kill_after_its_first_checkpoint(info.data_dir, job_id)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["failure_reason"]

@@ -12,7 +12,7 @@ import socket
 import httpx
 import pytest
 
-from api_schemas.host_api import CheckpointSeal, HostRegistration, inside_path
+from api_schemas.host_api import CheckpointSeal, ClaimedAttempt, HostRegistration, inside_path
 from api_schemas.manifest import CorruptCheckpoint, write_manifest
 from service.api.main import create_app
 from service.db.accounts import create_user
@@ -100,15 +100,21 @@ def a_checkpoint(directory, step: int):
     return directory
 
 
+def a_job_claimed_by(host: HostClient, settings) -> tuple[ClaimedAttempt, str]:
+    """Alice's job, placed on `host` (the only one) and claimed by it; and alice's token."""
+    with session_factory(settings.resolved_database_url)() as session:
+        user, token = create_user(session, "alice")
+        create_job(session, user, job_spec())
+        [(attempt_id, _)] = schedule_pass(session, settings)
+    return host.claim(attempt_id, "far-host:1", "127.0.0.1:1"), token
+
+
 def test_a_checkpoint_sent_through_the_api_survives_a_cut_is_verified_listed_and_fetched_back(settings, api, tmp_path):
     sessions = session_factory(settings.resolved_database_url)
     cutter = CutOnce(lambda request: request.method == "PUT" and request.url.path.endswith("model.safetensors"))
     host = on_a_host(settings, api, "far-host", cutter)
-    with sessions() as session:
-        user, token = create_user(session, "alice")
-        job_id = create_job(session, user, job_spec()).id
-        [(attempt_id, _)] = schedule_pass(session, settings)
-    claimed = host.claim(attempt_id, "far-host:1", "127.0.0.1:1")
+    claimed, token = a_job_claimed_by(host, settings)
+    job_id = claimed.job_id
     store = StoreThroughApi(host, tmp_path / "host-scratch")
     source = a_checkpoint(tmp_path / "run" / "step-00000005", 5)
     files = {path.relative_to(source): path.read_bytes() for path in source.rglob("*") if path.is_file()}
@@ -156,13 +162,10 @@ def test_a_checkpoint_sent_through_the_api_survives_a_cut_is_verified_listed_and
 
 
 def test_what_does_not_match_its_manifest_or_reaches_outside_is_refused_and_another_host_opens_nothing(settings, api, tmp_path):
-    sessions = session_factory(settings.resolved_database_url)
-    host, other = on_a_host(settings, api, "far-host"), on_a_host(settings, api, "other-host")
-    with sessions() as session:
-        user, _ = create_user(session, "alice")
-        job_id = create_job(session, user, job_spec()).id
-        [(attempt_id, _)] = schedule_pass(session, settings)
-    claimed = host.claim(attempt_id, "far-host:1", "127.0.0.1:1")
+    host = on_a_host(settings, api, "far-host")
+    claimed, _ = a_job_claimed_by(host, settings)
+    other = on_a_host(settings, api, "other-host")  # registered once the job is placed: it has none of it
+    job_id, attempt_id = claimed.job_id, claimed.attempt_id
     store = StoreThroughApi(host, tmp_path / "scratch")
 
     # A file changed after its manifest was written: the service hashes it and refuses the whole.
