@@ -58,6 +58,8 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
 
     # Attempts whose worker stopped renewing the lease: the worker (or its host) is gone.
     for attempt in expired_leases(session, now) if reap else []:
+        if attempt.status != AttemptStatus.running:
+            continue  # ended with its gang's node ended just before it in this loop
         state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"worker on host {attempt.host_name} stopped renewing its lease")
         log.warning("attempt %s of job %s lost (lease expired)", attempt.id, attempt.job_id, extra=job_fields(attempt.job_id, attempt.id))
 

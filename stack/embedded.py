@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -157,6 +158,11 @@ def _running_stack(
     unsafe_no_sandbox: bool, worker_settings: dict[str, str],
 ) -> Iterator[StackInfo]:
     overrides = {"TRAINYARD_DATA_DIR": str(data_dir)}
+    if "TRAINYARD_GANG_NETWORK" not in os.environ:
+        # Each local stack its own /20 of the gang pool (16 hosts): two on one machine (two users', the
+        # tests') route their gangs' addresses in the same routing table, and must not share them.
+        part = int(hashlib.sha256(str(data_dir).encode()).hexdigest(), 16) % 1024
+        overrides["TRAINYARD_GANG_NETWORK"] = f"100.{64 + part // 16}.{(part % 16) * 16}.0/20"
     if database_url:
         overrides["TRAINYARD_DATABASE_URL"] = database_url
     if broker_url:

@@ -7,7 +7,7 @@ control plane. So, as Kubernetes gives each pod an address of its own, each atte
 
 - a network namespace `ty<worker pid>-a<attempt id>` with one interface, `eth0`, holding the
   attempt's address (a /32 of its host's /24, from the service as it claims: service/db/gang_addresses.py)
-  and a default route to the host, over a veth pair (`tyh<attempt id>` on the host side, holding
+  and a default route to the host, over a veth pair (`ty<hash of worker pid and attempt id>` on the host side, holding
   the link-local next hop as Calico's veths do: no bridge, so every packet is routed, and filtered);
 - on the host, a route to the attempt's /32, and routes to the /24s of the gang's other hosts
   through their addresses (the hosts route each other's attempts: static routes, as on one L2
@@ -24,6 +24,7 @@ keeps its gangs on its own network, closed to the control plane by workers/egres
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import os
@@ -79,7 +80,10 @@ class GangNetwork:
         """Make the attempt's namespace, its route and its filter; routes to the gang's other hosts'
         /24s through them (`own_addresses`: this host's, whose attempts need none)."""
         pid = os.getpid()
-        network = cls(f"ty{pid}-a{attempt_id}", f"tyh{attempt_id}", f"{TABLE_PREFIX}{pid}_{attempt_id}", address)
+        # An interface name has 15 characters: this worker's and the attempt's ids, hashed (attempt ids
+        # repeat across services on one machine, and a killed worker's interfaces outlive it a while).
+        veth = "ty" + hashlib.blake2s(f"{pid}/{attempt_id}".encode(), digest_size=6).hexdigest()
+        network = cls(f"ty{pid}-a{attempt_id}", veth, f"{TABLE_PREFIX}{pid}_{attempt_id}", address)
         try:
             network._make(gang, own_addresses)
         except (GangNetworkFailed, OSError):

@@ -127,6 +127,10 @@ class AttemptLimits:
         if self.v2:
             (self.memory_dir / "memory.max").write_text(str(memory_bytes))
         else:
+            # v1 refuses a memory limit above the memory+swap one (EINVAL): a group made again under
+            # the same name (a killed worker's, left behind) may hold a lower one. Lifted first.
+            with contextlib.suppress(OSError):
+                (self.memory_dir / "memory.memsw.limit_in_bytes").write_text("-1")
             (self.memory_dir / "memory.limit_in_bytes").write_text(str(memory_bytes))
         with contextlib.suppress(OSError):  # no swap past the limit either (absent without swap accounting)
             if self.v2:
