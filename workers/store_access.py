@@ -31,6 +31,8 @@ GIVE_UP_SECONDS = 30 * 60  # an item that could not be moved for this long is re
 class SharedStore:
     """The store's directory is on this host, at the API's path: items are moved or copied in."""
 
+    fetches = False  # what an attempt reads is read where it is: prepare() has nothing to do
+
     def __init__(self, root: Path):
         self.store = ArtifactStore(root)
 
@@ -52,6 +54,8 @@ class SharedStore:
 
 class StoreThroughApi:
     """The store as the API serves it to a host that doesn't mount it."""
+
+    fetches = True
 
     def __init__(self, service: HostClient, scratch: Path):
         self.service = service
