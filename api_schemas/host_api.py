@@ -262,9 +262,10 @@ class Rollback(BaseModel):
     last_step: int = Field(ge=1)
     reason: str = Field(max_length=1000)
     drop: list[Annotated[str, Field(max_length=1000)]] | None = Field(
-        None, max_length=10_000, description="A script's or custom loop's: the store paths of its attempt's checkpoints saved after the "
+        None, max_length=10_000, description="A script's: the store paths of its attempt's checkpoints saved after the "
         "spike began (in the order it wrote them: their steps are its own numbering), to drop; none skipped past. "
-        "None (the built-in loop): every checkpoint of `first_step` and after.",
+        "None (the built-in loop, and a custom one, whose checkpoints and metrics share the context's steps): every checkpoint "
+        "of `first_step` and after, and the batches through `last_step` skipped.",
     )
 
 

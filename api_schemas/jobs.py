@@ -295,7 +295,8 @@ class GuardConfig(_Config):
     metric: str | None = Field(
         None, min_length=1, max_length=64,
         description="A `script`'s or `custom` loop's: the metric it logs its loss as (default: `train_loss`, else `loss`), watched by "
-        "the worker; on a spike the job goes on from its checkpoint saved before it, through its own resume (skipping data is its own).",
+        "the worker; on a spike the job goes on from its checkpoint saved before it, through its own resume (skipping data is its own: "
+        "a custom loop is told how many steps' batches in `skip_steps`).",
     )
 
 

@@ -17,9 +17,11 @@ skip_steps), as a new attempt.
 
 A loop that isn't ours (a `script`, a `custom` loop) is watched by its worker instead, from the
 metrics it logs (LoggedLossWatch): on a spike the worker kills it (no suspect save) and the job goes
-on from the last checkpoint it had written before the spike began, through its own resume. Its
-checkpoints are numbered its own way (an epoch, a count of saves), so which ones came before is
-told by the order it wrote them in, not by their steps; skipping the data is its own to do.
+on from the last checkpoint it had written before the spike began, through its own resume. A
+script's checkpoints are numbered its own way (an epoch, a count of saves), so which ones came
+before is told by the order it wrote them in, not by their steps, and skipping the data is its own
+to do. A custom loop's checkpoints and metrics share its context's steps: it rolls back as the
+built-in loop does, and its context says how many steps' batches to skip (CustomContext.skip_steps).
 """
 
 from __future__ import annotations

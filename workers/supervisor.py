@@ -806,7 +806,8 @@ class RunningAttempt:
 
     def _roll_back(self, spike: Spike) -> None:
         """The watched loop's loss spiked: kill it (what it would save now is suspect); the job goes on
-        from the checkpoint it wrote before the spike began, those after it dropped (`loss_watch.dropped`)."""
+        from the checkpoint it wrote before the spike began, those after it dropped (`loss_watch.dropped`
+        for a script; a custom loop's by their steps, and it is told to skip the spike's batches)."""
         self.spike = SpikeEvent(first_step=spike.first_step, last_step=spike.last_step, reason=spike.reason)
         self._note(f"trainyard: loss guard: {spike.reason}; stopping, to go on from its checkpoint saved before step "
                    f"{spike.first_step} (while rollbacks are left: training.guard)")
@@ -950,7 +951,7 @@ class RunningAttempt:
         if self.spike is not None:
             reason = RollbackReason(f"loss guard: {self.spike.reason}")
             reason.spike = self.spike
-            if self.loss_watch is not None:
+            if self.spec.script is not None:  # its own numbering: by the order it wrote them (a custom loop's are steps)
                 reason.drop = [f"jobs/{self.claimed.job_id}/checkpoints/{folder}" for folder in self.loss_watch.dropped]
             return AttemptStatus.preempted, reason
         if self.exit_code == 0 and (refused := self.outbox.checkpoints.last_refused):

@@ -9,7 +9,8 @@ directory (TRAINYARD_PLUGIN_DIR, default .trainyard/plugins) and submit examples
 `training.max_steps`, `micro_batch_size`, `seed`, `optimizer.lr` and `checkpoint.every_steps` of the
 spec mean what they say; `model.config` takes `latent_dim`, `hidden`, `modes`, `radius`, `std`.
 Each step's data comes from a generator seeded with (seed, step), so a resumed job sees the same
-samples as one run straight through.
+samples as one run straight through; after a loss-guard rollback the samples of `ctx.skip_steps`
+steps are passed over (an offset, kept in every checkpoint after it).
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ def train(ctx) -> None:
 
     resumed = ctx.load_checkpoint()
     step = resumed["step"] if resumed else 0
+    # Which step's samples a step trains on: its own, past those a rollback skipped (they spiked the loss).
+    skipped = (resumed or {}).get("skipped_steps", 0) + ctx.skip_steps
     while step < spec.training.max_steps:
-        rng = torch.Generator().manual_seed(spec.training.seed * 1_000_003 + step * accelerator.num_processes + accelerator.process_index)
+        sample = step + skipped
+        rng = torch.Generator().manual_seed(spec.training.seed * 1_000_003 + sample * accelerator.num_processes + accelerator.process_index)
         real = ring_of_gaussians(batch, config, rng).to(accelerator.device)
         noise = torch.randn(batch, latent, generator=rng).to(accelerator.device)
         ones, zeros = torch.ones(batch, 1, device=accelerator.device), torch.zeros(batch, 1, device=accelerator.device)
@@ -77,7 +81,7 @@ def train(ctx) -> None:
         ctx.log_metric(step, {"d_loss": d_loss, "g_loss": g_loss})
         stop = ctx.should_stop()
         if ctx.checkpoint_due(step) or stop:
-            ctx.save_checkpoint(step)
+            ctx.save_checkpoint(step, {"skipped_steps": skipped})
         if stop:
             return
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import shutil
 import io
 import tarfile
 import time
@@ -216,6 +217,33 @@ def test_a_loss_spike_is_rolled_back_past_its_batches_and_the_job_ends_as_one_wi
     expected = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]
     assert losses["steps"] == list(range(1, 61)) and losses["values"][30:] == pytest.approx(expected["values"][30:], abs=1e-6)
     ours, theirs = final_weights(client, poisoned_id), final_weights(client, reference_id)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
+
+
+def test_a_custom_loops_spike_is_rolled_back_and_its_context_has_it_skip_the_batches(stack):
+    """The same poisoned data, a custom loop fed by a loader (tests/e2e/plugins/labels_classifier.py):
+    its worker sees the spike in what it logs, and the job resumes from step 30 with the context
+    saying 3 steps' batches to pass over; it ends with the weights of the loop on the data without them."""
+    client, info = stack
+    shutil.copy(Path(__file__).parent / "plugins" / "labels_classifier.py", info.data_dir / "plugins")
+    write_poisoned_labels(info.data_dir / "data", range(31, 34), batch=8)
+
+    def custom(path: str) -> dict:
+        return {**guarded_classifier_spec(path), "model": {"kind": "custom", "entrypoint": "labels_classifier:train"}}
+
+    poisoned_id = client.post("/v1/jobs", json=custom("poisoned.jsonl")).json()["id"]
+    reference_id = client.post("/v1/jobs", json=custom("without.jsonl")).json()["id"]
+    poisoned = wait_for(client, poisoned_id, {"succeeded", "failed", "cancelled"})
+    reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"})
+    assert poisoned["status"] == reference["status"] == "succeeded", (poisoned["failure_reason"], reference["failure_reason"])
+    assert (poisoned["rollbacks"], poisoned["restarts"], reference["rollbacks"]) == (1, 0, 0)
+    [mark] = poisoned["rollback_marks"]
+    assert (mark["first_step"], mark["last_step"], mark["resume_step"]) == (31, 33, 30)
+    assert poisoned["attempts"][-1]["resumed_from_step"] == 30
+    assert [c["step"] for c in client.get(f"/v1/jobs/{poisoned_id}/checkpoints").json()] == [10, 20, 30, 40, 50, 60]
+    ours, theirs = final_weights(client, poisoned_id), final_weights(client, reference_id)
+    assert ours.keys() == theirs.keys()
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
 

@@ -45,7 +45,7 @@ def main() -> int:
     reporter = reporter_from_env()
     try:
         if spec.model.kind == "custom":
-            result = run_custom(spec, args.data_root, args.run_dir, reporter, args.resume_from, args.plugin_dir)
+            result = run_custom(spec, args.data_root, args.run_dir, reporter, args.resume_from, args.plugin_dir, args.skip_steps)
         else:
             result = train(spec, args.data_root, args.run_dir, reporter, args.resume_from, args.skip_steps)
     except SpecError as exc:

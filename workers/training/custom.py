@@ -6,8 +6,9 @@ loads `<plugin dir>/gan_example.py` (only from there: the name is one identifier
 resolves elsewhere, through a symlink say, is refused) and calls `train(context)`. The context gives
 what the built-in loop has and a custom one needs: an Accelerator set up from the spec, the job's
 dataset if it names one, `dataloader` to batch and shard any dataset across the processes, `log_metric`, `save_checkpoint` (the same checkpoint format, manifest
-and all, through the same reporter), `load_checkpoint` for `resume_from`, and `should_stop` for
-preemption. examples/plugins/gan_example.py is a complete example.
+and all, through the same reporter), `load_checkpoint` for `resume_from`, `should_stop` for
+preemption, and `skip_steps` after the loss guard rolled the job back (the data is the function's
+own, so passing over the spike's batches is too). examples/plugins/gan_example.py is a complete example.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ class CustomContext:
     dataset: TextCorpus | tuple[list[str], list[str]] | None
     reporter: Reporter
     checkpoints: CheckpointWriter
+    # After a rollback (workers/loss_guard.py): the job resumed from its checkpoint before a loss spike,
+    # and the batches of this many steps after that checkpoint's step are the spike's: go on past them
+    # (a loader: accelerator.skip_first_batches; step-seeded data: an offset), and keep where the data
+    # stands in the checkpoints' `state` (later resumes pass 0 here: those checkpoints are past the skip).
+    skip_steps: int = 0
     models: dict[str, torch.nn.Module] = field(default_factory=dict)
     last_step: int = 0
     stopped: bool = False
@@ -129,7 +135,8 @@ class CustomContext:
 
 
 def run_custom(
-    spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None, plugin_dir: Path | None
+    spec: JobSpec, data_root: Path, run_dir: Path, reporter: Reporter, resume_from: Path | None, plugin_dir: Path | None,
+    skip_steps: int = 0,
 ) -> TrainResult:
     function = load_entrypoint(spec.model.entrypoint, plugin_dir)
     accelerator = make_accelerator(spec)
@@ -137,7 +144,7 @@ def run_custom(
     with sigterm_requests() as stop_requested:
         context = CustomContext(
             accelerator, spec, spec.model.config, run_dir, resume_from, load_dataset(spec, data_root), reporter,
-            CheckpointWriter(accelerator, run_dir, spec, reporter), _stop_requested=stop_requested,
+            CheckpointWriter(accelerator, run_dir, spec, reporter), skip_steps=skip_steps, _stop_requested=stop_requested,
         )
         function(context)
         context.checkpoints.finish()  # the last checkpoint is complete and reported before the process exits
