@@ -32,6 +32,7 @@ NGINX    := /usr/sbin/nginx
 BWRAP    := /usr/bin/bwrap
 NFT      := /usr/sbin/nft
 SLURMCTLD := /usr/sbin/slurmctld
+SLURMRESTD := /usr/sbin/slurmrestd
 
 # The tests use PostgreSQL at 127.0.0.1:5432 and Redis at :6379 (TRAINYARD_TEST_POSTGRES_URL and _REDIS_URL
 # name others) when they answer; else tests/private_services.py starts private ones for the run and stops them
@@ -41,7 +42,7 @@ SLURMCTLD := /usr/sbin/slurmctld
 PYTEST_ARGS  ?=
 TEST_WORKERS ?= 2
 
-test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) $(NFT) $(SLURMCTLD) server-binaries
+test: $(VENV)/.test-stamp $(CHROMIUM) $(NGINX) $(BWRAP) $(NFT) $(SLURMCTLD) $(SLURMRESTD) server-binaries
 	$(PYTHON) -m tests.private_services -- $(PYTHON) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # The inner loop's tier: unit, service and client tests on SQLite alone (no PostgreSQL, Redis or browser
@@ -71,9 +72,13 @@ $(BWRAP):
 $(NFT):
 	$(call apt_install,nftables)
 
-# A throwaway Slurm cluster for the Slurm pool's tests (tests/slurm_cluster.py starts its own daemons).
+# A throwaway Slurm cluster for the Slurm pool's tests (tests/slurm_cluster.py starts its own daemons),
+# and its REST API (slurmrestd, a package of its own).
 $(SLURMCTLD):
 	$(call apt_install,slurm-wlm munge)
+
+$(SLURMRESTD):
+	$(call apt_install,slurmrestd)
 
 # PostgreSQL's and Redis's server programs: for the private servers above and the restart tests' own.
 # Debian keeps initdb off PATH, in /usr/lib/postgresql/<version>/bin.

@@ -254,7 +254,8 @@ def execution_backends(sessions: sessionmaker, celery: Celery, settings: Setting
         from service.backends.slurm import SlurmBackend
 
         backends[settings.slurm_pool] = SlurmBackend(sessions, settings)
-        log.info("Slurm pool %r: partition %s", settings.slurm_pool, settings.slurm_partition)
+        log.info("Slurm pool %r: partition %s, through %s", settings.slurm_pool, settings.slurm_partition,
+                 f"slurmrestd at {settings.slurm_rest_url}" if settings.slurm_rest_url else "Slurm's commands")
     return backends
 
 

@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -204,7 +204,8 @@ class WorkerSettings(_FromEnvironment):
 class SlurmSettings(_FromEnvironment):
     """The scheduler: a Slurm cluster to hand jobs to (service/backends/slurm.py), as the pool that
     jobs name with `resources.pool`. It calls Slurm's commands (sbatch, squeue, scancel, sinfo), so it
-    runs where they reach the cluster (a login or submit node); the compute nodes need the shared
+    runs where they reach the cluster (a login or submit node), or, with `slurm_rest_url`, the
+    cluster's slurmrestd with a JWT from anywhere that reaches it; the compute nodes need the shared
     storage below and the API's URL, never the database."""
 
     slurm_partition: str | None = Field(None, description="The partition jobs are submitted to; unset: no Slurm pool.")
@@ -217,6 +218,21 @@ class SlurmSettings(_FromEnvironment):
         "software path; unset: the scheduler's own.",
     )
     slurm_api_url: str | None = Field(None, description="The API's URL as the compute nodes reach it; unset: api_url.")
+    slurm_rest_url: str | None = Field(
+        None, pattern=r"^https?://", description="slurmrestd's URL (http://host:6820): Slurm is reached through it, not its "
+        "commands (service/backends/slurm_rest.py); needs slurm_jwt_file.",
+    )
+    slurm_jwt_file: Path | None = Field(
+        None, description="A file holding the JWT for slurmrestd (`scontrol token username=… lifespan=…`'s output); read at "
+        "every request, so a renewed token is written there with no restart.",
+    )
+    slurm_user: str | None = Field(None, description="The user the JWT is for, whose jobs these are; unset: the scheduler's own user.")
+
+    @model_validator(mode="after")
+    def _rest_needs_a_token(self):
+        if self.slurm_rest_url and not self.slurm_jwt_file:
+            raise ValueError("TRAINYARD_SLURM_JWT_FILE: required with TRAINYARD_SLURM_REST_URL (slurmrestd takes a JWT)")
+        return self
 
 
 class Settings(StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings, SlurmSettings):

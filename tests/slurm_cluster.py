@@ -9,6 +9,8 @@ ended rather than run again by Slurm).
 
     cluster = SlurmCluster.start_new()      # raises SlurmUnavailable saying why it can't
     subprocess.run(["sbatch", ...], env=cluster.env)
+    url = cluster.start_rest()              # slurmrestd, JWT only, for the REST way in
+    token = cluster.token()                 # a JWT for the current user, as `scontrol token` makes it
     cluster.stop()
 
 Debian's packages (slurm-wlm, munge) are what `make test` installs; the daemons are started
@@ -21,6 +23,7 @@ import os
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -38,8 +41,8 @@ class SlurmUnavailable(Exception):
 
 
 def why_no_slurm() -> str | None:
-    missing = [name for name in ("munged", "slurmctld", "slurmd", "sbatch") if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
-    return f"not installed: {', '.join(missing)} (Debian's slurm-wlm and munge)" if missing else None
+    missing = [name for name in ("munged", "slurmctld", "slurmd", "sbatch", "slurmrestd") if shutil.which(name) is None and not Path(f"/usr/sbin/{name}").exists()]
+    return f"not installed: {', '.join(missing)} (Debian's slurm-wlm, slurmrestd and munge)" if missing else None
 
 
 def _binary(name: str) -> str:
@@ -62,6 +65,7 @@ class SlurmCluster:
             raise SlurmUnavailable(why)
         # Short and outside pytest's tmp dir: munge's socket path has a ~100-byte limit.
         cluster = cls(Path(tempfile.mkdtemp(prefix="trainyard-slurm-")))
+        cluster.directory.chmod(0o755)  # slurmrestd, which refuses to run as root, reads slurm.conf as nobody
         try:
             cluster.start()
         except Exception:
@@ -98,6 +102,8 @@ class SlurmCluster:
 
     def _write_conf(self) -> None:
         d = self.directory
+        (d / "jwt.key").write_bytes(os.urandom(32))  # slurmctld's key for the tokens slurmrestd passes on
+        (d / "jwt.key").chmod(0o600)
         nodes = "\n".join(
             f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname=127.0.0.1 Port={port} CPUs={CPUS_PER_NODE} RealMemory=2000 State=UNKNOWN"
             for name, port in self.node_ports.items()
@@ -118,6 +124,8 @@ SlurmdPidFile={d}/slurmd-%n.pid
 SlurmctldLogFile={d}/log/slurmctld.log
 SlurmdLogFile={d}/log/slurmd-%n.log
 SlurmdParameters=config_overrides
+AuthAltTypes=auth/jwt
+AuthAltParameters=jwt_key={d}/jwt.key
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -157,6 +165,30 @@ PartitionName=urgent Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityT
             if time.monotonic() > deadline:
                 raise SlurmUnavailable(f"the nodes did not come up ({states or result.stderr.strip()}):\n{self._log('slurmctld')}")
             time.sleep(0.1)
+
+    def start_rest(self) -> str:
+        """slurmrestd on a free port, taking JWTs only (as a site exposes it), run as nobody (it
+        refuses root); its URL once it answers."""
+        port = free_port()
+        command = [_binary("slurmrestd"), "-f", str(self.conf), "-a", "rest_auth/jwt", "-s", "openapi/v0.0.38", "-u", "nobody", f"127.0.0.1:{port}"]
+        saved, self.env = self.env, {**self.env, "SLURM_JWT": "daemon"}  # its own calls to slurmctld by JWT: no munge as nobody
+        try:
+            self._spawn(command, "slurmrestd")
+        finally:
+            self.env = saved
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                return f"http://127.0.0.1:{port}"
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SlurmUnavailable(f"slurmrestd did not start: {self._log('slurmrestd')}") from None
+                time.sleep(0.05)
+
+    def token(self, lifespan_seconds: int = 3600) -> str:
+        """A JWT for the current user, as `scontrol token` prints it (SLURM_JWT=…)."""
+        return self.run("scontrol", "token", f"username={self.user}", f"lifespan={lifespan_seconds}").strip()
 
     def run(self, *command: str) -> str:
         """A Slurm command's output, against this cluster; raises on failure."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pwd
 import sys
 import time
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from sqlalchemy.orm import sessionmaker
 
 from api_schemas import AttemptStatus, JobStatus, ResourcesConfig
 from service.backends.slurm_commands import BatchJob, SlurmCommands, SlurmError, SlurmJob
+from service.backends.slurm_rest import SlurmRest
 from service.db import state
 from service.db.host_tokens import issue_host_token, revoke_host_token
 from service.db.models import Attempt, Job
@@ -51,6 +53,14 @@ _RAN = {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}
 RESUBMIT_AFTER_SECONDS = 10.0  # a try placed but not handed over (sbatch failed, or the scheduler stopped) is sent again after this
 DESCRIBE_EVERY_SECONDS = 60.0
 REAP_AFTER_SECONDS = 30.0  # an allocation left running this long after all its attempts ended is cancelled
+
+
+def slurm_client(settings: Settings) -> SlurmCommands | SlurmRest:
+    """Slurm's commands, or its REST API where the settings name slurmrestd: the same four calls."""
+    if settings.slurm_rest_url:
+        user = settings.slurm_user or pwd.getpwuid(os.getuid()).pw_name
+        return SlurmRest(settings.slurm_rest_url, user, settings.slurm_jwt_file, settings.resolved_work_root)
+    return SlurmCommands(settings.slurm_bin_dir)
 
 
 @dataclass(frozen=True)
@@ -81,10 +91,10 @@ class Try:
 
 
 class SlurmBackend:
-    def __init__(self, sessions: sessionmaker, settings: Settings, commands: SlurmCommands | None = None):
+    def __init__(self, sessions: sessionmaker, settings: Settings, commands: SlurmCommands | SlurmRest | None = None):
         self.sessions, self.settings = sessions, settings
         self.pool, self.partition = settings.slurm_pool, settings.slurm_partition
-        self.slurm = commands or SlurmCommands(settings.slurm_bin_dir)
+        self.slurm = commands or slurm_client(settings)
         self.described_at = 0.0
 
     # -- handing tries over --------------------------------------------------------------------

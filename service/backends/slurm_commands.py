@@ -1,6 +1,7 @@
 """Slurm's own commands, as the Slurm backend uses them: submit a batch job, read the queue, cancel,
 describe a partition. Run with the scheduler's environment (SLURM_CONF, munge) and never inside a
-database transaction: each is a round trip to slurmctld."""
+database transaction: each is a round trip to slurmctld. slurm_rest.py does the same four over
+slurmrestd, for a scheduler that can't run Slurm's commands (no munge key, another machine)."""
 
 from __future__ import annotations
 
@@ -67,11 +68,29 @@ class BatchJob:
             options.append(f"--account={self.account}")
         if self.qos:
             options.append(f"--qos={self.qos}")
-        lines = ["#!/bin/bash", *(f"#SBATCH {option}" for option in options)]
-        lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(self.environment.items())]
+        return "\n".join(["#!/bin/bash", *(f"#SBATCH {option}" for option in options), *self._body()]) + "\n"
+
+    def _body(self) -> list[str]:
+        lines = [f"export {name}={shlex.quote(value)}" for name, value in sorted(self.environment.items())]
         # srun inherits --export=NONE from sbatch unless told: the tasks get the script's environment.
         lines.append("exec srun --export=ALL --kill-on-bad-exit=1 --ntasks-per-node=1 " + shlex.join(self.command))
-        return "\n".join(lines) + "\n"
+        return lines
+
+    def rest_submission(self, working_directory: Path) -> dict:
+        """The same job for slurmrestd's `job/submit` (OpenAPI v0.0.38), which reads no #SBATCH lines:
+        the options as fields, the environment given whole (nothing of slurmrestd's own)."""
+        job = {
+            "name": self.name, "partition": self.partition, "nodes": self.nodes, "tasks_per_node": 1,
+            "cpus_per_task": self.cpus_per_node, "time_limit": self.minutes, "requeue": False,
+            "standard_output": str(self.output), "current_working_directory": str(working_directory),
+            "environment": {"PATH": self.environment.get("PATH", "/usr/bin:/bin")},
+        }
+        if self.gpus_per_node:
+            job["gpus_per_node"] = str(self.gpus_per_node)
+        if self.memory_gb:
+            job["memory_per_node"] = max(1, round(self.memory_gb * 1024))
+        job.update({key: value for key, value in (("account", self.account), ("qos", self.qos)) if value})
+        return {"job": job, "script": "\n".join(["#!/bin/bash", *self._body()]) + "\n"}
 
 
 class SlurmCommands:

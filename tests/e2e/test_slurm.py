@@ -5,12 +5,15 @@ is handed to Slurm by the scheduler, and run in the allocation by one agent per 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,29 +37,43 @@ FINAL = {"succeeded", "failed", "cancelled"}
 @pytest.fixture(scope="module")
 def slurm_stack(tmp_path_factory):
     """A Slurm cluster, and a stack whose scheduler hands `resources.pool: slurm` jobs to its `batch` partition."""
+    cluster = cluster_or_fail()
     try:
-        cluster = SlurmCluster.start_new()
+        with stack_on(cluster, tmp_path_factory.mktemp("yard"), SLURM_CONF=str(cluster.conf)) as client:
+            yield cluster, client
+    finally:
+        cluster.stop()
+
+
+def cluster_or_fail() -> SlurmCluster:
+    try:
+        return SlurmCluster.start_new()
     except SlurmUnavailable as exc:
         if os.environ.get("CI") == "true":
             pytest.fail(f"no Slurm cluster: {exc}")
         pytest.skip(f"no Slurm cluster: {exc}")
+
+
+@contextlib.contextmanager
+def stack_on(cluster: SlurmCluster, directory: Path, **environment: str) -> Iterator[httpx.Client]:
+    """A stack with no worker host, whose scheduler runs the `slurm` pool on the cluster's `batch`
+    partition, reaching Slurm as `environment` says (SLURM_CONF: its commands)."""
     saved = dict(os.environ)
     os.environ.update({
-        "SLURM_CONF": str(cluster.conf), "TRAINYARD_SLURM_PARTITION": "batch",
+        "TRAINYARD_SLURM_PARTITION": "batch", **environment,
         "TRAINYARD_HEARTBEAT_SECONDS": "1",  # how often an agent looks at its lease (5 s in production)
     })
     try:
-        with embedded_stack(tmp_path_factory.mktemp("yard"), free_port(), workers=0) as info:
+        with embedded_stack(directory, free_port(), workers=0) as info:
             with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
                 deadline = time.monotonic() + 30
                 while not client.get("/v1/pools").json():  # the scheduler describes the partition as it starts
                     assert time.monotonic() < deadline, "the scheduler did not describe the Slurm pool"
                     time.sleep(0.2)
-                yield cluster, client
+                yield client
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        cluster.stop()
 
 
 def slurm_jobs(cluster: SlurmCluster, states: str = "PENDING,RUNNING,COMPLETING") -> dict[str, str]:

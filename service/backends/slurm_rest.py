@@ -1,0 +1,94 @@
+"""Slurm over its REST API: the four things the Slurm backend asks of Slurm (slurm_commands.py) done
+through `slurmrestd` with a JWT, for a scheduler that can't run Slurm's own commands (no munge key
+of the cluster, not on one of its machines: the way a service outside the cluster reaches it).
+
+The site runs slurmrestd with `-a rest_auth/jwt` (slurmctld configured `AuthAltTypes=auth/jwt`) and
+gives the scheduler a token (`scontrol token username=<user> lifespan=<seconds>`) in a file,
+TRAINYARD_SLURM_JWT_FILE, read again on every request: a token replaced in the file is used at the
+next call, no restart. Jobs are submitted as that user. OpenAPI v0.0.38 (Slurm 22.05), the oldest
+version this speaks.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from pathlib import Path
+
+import httpx
+
+from service.backends.slurm_commands import BatchJob, SlurmError, SlurmJob
+
+API = "/slurm/v0.0.38"
+
+
+class SlurmRest:
+    def __init__(self, url: str, user: str, token_file: Path, working_directory: Path, timeout_seconds: float = 30.0):
+        self.url, self.user, self.token_file, self.working_directory = url.rstrip("/"), user, token_file, working_directory
+        self.timeout_seconds = timeout_seconds
+
+    def submit(self, job: BatchJob) -> str:
+        """The new Slurm job's id."""
+        return str(self._call("POST", "/job/submit", job.rest_submission(self.working_directory))["job_id"])
+
+    def queue(self) -> dict[str, SlurmJob]:
+        """Our jobs Slurm still knows, by id (the token's user's, as `squeue --me`)."""
+        jobs = self._call("GET", "/jobs")["jobs"]
+        return {
+            str(job["job_id"]): SlurmJob(str(job["job_id"]), job["name"], job["job_state"], job.get("state_reason") or "None")
+            for job in jobs if job.get("user_name") == self.user
+        }
+
+    def cancel(self, job_id: str) -> None:
+        self._call("DELETE", f"/job/{job_id}")
+
+    def partition(self, name: str) -> dict:
+        """What the partition offers: nodes, and the most CPUs, GPUs and memory one node has."""
+        nodes = [node for node in self._call("GET", "/nodes")["nodes"] if name in node.get("partitions", [])]
+        if not nodes:
+            raise SlurmError(f"slurmrestd: no partition {name!r}, or it has no nodes", transient=False)
+        return {
+            "partition": name, "nodes": len(nodes), "cpus_per_node": max(node["cpus"] for node in nodes),
+            "gpus_per_node": max(_gpus(node.get("gres", "")) for node in nodes), "memory_mb": max(node["real_memory"] for node in nodes),
+        }
+
+    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+        token = self._token()
+        headers = {"X-SLURM-USER-NAME": self.user, "X-SLURM-USER-TOKEN": token}
+        try:
+            response = httpx.request(method, self.url + API + path, headers=headers, json=body, timeout=self.timeout_seconds)
+            answer = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise SlurmError(f"slurmrestd at {self.url}: {exc or type(exc).__name__}", transient=True) from exc
+        errors = [error.get("description") or error.get("error") or str(error) for error in answer.get("errors", [])]
+        if response.status_code >= 400 or errors:
+            message = f"slurmrestd: {'; '.join(errors) or f'HTTP {response.status_code}'}"
+            if (expired := _expired_at(token)) is not None:  # slurmctld only drops the connection
+                raise SlurmError(f"{message} (the token in {self.token_file} expired at {expired}: write a new one there)", transient=True)
+            # A 5xx is the controller being unreachable or busy; a 4xx or an error with a 200 is the request.
+            raise SlurmError(message, transient=response.status_code >= 500)
+        return answer
+
+    def _token(self) -> str:
+        try:
+            text = self.token_file.read_text().strip()
+        except OSError as exc:
+            raise SlurmError(f"TRAINYARD_SLURM_JWT_FILE {self.token_file}: {exc.strerror}", transient=True) from exc
+        return text.removeprefix("SLURM_JWT=")  # as `scontrol token` prints it, or the token alone
+
+
+def _gpus(gres: str) -> int:
+    """The GPUs of a node's gres (`gpu:a100:4,...`), 0 for none."""
+    counts = [part.split("(")[0].rsplit(":", 1)[-1] for part in gres.split(",") if part.startswith("gpu")]
+    return max((int(count) for count in counts if count.isdigit()), default=0)
+
+
+def _expired_at(token: str) -> str | None:
+    """When the JWT expired, if it has (its payload's `exp`; the signature is slurmctld's to check)."""
+    try:
+        payload = token.split(".")[1]
+        expires = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))["exp"]
+    except (IndexError, ValueError, KeyError, TypeError):
+        return None
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expires)) if expires < time.time() else None
