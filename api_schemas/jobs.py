@@ -757,6 +757,20 @@ class JobSpec(_Config):
         return self.resources.nodes * self.resources.processes_per_node
 
     @property
+    def data_paths(self) -> list[str]:
+        """The paths under the data root that a built-in or custom job reads: its dataset, tokenizer, model directory."""
+        paths = [] if self.dataset is None else [self.dataset.relative_path, getattr(self.dataset, "tokenizer_file", None)]
+        return [path for path in [*paths, getattr(self.model, "path", None)] if path]
+
+    @property
+    def may_start_warm(self) -> bool:
+        """Whether an attempt of it may start from an interpreter loaded before it was known
+        (workers/warm_pool.py): the built-in and custom loops (a script runs its own program in its
+        own clean environment), on one node (a gang's nodes keep the host's network), on the CPU
+        (which GPUs it gets is known only once placed), in the worker's own Python (no `environment`)."""
+        return self.script is None and self.environment is None and self.resources.nodes == 1 and self.resources.device == "cpu"
+
+    @property
     def effective_batch_size(self) -> int | None:
         """Samples per optimizer step across all processes; None for a script, which picks its own batch."""
         if self.training.micro_batch_size is None:

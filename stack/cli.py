@@ -100,7 +100,7 @@ def run_slurm_agent_command(args: argparse.Namespace) -> int:
     from workers.slurm_agent import run_agent
 
     _configure_logging(f"slurm-agent[{os.environ.get('SLURMD_NODENAME', '?')}]")
-    return run_agent(Settings(), [int(i) for i in args.attempts.split(",")], args.threads)
+    return run_agent(Settings(), [int(i) for i in args.attempts.split(",")], args.threads, args.warm)
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -175,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     agent = command("slurm-agent")
     agent.add_argument("--attempts", required=True, help="the try's attempt ids in node order (SLURM_NODEID picks this node's)")
     agent.add_argument("--threads", type=int, help="threads of each CPU process")
+    agent.add_argument("--warm", action="store_true", help="start loading an interpreter for the attempt as the agent starts (workers/warm_pool.py)")
     agent.set_defaults(func=run_slurm_agent_command)
 
     db_commands = command("db").add_subparsers(dest="db_command", required=True)

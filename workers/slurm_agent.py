@@ -23,6 +23,7 @@ from service.settings import Settings
 from workers.host_client import HostClient, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
 from workers.supervisor import AttemptRunner
+from workers.warm_pool import WarmPool
 
 log = logging.getLogger("trainyard.worker")
 
@@ -41,9 +42,10 @@ def node_address(node_name: str) -> str:
         return "127.0.0.1"
 
 
-def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None) -> int:
+def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None, warm: bool = False) -> int:
     """Run this node's attempt to its end; the exit status is 0 however the attempt ended (the
-    service knows how), 2 if this node has none of the try's attempts or no token."""
+    service knows how), 2 if this node has none of the try's attempts or no token. `warm`: the
+    attempt may start from a warm interpreter, loaded from now on, while it is claimed."""
     node = int(os.environ.get("SLURM_NODEID", "0"))
     if not 0 <= node < len(attempt_ids):
         log.error("node %s of a try of %s attempts: nothing to run here", node, len(attempt_ids))
@@ -55,18 +57,25 @@ def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None) -
     node_name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     service = HostClient(settings.api_url, token)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    runner = AttemptRunner(settings, service, node_name, node_address(node_name), HostSandbox.detect(unsafe=False), cpu_threads=threads)
+    sandbox = HostSandbox.detect(unsafe=False)
+    # Torch and accelerate load from now on, beside the claim and the inputs' placing, instead of after them.
+    pool = WarmPool(settings, sandbox, 1 if warm else 0)
+    pool.fill()
+    runner = AttemptRunner(settings, service, node_name, node_address(node_name), sandbox, pool, cpu_threads=threads)
     signal.signal(signal.SIGTERM, lambda *_: runner.preempt_all())
     # The API may be restarting as the allocation starts: wait for it as long as a dispatch lasts.
     deadline = time.monotonic() + settings.dispatch_timeout_seconds
-    while True:
-        try:
-            runner.run(attempt_ids[node])
-            break
-        except ServiceUnreachable:
-            if time.monotonic() > deadline:
-                raise
-            log.warning("the service is out of reach; trying again")
-            time.sleep(2)
+    try:
+        while True:
+            try:
+                runner.run(attempt_ids[node])
+                break
+            except ServiceUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("the service is out of reach; trying again")
+                time.sleep(2)
+    finally:
+        pool.close()  # one attempt per agent: an interpreter it did not use, or the replacement the runner asked for, goes
     service.close()
     return 0

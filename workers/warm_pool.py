@@ -11,12 +11,12 @@ Each is started before its attempt is known, in a sandbox of its own made as a c
 The attempt's memory limit is written into the interpreter's cgroup when it is handed over, and
 its priority, lowered while it loaded beside running jobs, is raised back.
 
-Which attempts start warm (`WarmPool.take`): the built-in and custom loops (a script runs its own
-program in its own clean environment), on one node (a gang's nodes keep the host's network), on the
-CPU (which GPUs an attempt gets is known only once placed, and the sandbox binds their device nodes
-at its start), in the worker's own Python (not `environment.pip`), with a memory limit only where a
-cgroup can apply it after the start, and at most WARM_COPY_LIMIT bytes of inputs to copy. The others,
-and any attempt that finds no warm interpreter ready, start cold as before.
+Which attempts start warm (`WarmPool.take`): those of jobs that may (JobSpec.may_start_warm: the
+built-in and custom loops, on one node, on the CPU, in the worker's own Python), with a memory limit
+only where a cgroup can apply it after the start, and at most WARM_COPY_LIMIT bytes of inputs to
+copy. The others, and any attempt that finds no warm interpreter ready, start cold as before.
+A Slurm node's agent (workers/slurm_agent.py) starts one as it starts, when its try may use it: it
+loads while the attempt is claimed and its inputs placed.
 """
 
 from __future__ import annotations
@@ -141,10 +141,7 @@ class WarmPool:
 
     def _fits(self, spec: JobSpec, bounds: Bounds) -> bool:
         # A limit it can't take on once started (no cgroups: a cold start's rlimit) keeps it cold.
-        return (
-            self.size > 0 and spec.script is None and spec.environment is None and spec.resources.nodes == 1
-            and spec.resources.device == "cpu" and (bounds.memory_bytes is None or self.sandbox.limits is not None)
-        )
+        return self.size > 0 and spec.may_start_warm and (bounds.memory_bytes is None or self.sandbox.limits is not None)
 
     def _fill(self) -> None:
         while self._reserve():

@@ -32,7 +32,7 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
 
-from api_schemas import AttemptStatus, JobStatus, ResourcesConfig
+from api_schemas import AttemptStatus, JobSpec, JobStatus
 from service.backends.slurm_commands import BatchJob, SlurmCommands, SlurmError, SlurmJob
 from service.backends.slurm_rest import SlurmRest
 from service.db import state
@@ -126,7 +126,7 @@ class SlurmBackend:
                 token_file = directory / "token"
                 token_file.touch(mode=0o600)
                 token_file.write_text(issue_host_token(session, pool_host(self.pool, job_id)))  # replaces the last try's
-            batch = self.batch_job(name, ResourcesConfig.model_validate(spec.get("resources", {})), directory, ids)
+            batch = self.batch_job(name, JobSpec.model_validate(spec), directory, ids)
             cluster_job_id = self.slurm.submit(batch)
         except SlurmError as exc:
             if exc.transient:
@@ -144,8 +144,8 @@ class SlurmBackend:
         """On the storage the compute nodes share: the try's token file and Slurm's output."""
         return self.settings.resolved_work_root / "slurm" / f"job{job_id}-{number}"
 
-    def batch_job(self, name: str, resources: ResourcesConfig, directory: Path, attempt_ids: list[int]) -> BatchJob:
-        s = self.settings
+    def batch_job(self, name: str, spec: JobSpec, directory: Path, attempt_ids: list[int]) -> BatchJob:
+        s, resources = self.settings, spec.resources
         hours = resources.max_runtime_hours or s.max_runtime_hours
         environment = {
             # Only what a worker host is given: the API and the try's token, the shared paths, the
@@ -169,6 +169,8 @@ class SlurmBackend:
         }
         threads = 1  # each process's threads: the CPUs asked per process
         command = [s.slurm_python or sys.executable, "-m", "trainyard", "slurm-agent", "--attempts", ",".join(map(str, attempt_ids)), "--threads", str(threads)]
+        if spec.may_start_warm:  # the agent loads torch while it claims the attempt (workers/warm_pool.py)
+            command.append("--warm")
         return BatchJob(
             name=name, partition=self.partition, nodes=resources.nodes, cpus_per_node=resources.processes_per_node,
             gpus_per_node=resources.processes_per_node if resources.device == "cuda" else 0, memory_gb=resources.memory_gb,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # sbatch's errors that say the controller could not be reached now, not that the job is wrong.
-_TRANSIENT = ("Unable to contact slurm controller", "Socket timed out", "Connection refused", "Resource temporarily unavailable", "Zero Bytes were transmitted")
+TRANSIENT = ("Unable to contact slurm controller", "Socket timed out", "Connection refused", "Resource temporarily unavailable", "Zero Bytes were transmitted")
 
 
 class SlurmError(Exception):
@@ -105,7 +105,7 @@ class SlurmCommands:
             raise SlurmError(f"{name}: {exc}", transient=True) from exc
         if result.returncode != 0:
             message = (result.stderr or result.stdout).strip() or f"exit status {result.returncode}"
-            raise SlurmError(f"{name}: {message}", transient=any(text in message for text in _TRANSIENT))
+            raise SlurmError(f"{name}: {message}", transient=any(text in message for text in TRANSIENT))
         return result.stdout
 
     def submit(self, job: BatchJob) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from service.backends.slurm_commands import BatchJob, SlurmError, SlurmJob
+from service.backends.slurm_commands import TRANSIENT, BatchJob, SlurmError, SlurmJob
 
 API = "/slurm/v0.0.38"
 
@@ -29,12 +29,13 @@ class SlurmRest:
         self.timeout_seconds = timeout_seconds
 
     def submit(self, job: BatchJob) -> str:
-        """The new Slurm job's id."""
-        return str(self._call("POST", "/job/submit", job.rest_submission(self.working_directory))["job_id"])
+        """The new Slurm job's id. A job Slurm takes but can't run as asked (more nodes than the
+        partition has) comes with an error and an id, as sbatch takes it: pending, its Reason saying why."""
+        return str(self._call("POST", "/job/submit", job.rest_submission(self.working_directory), result="job_id")["job_id"])
 
     def queue(self) -> dict[str, SlurmJob]:
         """Our jobs Slurm still knows, by id (the token's user's, as `squeue --me`)."""
-        jobs = self._call("GET", "/jobs")["jobs"]
+        jobs = self._call("GET", "/jobs", result="jobs")["jobs"]
         return {
             str(job["job_id"]): SlurmJob(str(job["job_id"]), job["name"], job["job_state"], job.get("state_reason") or "None")
             for job in jobs if job.get("user_name") == self.user
@@ -45,7 +46,7 @@ class SlurmRest:
 
     def partition(self, name: str) -> dict:
         """What the partition offers: nodes, and the most CPUs, GPUs and memory one node has."""
-        nodes = [node for node in self._call("GET", "/nodes")["nodes"] if name in node.get("partitions", [])]
+        nodes = [node for node in self._call("GET", "/nodes", result="nodes")["nodes"] if name in node.get("partitions", [])]
         if not nodes:
             raise SlurmError(f"slurmrestd: no partition {name!r}, or it has no nodes", transient=False)
         return {
@@ -53,7 +54,9 @@ class SlurmRest:
             "gpus_per_node": max(_gpus(node.get("gres", "")) for node in nodes), "memory_mb": max(node["real_memory"] for node in nodes),
         }
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> dict:
+    def _call(self, method: str, path: str, body: dict | None = None, result: str | None = None) -> dict:
+        """The answer; raises SlurmError for an error unless the answer also carries its `result`
+        (slurmrestd reports warnings as errors beside a result: the job was submitted)."""
         token = self._token()
         headers = {"X-SLURM-USER-NAME": self.user, "X-SLURM-USER-TOKEN": token}
         try:
@@ -62,12 +65,12 @@ class SlurmRest:
         except (httpx.HTTPError, ValueError) as exc:
             raise SlurmError(f"slurmrestd at {self.url}: {exc or type(exc).__name__}", transient=True) from exc
         errors = [error.get("description") or error.get("error") or str(error) for error in answer.get("errors", [])]
-        if response.status_code >= 400 or errors:
+        if response.status_code >= 400 or (errors and (result is None or answer.get(result) is None)):
             message = f"slurmrestd: {'; '.join(errors) or f'HTTP {response.status_code}'}"
             if (expired := _expired_at(token)) is not None:  # slurmctld only drops the connection
                 raise SlurmError(f"{message} (the token in {self.token_file} expired at {expired}: write a new one there)", transient=True)
-            # A 5xx is the controller being unreachable or busy; a 4xx or an error with a 200 is the request.
-            raise SlurmError(message, transient=response.status_code >= 500)
+            # slurmrestd answers 500 for a bad request too: the controller's words tell which it is, as sbatch's do.
+            raise SlurmError(message, transient=response.status_code in (502, 503, 504) or any(text in message for text in TRANSIENT))
         return answer
 
     def _token(self) -> str:

@@ -1,7 +1,8 @@
 """Jobs in a Slurm pool, on a real Slurm cluster (tests/slurm_cluster.py: slurmctld and two slurmd
 nodes on this machine, loopback only). The stack runs no worker host of its own: every job here
-is handed to Slurm by the scheduler, and run in the allocation by one agent per node
-(workers/slurm_agent.py) that reaches the service only over its API, with its try's token."""
+is handed to Slurm by the scheduler (through slurmrestd with a JWT), and run in the allocation by
+one agent per node (workers/slurm_agent.py) that reaches the service only over its API, with its
+try's token; a one-node try's agent starts loading torch as it starts (--warm)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,16 @@ FINAL = {"succeeded", "failed", "cancelled"}
 
 @pytest.fixture(scope="module")
 def slurm_stack(tmp_path_factory):
-    """A Slurm cluster, and a stack whose scheduler hands `resources.pool: slurm` jobs to its `batch` partition."""
+    """A Slurm cluster, and a stack whose scheduler hands `resources.pool: slurm` jobs to its `batch`
+    partition through slurmrestd with a JWT, as a service outside the cluster reaches it: no
+    SLURM_CONF, no munge key. (Its commands, the other way in, do the same four calls:
+    tests/service/test_slurm_clients.py tries both against this kind of cluster.)"""
     cluster = cluster_or_fail()
     try:
-        with stack_on(cluster, tmp_path_factory.mktemp("yard"), SLURM_CONF=str(cluster.conf)) as client:
+        token_file = tmp_path_factory.mktemp("secrets") / "slurm.jwt"
+        token_file.write_text(cluster.token())
+        rest = {"TRAINYARD_SLURM_REST_URL": cluster.start_rest(), "TRAINYARD_SLURM_JWT_FILE": str(token_file)}
+        with stack_on(cluster, tmp_path_factory.mktemp("yard"), **rest) as client:
             yield cluster, client
     finally:
         cluster.stop()
@@ -57,7 +64,7 @@ def cluster_or_fail() -> SlurmCluster:
 @contextlib.contextmanager
 def stack_on(cluster: SlurmCluster, directory: Path, **environment: str) -> Iterator[httpx.Client]:
     """A stack with no worker host, whose scheduler runs the `slurm` pool on the cluster's `batch`
-    partition, reaching Slurm as `environment` says (SLURM_CONF: its commands)."""
+    partition, reaching Slurm as `environment` says (SLURM_CONF: its commands; the REST settings: slurmrestd)."""
     saved = dict(os.environ)
     os.environ.update({
         "TRAINYARD_SLURM_PARTITION": "batch", **environment,

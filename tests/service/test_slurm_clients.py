@@ -1,10 +1,13 @@
-"""The Slurm backend's REST way in (service/backends/slurm_rest.py) against a real slurmrestd with
-JWT auth on a throwaway two-node cluster: it submits the batch job the commands would (options as
-fields, the environment given whole), reads the queue, cancels, describes the partition as sinfo
-does, and says what is wrong with a job Slurm refuses and with an expired token."""
+"""The Slurm backend's two ways in, against a real throwaway two-node cluster: Slurm's commands
+(service/backends/slurm_commands.py) and slurmrestd with JWT auth (service/backends/slurm_rest.py).
+Each submits the batch job (the REST one as fields, its environment given whole), reads the queue,
+cancels, describes the partition (the two alike), and says what is wrong with a job Slurm refuses;
+the REST one also with an expired token, and takes a renewed one with no restart. The pool's
+lifecycle end to end is tests/e2e/test_slurm.py's, through slurmrestd."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -40,6 +43,11 @@ def rest(cluster, tmp_path: Path, lifespan_seconds: int = 600) -> SlurmRest:
     return SlurmRest(cluster.url, cluster.user, token_file, tmp_path)
 
 
+@pytest.fixture(params=["commands", "rest"])
+def slurm(request, cluster, tmp_path) -> SlurmCommands | SlurmRest:
+    return SlurmCommands() if request.param == "commands" else rest(cluster, tmp_path)
+
+
 def batch_job(tmp_path: Path, name: str, command: list[str], nodes: int = 2) -> BatchJob:
     return BatchJob(
         name=name, partition="batch", nodes=nodes, cpus_per_node=1, gpus_per_node=0, memory_gb=None, minutes=5,
@@ -47,7 +55,7 @@ def batch_job(tmp_path: Path, name: str, command: list[str], nodes: int = 2) -> 
     )
 
 
-def wait_for_state(slurm: SlurmRest, job_id: str, states: set[str]) -> str:
+def wait_for_state(slurm: SlurmCommands | SlurmRest, job_id: str, states: set[str]) -> str:
     deadline = time.monotonic() + 60
     while (state := slurm.queue()[job_id].state) not in states:
         assert time.monotonic() < deadline, f"Slurm job {job_id} still {state}"
@@ -55,18 +63,16 @@ def wait_for_state(slurm: SlurmRest, job_id: str, states: set[str]) -> str:
     return state
 
 
-def test_a_batch_job_runs_on_both_nodes_with_its_environment_and_is_listed_by_name(cluster, tmp_path):
-    slurm = rest(cluster, tmp_path)
-    job_id = slurm.submit(batch_job(tmp_path, "rest-hello", ["/bin/sh", "-c", 'echo "$SLURM_NODEID: $GREETING"']))
-    assert slurm.queue()[job_id].name == "rest-hello"
+def test_a_batch_job_runs_on_both_nodes_with_its_environment_and_is_listed_by_name(slurm, tmp_path):
+    job_id = slurm.submit(batch_job(tmp_path, "hello", ["/bin/sh", "-c", 'echo "$SLURM_NODEID: $GREETING"']))
+    assert slurm.queue()[job_id].name == "hello"
     assert wait_for_state(slurm, job_id, {"COMPLETED", "FAILED"}) == "COMPLETED"
     lines = (tmp_path / f"slurm-{job_id}.out").read_text().splitlines()
     assert sorted(lines) == ["0: it's a 'quoted' one", "1: it's a 'quoted' one"]
 
 
-def test_a_cancelled_job_ends_cancelled(cluster, tmp_path):
-    slurm = rest(cluster, tmp_path)
-    job_id = slurm.submit(batch_job(tmp_path, "rest-sleeper", ["sleep", "300"], nodes=1))
+def test_a_cancelled_job_ends_cancelled(slurm, tmp_path):
+    job_id = slurm.submit(batch_job(tmp_path, "sleeper", ["sleep", "300"], nodes=1))
     wait_for_state(slurm, job_id, {"RUNNING"})
     slurm.cancel(job_id)
     assert wait_for_state(slurm, job_id, {"CANCELLED", "COMPLETED", "FAILED"}) == "CANCELLED"
@@ -78,11 +84,17 @@ def test_the_partition_reads_as_sinfo_reads_it(cluster, tmp_path):
         rest(cluster, tmp_path).partition("nope")
 
 
-def test_a_job_slurm_refuses_and_an_expired_token_say_why(cluster, tmp_path):
-    with pytest.raises(SlurmError) as refused:  # three nodes of a two-node partition
-        rest(cluster, tmp_path).submit(batch_job(tmp_path, "rest-too-big", ["true"], nodes=3))
-    assert not refused.value.transient and "configuration not available" in str(refused.value)
+def test_a_job_slurm_cant_run_waits_saying_why_and_one_it_refuses_says_why(slurm, tmp_path):
+    # Three nodes of a two-node partition: taken, and pending with Slurm's reason (admission refuses it first).
+    job_id = slurm.submit(batch_job(tmp_path, "too-big", ["true"], nodes=3))
+    assert slurm.queue()[job_id].shown == "PENDING (PartitionConfig)"
+    slurm.cancel(job_id)
+    with pytest.raises(SlurmError) as refused:  # a partition the cluster doesn't have
+        slurm.submit(dataclasses.replace(batch_job(tmp_path, "nowhere", ["true"]), partition="nope"))
+    assert not refused.value.transient and "nvalid partition" in str(refused.value)
 
+
+def test_an_expired_token_is_named_and_a_renewed_one_taken_with_no_restart(cluster, tmp_path):
     expiring = rest(cluster, tmp_path, lifespan_seconds=1)
     time.sleep(2)
     with pytest.raises(SlurmError) as expired:
