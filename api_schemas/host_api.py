@@ -211,7 +211,7 @@ def inside_path(path: str) -> str:
 
 
 InsidePath = Annotated[str, Field(min_length=1, max_length=1000), AfterValidator(inside_path)]
-FILE_KINDS = ("resume", "code")  # what of the store an attempt may read through the API
+FILE_KINDS = ("resume", "code", "data")  # what an attempt may read through the API: its resume checkpoint, a script's code, its data inputs
 
 
 class Transferred(BaseModel):

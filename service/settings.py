@@ -35,8 +35,9 @@ class StorageSettings(_FromEnvironment):
         "its own gang (workers/gang_network.py). Must not overlap a network the hosts use. Empty: gangs keep their hosts' network.",
     )
     shared_artifact_store: bool = Field(
-        True, description="Workers: this host mounts the artifact root at the same path as the API, and moves checkpoints and "
-        "outputs in; false: it sends them through the API, and fetches a resume's checkpoint and a script's code from it."
+        True, description="Workers: this host mounts the artifact root and the data root at the same paths as the API, and moves "
+        "checkpoints and outputs in; false: it sends them through the API, and fetches from it a resume's checkpoint, a script's "
+        "code and the data a job's spec names."
     )
 
     @field_validator("gang_network")

@@ -15,7 +15,7 @@ from api_schemas import JobSpec
 from api_schemas.manifest import sha256_file
 from api_schemas.run_record import RunEnvironment
 from service.settings import Settings
-from workers.sandbox import data_inputs, plugin_module
+from workers.sandbox import plugin_module
 
 # sha256 of a file by (path, size, mtime): a dataset of many GB is read once per worker, not per attempt.
 _digests: dict[tuple[str, int, int], str] = {}
@@ -35,11 +35,11 @@ def digest(path: Path) -> str:
     return _digests[key]
 
 
-def input_digests(spec: JobSpec, settings: Settings) -> dict[str, str]:
+def input_digests(spec: JobSpec, settings: Settings, data_root: Path) -> dict[str, str]:
     """The digests of what the job's spec names for the training to read, by the names a run record
-    gives them: its path under the data root, `plugin:<module>` for a custom loop's code. One that
-    doesn't exist is left out (the training fails on it, saying so)."""
-    named = {relative: settings.resolved_data_root / relative for relative in data_inputs(spec)}
+    gives them: its path under the data root (`data_root` on this host), `plugin:<module>` for a
+    custom loop's code. One that doesn't exist is left out (the training fails on it, saying so)."""
+    named = {relative: data_root / relative for relative in spec.data_paths}
     if spec.model is not None and spec.model.kind == "custom":
         named[f"plugin:{spec.model.entrypoint.partition(':')[0]}"] = plugin_module(spec, settings)
     return {name: digest(path) for name, path in named.items() if path.exists()}

@@ -104,24 +104,17 @@ class AttemptView:
     gang: tuple[str, ...] = ()  # in a gang network: its nodes' addresses, by node rank (named in its hosts file)
 
 
-def job_inputs(spec: JobSpec, settings: Settings, resume_from: Path | None) -> list[Path]:
-    """The files and directories an attempt reads besides the system: those its spec names (a
-    script's code is copied into its directory already)."""
+def job_inputs(spec: JobSpec, settings: Settings, data_root: Path, resume_from: Path | None) -> list[Path]:
+    """The files and directories an attempt reads besides the system: those its spec names, under
+    `data_root` (a script's code is copied into its directory already)."""
     inputs = [resume_from] if resume_from is not None else []
     if spec.script is not None:
         return inputs
-    inputs += [settings.resolved_data_root / relative for relative in data_inputs(spec)]
+    inputs += [data_root / relative for relative in spec.data_paths]
     if spec.model.kind == "custom":
         inputs.append(plugin_module(spec, settings))
     # Resolved as the training resolves them; one that doesn't exist fails there, saying so.
     return [path.resolve() for path in inputs if path.exists()]
-
-
-def data_inputs(spec: JobSpec) -> list[str]:
-    """The paths under the data root that a built-in or custom job reads: its dataset, tokenizer, model directory."""
-    dataset = spec.dataset
-    paths = [] if dataset is None else [dataset.relative_path, getattr(dataset, "tokenizer_file", None)]
-    return [path for path in [*paths, getattr(spec.model, "path", None)] if path]
 
 
 def plugin_module(spec: JobSpec, settings: Settings) -> Path:

@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path, PurePosixPath
 
+from api_schemas import JobSpec
 from api_schemas.host_api import MAX_UPLOAD_PART_BYTES, CheckpointSeal, ClaimedAttempt, OutputSeal
 from api_schemas.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_name, sha256_file, write_manifest
 from service.artifacts import ArtifactStore, links_and_special_files
@@ -33,11 +34,14 @@ class SharedStore:
 
     fetches = False  # what an attempt reads is read where it is: prepare() has nothing to do
 
-    def __init__(self, root: Path):
-        self.store = ArtifactStore(root)
+    def __init__(self, root: Path, data_root: Path):
+        self.store, self.data = ArtifactStore(root), data_root
 
     def prepare(self, claimed: ClaimedAttempt) -> None:
-        """Nothing to fetch: the resume checkpoint and the code are read where they are."""
+        """Nothing to fetch: the resume checkpoint, the code and the data are read where they are."""
+
+    def data_root(self, claimed: ClaimedAttempt) -> Path:
+        return self.data
 
     def resume_directory(self, claimed: ClaimedAttempt) -> Path | None:
         return self.store.path(claimed.resume_checkpoint_path) if claimed.resume_checkpoint_path else None
@@ -65,15 +69,22 @@ class StoreThroughApi:
         return self.scratch / f"attempt-{claimed.attempt_id}"
 
     def prepare(self, claimed: ClaimedAttempt) -> None:
-        """Fetch what the attempt reads from the store onto this host: the checkpoint it resumes from,
-        its script's code (then `claimed.code_path`, or `code_refused` saying why not)."""
+        """Fetch what the attempt reads from the service onto this host: the checkpoint it resumes from,
+        the data its spec names, its script's code (then `claimed.code_path`, or `code_refused` saying why not)."""
         if (resume := self.resume_directory(claimed)) is not None:
             self._fetch(claimed, "resume", resume)
+        if JobSpec.model_validate(claimed.spec).data_paths:
+            self._fetch(claimed, "data", self.data_root(claimed))
         if claimed.spec.get("script") is not None:
             try:
                 claimed.code_path = str(self._fetch(claimed, "code", self._fetched(claimed) / "code"))
             except (ServiceRefused, CorruptCheckpoint) as exc:
                 claimed.code_path, claimed.code_refused = None, f"cannot fetch its code from the service: {exc}"
+
+    def data_root(self, claimed: ClaimedAttempt) -> Path:
+        """The attempt's data inputs, at their paths under the service's data root. Fetched for each
+        attempt (not kept between attempts on this host)."""
+        return self._fetched(claimed) / "data"
 
     def resume_directory(self, claimed: ClaimedAttempt) -> Path | None:
         """Under the name it has in the store: a script parses its step from it (`…/step_1200`)."""

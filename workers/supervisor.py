@@ -50,7 +50,7 @@ from workers.launch import (
 )
 from workers.limits import AttemptLimits, Bounds, DiskWatch, SlotShare, limited
 from workers.sandbox import (
-    INPUT_COPIES, MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, data_inputs, job_inputs, plugin_module, prepare_attempt, sandbox_command,
+    INPUT_COPIES, MAX_OPEN_FILES, MAX_PROCESSES, AttemptView, HostSandbox, job_inputs, plugin_module, prepare_attempt, sandbox_command,
     service_state,
 )
 from workers.warm_pool import WarmPool, place_inputs
@@ -293,7 +293,7 @@ class AttemptRunner:
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
         self.store = (  # where checkpoints go and resumes come from: workers/store_access.py
-            SharedStore(settings.resolved_artifact_root) if settings.shared_artifact_store
+            SharedStore(settings.resolved_artifact_root, settings.resolved_data_root) if settings.shared_artifact_store
             else StoreThroughApi(service, settings.resolved_work_root / "store-transfers")
         )
         self.ended_attempts = EndedAttempts(settings.failed_attempt_retention_hours)  # their directories, removed in time
@@ -373,7 +373,7 @@ class AttemptRunner:
     def _inputs(self, claimed: ClaimedAttempt, spec: JobSpec) -> dict[str, str]:
         """The digests of the attempt's inputs (its script's code too); a rerun's that differ from
         those of the job it reruns end the attempt, for good: the next would read the same."""
-        inputs = input_digests(spec, self.settings)
+        inputs = input_digests(spec, self.settings, self.store.data_root(claimed))
         if claimed.code_path is not None and Path(claimed.code_path).is_dir():
             inputs["code"] = digest(Path(claimed.code_path))
         if spec.inputs_sha256 and (changed := changed_inputs(spec.inputs_sha256, inputs)):
@@ -481,7 +481,7 @@ class AttemptRunner:
             if problems := unmet(spec.script.requirements, search):
                 raise CannotStart(f"host {self.host_name} does not meet script.requirements: {'; '.join(problems)}")
         command = launch_command(
-            placed, run_dir, self.settings.resolved_data_root, resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
+            placed, run_dir, self.store.data_root(claimed), resume_from, rendezvous, claimed.node_rank, self.settings.resolved_plugin_dir,
             resume_step=claimed.resume_step, skip_steps=claimed.skip_steps, python=str(environment.python) if environment is not None else sys.executable,
             cpu_threads=self.cpu_threads,
         )
@@ -490,7 +490,7 @@ class AttemptRunner:
         env = training_environment(spec, run_dir, resume_from, claimed.device_ids)
         command = enter_job_env(command, run_dir, env, init=self.sandbox.enabled)
         if self.sandbox.enabled:
-            inputs = prepare_attempt(run_dir, job_inputs(spec, self.settings, resume_from))
+            inputs = prepare_attempt(run_dir, job_inputs(spec, self.settings, self.store.data_root(claimed), resume_from))
             if environment is not None:  # read-only, at its own path (made readable by all when built)
                 inputs += ((environment.path, environment.path),)
             view = AttemptView(
@@ -535,7 +535,7 @@ class AttemptRunner:
         inputs, run_dir = warm.inputs, warm.run_dir
         plugin = plugin_module(spec, self.settings) if spec.model.kind == "custom" else None
         try:
-            if not place_inputs(warm, self.settings.resolved_data_root, data_inputs(spec), resume_from, plugin):
+            if not place_inputs(warm, self.store.data_root(claimed), spec.data_paths, resume_from, plugin):
                 warm.discard()
                 return None
             (run_dir / SPEC_FILE_NAME).write_text(json.dumps(claimed.spec))

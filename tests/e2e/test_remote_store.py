@@ -1,8 +1,9 @@
 """A worker host that doesn't mount the artifact store (TRAINYARD_SHARED_ARTIFACT_STORE=false, its
 own artifact root an empty directory elsewhere), on PostgreSQL + Redis: its checkpoints and a
 script's outputs reach the store through the API, verified; an attempt killed mid-run resumes from
-a checkpoint fetched back through the API, bit-identical to a run never interrupted; a script's
-code comes through the API too. Nothing is ever written to the host's own artifact root.
+a checkpoint fetched back through the API, bit-identical to a run never interrupted; its dataset and
+a script's code come through the API too. Nothing is ever written to the host's own artifact root
+or data root.
 (The transfers' cuts and refusals: tests/service/test_host_transfers.py.)"""
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ pytestmark = pytest.mark.timeout(400)
 def stack(tmp_path_factory, module_postgres_url, module_redis_url):
     yard = tmp_path_factory.mktemp("far") / "yard"
     hosts_own = tmp_path_factory.mktemp("far-host") / "artifacts"  # where this host would keep a store: never written
-    far = {"TRAINYARD_SHARED_ARTIFACT_STORE": "false", "TRAINYARD_ARTIFACT_ROOT": str(hosts_own)}
+    hosts_data = tmp_path_factory.mktemp("far-host-data")  # and its data root: empty, every dataset comes through the API
+    far = {"TRAINYARD_SHARED_ARTIFACT_STORE": "false", "TRAINYARD_ARTIFACT_ROOT": str(hosts_own), "TRAINYARD_DATA_ROOT": str(hosts_data)}
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")
         with embedded_stack(
@@ -39,6 +41,7 @@ def stack(tmp_path_factory, module_postgres_url, module_redis_url):
             with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
                 yield client, info
     assert not hosts_own.exists() or not any(hosts_own.rglob("*")), list(hosts_own.rglob("*"))
+    assert not any(hosts_data.rglob("*")), list(hosts_data.rglob("*"))
 
 
 def test_a_job_killed_mid_run_resumes_from_a_checkpoint_fetched_through_the_api_bit_identical(stack):
@@ -56,6 +59,10 @@ def test_a_job_killed_mid_run_resumes_from_a_checkpoint_fetched_through_the_api_
     first, second = job["attempts"]
     assert first["status"] == "failed" and second["resumed_from_step"] >= EVERY
     assert_same_run(client, job_id, reference, STEPS)
+    # Its dataset came through the API (this host's data root is empty): the record names what the service holds.
+    corpus = FAULT_SPEC["dataset"]["path"]
+    for attempt in client.get(f"/v1/jobs/{job_id}/record").json()["attempts"]:
+        assert attempt["environment"]["inputs"] == {corpus: hashlib.sha256((info.data_dir / "data" / corpus).read_bytes()).hexdigest()}
     for checkpoint in client.get(f"/v1/jobs/{job_id}/checkpoints").json():  # each listed one verified, and whole
         weights = client.get(f"/v1/checkpoints/{checkpoint['id']}/download").content
         assert hashlib.sha256(weights).hexdigest() == checkpoint["sha256"]

@@ -100,11 +100,11 @@ def a_checkpoint(directory, step: int):
     return directory
 
 
-def a_job_claimed_by(host: HostClient, settings) -> tuple[ClaimedAttempt, str]:
+def a_job_claimed_by(host: HostClient, settings, **spec) -> tuple[ClaimedAttempt, str]:
     """Alice's job, placed on `host` (the only one) and claimed by it; and alice's token."""
     with session_factory(settings.resolved_database_url)() as session:
         user, token = create_user(session, "alice")
-        create_job(session, user, job_spec())
+        create_job(session, user, job_spec(**spec))
         [(attempt_id, _)] = schedule_pass(session, settings)
     return host.claim(attempt_id, "far-host:1", "127.0.0.1:1"), token
 
@@ -204,3 +204,34 @@ def test_what_does_not_match_its_manifest_or_reaches_outside_is_refused_and_anot
     assert any(incoming.iterdir())
     host.finish(claimed, "failed", "done", retry=False)
     assert not any(incoming.iterdir())
+
+
+def test_the_data_a_job_names_is_fetched_through_the_api_and_nothing_else_of_the_data_root(settings, api, tmp_path):
+    data = settings.resolved_data_root
+    (data / "corpora").mkdir(parents=True)
+    (data / "corpora" / "ours.txt").write_bytes(os.urandom(2_000_000))
+    (data / "corpora" / "theirs.txt").write_text("another team's data")
+    (data / "tokenizers").mkdir(parents=True)
+    (data / "tokenizers" / "tokenizer.json").write_text('{"model": {}}')
+    (data / "tokenizers" / "escape").symlink_to(data / "corpora" / "theirs.txt")
+    host = on_a_host(settings, api, "far-host")
+    claimed, _ = a_job_claimed_by(host, settings, **{"dataset.path": "corpora/ours.txt", "dataset.tokenizer_file": "tokenizers/tokenizer.json"})
+
+    # Listed: its dataset and its tokenizer, each hashed.
+    listed = host.listing(claimed, "data").files
+    assert sorted(listed) == ["corpora/ours.txt", "tokenizers/tokenizer.json"]
+    store = StoreThroughApi(host, tmp_path / "scratch")
+    store.prepare(claimed)
+    fetched = store.data_root(claimed)
+    assert {p.relative_to(fetched).as_posix(): p.read_bytes() for p in fetched.rglob("*") if p.is_file()} == {
+        name: (data / name).read_bytes() for name in listed
+    }
+
+    # Nothing else of the data root, the service's directory or another host's reach.
+    for elsewhere in ("corpora/theirs.txt", "tokenizers/escape", "../trainyard.db", "corpora/../corpora/theirs.txt"):
+        assert host.http.get(f"/attempts/{claimed.attempt_id}/files/data/{elsewhere}").status_code in (404, 422), elsewhere  # 422: no such kind
+    other = on_a_host(settings, api, "other-host")
+    assert other.http.get(f"/attempts/{claimed.attempt_id}/files/data").status_code == 404
+    assert other.http.get(f"/attempts/{claimed.attempt_id}/files/data/corpora/ours.txt").status_code == 404
+    store.release(claimed)
+    assert not fetched.exists()

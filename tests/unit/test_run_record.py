@@ -25,7 +25,7 @@ def test_inputs_are_digested_by_their_names_in_the_record_a_directory_by_its_fil
     (data / "model" / "config.json").write_text("{}")
     (data / "model" / "sub" / "weights.bin").write_bytes(b"\0" * 10)
     spec = job_spec(**{"dataset.path": "corpus.txt"})
-    assert input_digests(spec, settings) == {"corpus.txt": hashlib.sha256(b"to be or not to be").hexdigest()}
+    assert input_digests(spec, settings, data) == {"corpus.txt": hashlib.sha256(b"to be or not to be").hexdigest()}
     before = digest(data / "model")
     (data / "model" / "sub" / "weights.bin").write_bytes(b"\1" * 10)  # same names and sizes, other content
     assert digest(data / "model") != before

@@ -1,7 +1,8 @@
 """Files to and from hosts that don't share the artifact store's filesystem (api_schemas/host_api.py):
 a checkpoint or a script's output arrives file by file, each resumable from where a cut left it,
 and is verified against its manifest (every byte hashed here) before it is moved into the store;
-an attempt reads the checkpoint it resumes from and a script's code file by file, with Range.
+an attempt reads the checkpoint it resumes from, a script's code and the data inputs its spec names
+(JobSpec.data_paths: dataset, tokenizer, model directory) file by file, with Range.
 
 No transaction is open while a body arrives or a file is sent: the host is authenticated and the
 attempt found to be its own first, each in a short read of its own. What a host may touch is its
@@ -10,6 +11,7 @@ own attempts' uploads and its own job's resume checkpoint and code, as for every
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path, PurePosixPath
 from typing import Annotated
@@ -23,10 +25,11 @@ from starlette.requests import ClientDisconnect
 from api_schemas.host_api import (
     FILE_KINDS, HOST_API_PREFIX, UPLOAD_ID_PATTERN, CheckpointSeal, DirectoryListing, ListedFile, OutputSeal, StoredItem, Transferred, inside_path,
 )
-from api_schemas.jobs import CodeSource
+from api_schemas.jobs import CodeSource, JobSpec
 from api_schemas.manifest import MANIFEST_FILE, CorruptCheckpoint, read_manifest, sha256_file
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, StoreDep, not_found
 from service.artifacts import ArtifactStore
+from service.datasets import DatasetError, resolve_under_root
 from service.db.attempts import HeldAttempt, attempt_on_host
 from service.db.models import Attempt, Checkpoint, Job
 from service.db.session import read_session_factory
@@ -146,6 +149,39 @@ def _safe_manifest(staging: Path) -> None:
 
 # -- what an attempt reads --------------------------------------------------------------------------
 
+def _data_files(settings: Settings, held: HeldAttempt) -> dict[str, Path]:
+    """The files of the data inputs the attempt's job names, by their paths under the data root (a
+    directory's each by its own); one missing or resolving outside the root is left out (the
+    training fails on it, saying so, as it would on a host that shares the data root)."""
+    with read_session_factory(settings.resolved_database_url)() as session:
+        spec = JobSpec.model_validate(session.scalar(select(Job.spec).where(Job.id == held.job_id)))
+    root, files = settings.resolved_data_root.resolve(), {}
+    for relative in spec.data_paths:
+        try:
+            path = resolve_under_root(root, relative)
+        except DatasetError:
+            continue
+        if path.is_file():
+            files[relative] = path
+        for inside in sorted(path.rglob("*")) if path.is_dir() else ():
+            if inside.is_file() and not inside.is_symlink():
+                files[inside.relative_to(root).as_posix()] = inside
+    return files
+
+
+def _data_sha256(path: Path) -> str:
+    """A data file's sha256, hashed again only when the file changed: every attempt of every job on
+    the data lists it, and a dataset of gigabytes takes seconds to hash (the data root is the
+    service's own, so its files' change times can be trusted, unlike an upload's)."""
+    status = path.stat()
+    return _sha256_of(str(path), status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sha256_of(path: str, inode: int, size: int, modified_ns: int, changed_ns: int) -> str:
+    return sha256_file(Path(path))
+
+
 def _readable(settings: Settings, store: ArtifactStore, held: HeldAttempt, kind: str) -> Path:
     """The directory of `kind` this attempt may read: the checkpoint it resumes from, or its script's code."""
     with read_session_factory(settings.resolved_database_url)() as session:
@@ -180,8 +216,13 @@ def _listing(directory: Path, kind: str) -> DirectoryListing:
 
 @router.get("/attempts/{attempt_id}/files/{kind}", response_model=DirectoryListing)
 def list_files(attempt_id: RowId, kind: FileKind, host: CurrentHost, settings: SettingsDep, store: StoreDep) -> DirectoryListing:
-    """The files of the checkpoint this attempt resumes from (`resume`) or of its script's code (`code`), each with its size and sha256."""
+    """The files of the checkpoint this attempt resumes from (`resume`), of its script's code (`code`) or of the data its spec
+    names (`data`, by their paths under the data root), each with its size and sha256."""
     held = _own(settings, host, attempt_id)
+    if kind == "data":
+        return DirectoryListing(files={
+            relative: ListedFile(size=path.stat().st_size, sha256=_data_sha256(path)) for relative, path in _data_files(settings, held).items()
+        })
     directory = _readable(settings, store, held, kind)
     if not directory.is_dir():
         raise not_found(f"{kind} files")
@@ -192,6 +233,10 @@ def list_files(attempt_id: RowId, kind: FileKind, host: CurrentHost, settings: S
 def read_file(attempt_id: RowId, kind: FileKind, path: str, host: CurrentHost, settings: SettingsDep, store: StoreDep) -> FileResponse:
     """One file of the listing, resumable with Range."""
     held = _own(settings, host, attempt_id)
+    if kind == "data":  # only what the listing names: nothing else of the data root
+        if (file := _data_files(settings, held).get(path)) is None:
+            raise not_found("file")
+        return FileResponse(file, media_type="application/octet-stream")
     directory = _readable(settings, store, held, kind)
     file = directory / _relative(path)
     if file.is_symlink() or not file.is_file() or not file.resolve().is_relative_to(directory.resolve()):
