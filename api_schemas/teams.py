@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 
-Device = Literal["cpu", "cuda"]
+# What a quota counts: process slots of a device kind on the registered hosts (`cpu`, `cuda`), or in
+# a cluster pool (`slurm/cuda`: that pool's GPUs), which jobs name with `resources.pool`.
+SlotKind = Annotated[str, Field(pattern=r"^([a-z][a-z0-9-]{0,39}/)?(cpu|cuda)$")]
 Slots = Annotated[int, Field(ge=0, le=1_000_000)]
 TeamName = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 class TeamIn(BaseModel):
     name: str = TeamName
-    quota: dict[Device, Slots] = Field(
+    quota: dict[SlotKind, Slots] = Field(
         default_factory=dict,
-        description="Nominal quota in process slots per device kind (`cpu` slots, `cuda` GPUs): what the team may always get "
-        "back. Beyond it a team borrows idle slots, which are reclaimed at a checkpoint when a team under its own quota waits.",
+        description="Nominal quota in process slots per kind: `cpu` slots and `cuda` GPUs of the registered hosts, `<pool>/cpu` "
+        "and `<pool>/cuda` of a cluster pool (`slurm/cuda`). What the team may always get back; beyond it a team borrows idle "
+        "slots, which are reclaimed at a checkpoint when a team under its own quota waits.",
     )
 
 
 class QuotaIn(BaseModel):
-    quota: dict[Device, Slots] = Field(description="The team's new nominal quota per device kind; a kind left out has none.")
+    quota: dict[SlotKind, Slots] = Field(description="The team's new nominal quota per kind (as TeamIn's); a kind left out has none.")
 
 
 class MemberIn(BaseModel):
@@ -31,9 +34,9 @@ class MemberIn(BaseModel):
 
 class TeamOut(BaseModel):
     name: str
-    quota: dict[str, int] = Field(description="Nominal quota in process slots per device kind.")
+    quota: dict[str, int] = Field(description="Nominal quota in process slots per kind (`cpu`, `cuda`, `<pool>/cuda`…).")
     members: list[str] = Field(description="Its users; a `*` marks one whose default team it is.")
-    in_use: dict[str, int] = Field(description="Slots its running and starting attempts hold now, per device kind.")
+    in_use: dict[str, int] = Field(description="Slots its running and starting attempts hold now, per kind.")
     borrowed: dict[str, int] = Field(description="Of those, the slots beyond its quota: given back at a checkpoint when reclaimed.")
     waiting_jobs: int = Field(description="Its jobs queued now.")
     recent_device_hours: float = Field(

@@ -1,7 +1,9 @@
 """Teams' quotas and fair share: what each team may hold now, and which waiting job goes first.
 
-Quotas are Kueue's idea. A team's nominal quota is a number of process slots per device kind
-(`cpu` slots, `cuda` GPUs). Within it, a team's jobs are placed as they always were. Beyond it a
+Quotas are Kueue's idea. A team's nominal quota is a number of process slots per kind: `cpu`
+slots and `cuda` GPUs of the registered hosts, `<pool>/cpu` and `<pool>/cuda` of a cluster pool
+(service/db/teams.py: JOB_KIND; "device kind" below means either). Within it, a team's jobs are
+placed as they always were. Beyond it a
 team may *borrow* slots nobody else wants now; when a team under its quota has a job waiting, the
 borrowed slots are reclaimed: the borrowing attempts (a team's newest first, never taking it below
 its quota) are asked to stop at a checkpoint, the preemption path, and queued again with no restart
@@ -32,7 +34,7 @@ from datetime import datetime
 from sqlalchemy.orm import Session
 
 from service.db.models import Attempt, Job
-from service.db.teams import NO_TEAM, active_attempts_on, all_teams, decayed_usage, device_of, slots_held_by_team, waiting_claimants
+from service.db.teams import NO_TEAM, active_attempts_on, all_teams, decayed_usage, kind_of, slots_held_by_team, waiting_claimants
 
 
 
@@ -57,6 +59,10 @@ class Quotas:
         """Whether `slots` more for the team stay within its quota (always, on a kind no quota governs)."""
         return not self.governed(device) or self.held(team_id, device) + slots <= self.quota(team_id, device)
 
+    def held_by_all(self, kind: str) -> int:
+        """Slots of this kind every team's (and no team's) attempts hold."""
+        return sum(slots for (_, held_kind), slots in self.in_use.items() if held_kind == kind)
+
     def borrowed(self, team_id: int | None, device: str) -> int:
         return max(0, self.held(team_id, device) - self.quota(team_id, device)) if self.governed(device) else 0
 
@@ -80,8 +86,9 @@ class Quotas:
         return chosen
 
     def describe(self, team_id: int | None, device: str) -> str:
-        """`team vision at its quota: 8 of 8 cuda slots`."""
-        what = "GPU" if device == "cuda" else "CPU slot"
+        """`team vision at its quota: 8 of 8 GPUs in use`; `… 8 of 8 slurm/cuda GPUs …` in a pool."""
+        pool, _, kind = device.rpartition("/")
+        what = ("GPU" if kind == "cuda" else "CPU slot") if not pool else f"{device} {'GPU' if kind == 'cuda' else 'slot'}"
         quota, held = self.quota(team_id, device), self.held(team_id, device)
         if quota == 0:
             return f"{self.name(team_id)} ha{'s' if team_id else 've'} no {device} quota ({held} {what}s borrowed now)"
@@ -169,7 +176,7 @@ def load_fair_share(
     if waiting is None:
         claimants = waiting_claimants(session)
     else:
-        claimants = {(job.owner_id, job.team_id, device_of(job)) for job in waiting}
+        claimants = {(job.owner_id, job.team_id, kind_of(job)) for job in waiting}
     return FairShare(usage, quotas, {(user, team or NO_TEAM, device) for user, team, device in claimants})
 
 
@@ -180,4 +187,28 @@ def reclaimable_attempts(session: Session, quotas: Quotas) -> tuple[list[Attempt
     if not governed:
         return [], set()
     attempts = active_attempts_on(session, governed)
-    return attempts, quotas.reclaimable([(a.id, a.job.team_id, device_of(a.job), a.slots) for a in attempts])
+    return attempts, quotas.reclaimable([(a.id, a.job.team_id, kind_of(a.job), a.slots) for a in attempts])
+
+
+def pool_reclaims(session: Session, quotas: Quotas, pool: str, kind: str, capacity: int) -> list[Attempt]:
+    """In a cluster pool, which place its jobs itself: the borrowing attempts to stop so that what
+    Trainyard's jobs hold there (this pass's hand-overs counted) fits its `capacity` again, each
+    team's newest first and none below its quota. Jobs within their quota are handed over as they
+    come; one that finds the pool full waits in its cluster's queue until these have stopped."""
+    over = quotas.held_by_all(kind) - capacity
+    if over <= 0 or not any(quotas.borrowed(team, kind) for team, held_kind in quotas.in_use if held_kind == kind):
+        return []
+    # A try's nodes are stopped together: counted by job (one try of a job is active at a time).
+    tries: dict[int, list[Attempt]] = defaultdict(list)
+    for attempt in active_attempts_on(session, [kind], pool):
+        tries[attempt.job_id].append(attempt)
+    stopping = {job_id for job_id, nodes in tries.items() if any(a.preempt_requested for a in nodes)}
+    over -= sum(a.slots for job_id in stopping for a in tries.pop(job_id))  # asked already: as good as gone
+    borrowing = quotas.reclaimable([(job_id, nodes[0].job.team_id, kind, sum(a.slots for a in nodes)) for job_id, nodes in tries.items()])
+    chosen: list[Attempt] = []
+    for job_id in sorted(borrowing, reverse=True):
+        if over <= 0:
+            break
+        chosen += tries[job_id]
+        over -= sum(a.slots for a in tries[job_id])
+    return chosen

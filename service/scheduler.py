@@ -23,6 +23,7 @@ from api_schemas import AttemptStatus, JobSpec, ResourcesConfig
 from service.db import state
 from service.db.doorbell import Doorbell
 from service.db.models import Attempt, Job, utcnow
+from service.db.pools import pool_named, slot_capacity
 from service.backends import ExecutionBackend, cluster_pools
 from service.backends.hosts import HostsBackend
 from service.db.scheduling import (
@@ -42,8 +43,8 @@ from service.db.scheduling import (
 from service.logs import job_fields
 from service.placement import HostRoom, Rooms, preemption_plan, waiting_reason
 from service.settings import Settings
-from service.db.teams import device_of
-from service.fair_share import FairShare, Quotas, load_fair_share, load_quotas, reclaimable_attempts
+from service.db.teams import kind_of
+from service.fair_share import FairShare, Quotas, load_fair_share, load_quotas, pool_reclaims, reclaimable_attempts
 from service.sweeps import advance_sweeps
 
 log = logging.getLogger("trainyard.scheduler")
@@ -97,12 +98,19 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     placements = []
     to_pools: dict[str, list] = {}
     borrowing: list[tuple[Job, ResourcesConfig]] = []
+    borrowing_in_pools: list[tuple[Job, ResourcesConfig]] = []
 
     def take(job: Job, resources: ResourcesConfig, chosen: list, processes: int) -> None:
         for name, devices in chosen:
             rooms.take(name, processes, devices)
         quotas.take(job.team_id, resources.device, len(chosen) * processes)
         placements.append((job, chosen, processes))
+
+    def hand_to_pool(job: Job, resources: ResourcesConfig) -> None:
+        # Its cluster places it (and queues it, if full): handed over in this order, at once.
+        quotas.take(job.team_id, pool_kind(resources), resources.nodes * resources.processes_per_node)
+        nodes = [(pool_host(resources.pool, job.id), None)] * resources.nodes
+        to_pools.setdefault(resources.pool, []).append((job, nodes, resources.processes_per_node))
 
     for job in queue_order(queued, now, settings, shares):
         # Only the resources: the spec was validated whole when admitted, and validating all of it
@@ -112,9 +120,10 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             if resources.pool not in cluster_pools(settings):
                 set_waiting_reason(job, f"waiting for pool {resources.pool!r}, which this scheduler is not configured to run")
                 continue
-            # Its cluster places it (and queues it, if full): handed over in this order, at once.
-            nodes = [(pool_host(resources.pool, job.id), None)] * resources.nodes
-            to_pools.setdefault(resources.pool, []).append((job, nodes, resources.processes_per_node))
+            if quotas.within(job.team_id, pool_kind(resources), resources.nodes * resources.processes_per_node):
+                hand_to_pool(job, resources)
+            else:
+                borrowing_in_pools.append((job, resources))
             continue
         if not quotas.within(job.team_id, resources.device, resources.nodes * resources.processes_per_node):
             borrowing.append((job, resources))
@@ -150,6 +159,27 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             set_waiting_reason(job, f"{quotas.describe(job.team_id, resources.device)}; it borrows idle slots beyond it: {reason}")
             continue
         take(job, resources, chosen, resources.processes_per_node)
+    # In a cluster pool, beyond their team's quota: what the pool has idle (its slots less what
+    # Trainyard's jobs hold there); and what borrowers hold there taken back, at their next
+    # checkpoint, where jobs within their quotas were handed to a pool it leaves full.
+    if quotas.nominal and (borrowing_in_pools or to_pools):
+        pools = {pool: pool_named(session, pool) for pool in cluster_pools(settings)}
+        for job, resources in borrowing_in_pools:
+            kind, slots = pool_kind(resources), resources.nodes * resources.processes_per_node
+            capacity, held = slot_capacity(pools[resources.pool], resources.device), quotas.held_by_all(kind)
+            if capacity is None or held + slots > capacity:
+                idle = f"{max(0, capacity - held)} of its {capacity} slots idle" if capacity is not None else "not described yet"
+                set_waiting_reason(job, f"{quotas.describe(job.team_id, kind)}; it borrows idle slots of pool {resources.pool} beyond it: {idle}")
+                continue
+            hand_to_pool(job, resources)
+        for pool, row in pools.items():
+            for device in ("cpu", "cuda"):
+                kind = f"{pool}/{device}"
+                if quotas.governed(kind) and (capacity := slot_capacity(row, device)) is not None:
+                    for attempt in pool_reclaims(session, quotas, pool, kind, capacity):
+                        request_preemption(attempt, f"reclaimed for a team's quota of {kind}")
+                        log.info("stopping job %s in pool %s: its borrowed %s slots reclaimed", attempt.job_id, pool, kind,
+                                 extra=job_fields(attempt.job_id, attempt.id))
     attempts = place_jobs(session, placements, now)
     for pool, handed in to_pools.items():
         attempts += place_jobs(session, handed, now, pool=pool)
@@ -170,6 +200,11 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
 
     session.commit()
     return to_dispatch
+
+
+def pool_kind(resources: ResourcesConfig) -> str:
+    """The kind of slots a pool job holds, as its team's quota counts them (`slurm/cuda`)."""
+    return f"{resources.pool}/{resources.device}"
 
 
 def smaller_fit(rooms: Rooms, spec: JobSpec, skip: set[str]) -> tuple[list | None, int]:
@@ -201,7 +236,7 @@ def queue_order(jobs: list[Job], now: datetime, settings: Settings, shares: Fair
 
     def effective(job: Job) -> float:
         waited = (now - job.created_at).total_seconds() / settings.priority_aging_seconds
-        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, device_of(job))
+        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, kind_of(job))
 
     return sorted(jobs, key=lambda job: (-effective(job), job.id))
 

@@ -11,18 +11,21 @@ DEVICES = ("cpu", "cuda")
 
 
 def quota_item(text: str) -> tuple[str, int]:
-    """`cuda=8`: a device kind and its slots."""
-    device, equals, slots = text.partition("=")
-    if not equals or device not in DEVICES or not slots.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: give DEVICE=SLOTS, DEVICE one of {', '.join(DEVICES)} (e.g. cuda=8)")
-    return device, int(slots)
+    """`cuda=8`, or `slurm/cuda=8` in a cluster pool: a kind of slots and how many."""
+    kind, equals, slots = text.partition("=")
+    pool, _, device = kind.rpartition("/")
+    if not equals or device not in DEVICES or (pool and not pool.replace("-", "").isalnum()) or not slots.isdigit():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give KIND=SLOTS, KIND one of {', '.join(DEVICES)} or POOL/{'|'.join(DEVICES)} (e.g. cuda=8, slurm/cuda=8)"
+        )
+    return kind, int(slots)
 
 
 def quota_of(items: list[tuple[str, int]]) -> dict[str, int]:
-    """DEVICE=SLOTS items as a quota; a device named twice is a mistake, not a last-one-wins."""
+    """KIND=SLOTS items as a quota; a kind named twice is a mistake, not a last-one-wins."""
     quota = dict(items)
     if len(quota) != len(items):
-        raise SystemExit("error: a device kind is given more than once")
+        raise SystemExit("error: a kind of slots is given more than once")
     return quota
 
 
@@ -75,11 +78,11 @@ def add_team_commands(subparsers, connection: argparse.ArgumentParser) -> None:
     ls.set_defaults(func=guarded(cmd_team_ls))
     create = commands.add_parser("create", parents=[connection], help="a new team (admins only)")
     create.add_argument("name")
-    create.add_argument("quota", nargs="*", type=quota_item, metavar="DEVICE=SLOTS", help="its nominal quota, e.g. cuda=8 cpu=16")
+    create.add_argument("quota", nargs="*", type=quota_item, metavar="KIND=SLOTS", help="its nominal quota, e.g. cuda=8 cpu=16 slurm/cuda=32 (a cluster pool's)")
     create.set_defaults(func=guarded(cmd_team_create))
     quota = commands.add_parser("quota", parents=[connection], help="set a team's quota; a kind left out has none (admins only)")
     quota.add_argument("name")
-    quota.add_argument("quota", nargs="*", type=quota_item, metavar="DEVICE=SLOTS")
+    quota.add_argument("quota", nargs="*", type=quota_item, metavar="KIND=SLOTS")
     quota.set_defaults(func=guarded(cmd_team_quota))
     add = commands.add_parser("add", parents=[connection], help="add a user to a team (admins only); their first team is their default")
     add.add_argument("name")

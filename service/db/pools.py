@@ -34,6 +34,15 @@ def pool_named(session: Session, name: str) -> ClusterPool | None:
     return session.get(ClusterPool, name)
 
 
+def slot_capacity(pool: ClusterPool | None, device: str) -> int | None:
+    """How many process slots of `device` the pool has in all (its nodes' CPUs, or GPUs), as its
+    backend last read it; None until it has been read."""
+    if pool is None:
+        return None
+    per_node = pool.info.get("gpus_per_node" if device == "cuda" else "cpus_per_node", 0)
+    return pool.info.get("nodes", 0) * per_node
+
+
 def unsettled_attempts(session: Session, pool: str, since: timedelta = timedelta(days=1)) -> list[Attempt]:
     """The pool's attempts that are active, or ended but whose cluster job has not been seen over
     yet (its allocation may still hold nodes, its token still open), with their jobs; oldest first."""

@@ -12,13 +12,17 @@ from api_schemas import JobStatus
 from service.db import state
 from service.db.models import Attempt, FairShareUsage, Job, Team, TeamMember, User
 
-# The device kind of a job, read from its spec in SQL (both dialects' JSON path), and in Python.
-JOB_DEVICE = Job.spec["resources"]["device"].as_string()
+# The kind of slots a job holds, which quotas and fair share count separately: its device kind on
+# the registered hosts (`cpu`, `cuda`), `<pool>/<device>` in a cluster pool (`slurm/cuda`). Read
+# from its spec in SQL (both dialects' JSON path; NULL || '/' is NULL in both), and in Python.
+JOB_KIND = func.coalesce(Job.spec["resources"]["pool"].as_string().concat("/"), "").concat(Job.spec["resources"]["device"].as_string())
 NO_TEAM = 0  # the team id a job of no team is counted under
 
 
-def device_of(job: Job) -> str:
-    return job.spec.get("resources", {}).get("device", "cpu")
+def kind_of(job: Job) -> str:
+    resources = job.spec.get("resources", {})
+    device = resources.get("device", "cpu")
+    return f"{resources['pool']}/{device}" if resources.get("pool") else device
 
 
 class TeamError(ValueError):
@@ -132,7 +136,7 @@ def decayed_usage(session: Session, now: datetime, half_life: float, every: floa
         session.add(FairShareUsage(id=1, usage={}, updated_at=now))
     elif every is not None and (now - row.updated_at).total_seconds() >= every:
         ran = session.execute(
-            select(Job.owner_id, Job.team_id, JOB_DEVICE, Attempt.slots, Attempt.started_at, Attempt.finished_at)
+            select(Job.owner_id, Job.team_id, JOB_KIND, Attempt.slots, Attempt.started_at, Attempt.finished_at)
             .join(Job, Job.id == Attempt.job_id)
             .where(Attempt.started_at.is_not(None), or_(Attempt.finished_at.is_(None), Attempt.finished_at > row.updated_at))
         ).all()
@@ -144,22 +148,24 @@ def decayed_usage(session: Session, now: datetime, half_life: float, every: floa
 def slots_held_by_team(session: Session) -> dict[tuple[int | None, str], int]:
     """(team id, device kind) -> slots its active attempts hold now."""
     held = (
-        select(Job.team_id, JOB_DEVICE, func.sum(Attempt.slots))
+        select(Job.team_id, JOB_KIND, func.sum(Attempt.slots))
         .join(Job, Job.id == Attempt.job_id)
         .where(Attempt.status.in_(state.ACTIVE_ATTEMPT))
-        .group_by(Job.team_id, JOB_DEVICE)
+        .group_by(Job.team_id, JOB_KIND)
     )
     return {(team_id, device): int(slots) for team_id, device, slots in session.execute(held)}
 
 
 def waiting_claimants(session: Session) -> set[tuple[int, int | None, str]]:
     """(user id, team id, device kind) of every queued job."""
-    return set(session.execute(select(Job.owner_id, Job.team_id, JOB_DEVICE).where(Job.status == JobStatus.queued).distinct()))
+    return set(session.execute(select(Job.owner_id, Job.team_id, JOB_KIND).where(Job.status == JobStatus.queued).distinct()))
 
 
-def active_attempts_on(session: Session, devices: list[str]) -> list[Attempt]:
-    """Active attempts on registered hosts of jobs on these device kinds, with their jobs."""
-    query = select(Attempt).join(Attempt.job).where(Attempt.status.in_(state.ACTIVE_ATTEMPT), JOB_DEVICE.in_(devices), Attempt.pool.is_(None))
+def active_attempts_on(session: Session, kinds: list[str], pool: str | None = None) -> list[Attempt]:
+    """Active attempts of jobs holding these kinds of slots, with their jobs: on registered hosts,
+    or in the cluster pool `pool`."""
+    on = Attempt.pool.is_(None) if pool is None else Attempt.pool == pool
+    query = select(Attempt).join(Attempt.job).where(Attempt.status.in_(state.ACTIVE_ATTEMPT), JOB_KIND.in_(kinds), on)
     return list(session.scalars(query))
 
 
