@@ -33,6 +33,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 
+# What depends on the backends (a job's whole path, cancel) runs on both; what is the worker's and
+# the training's alone runs on the embedded one (the service's part is in tests/service, on both).
+ON_ONE_BACKEND = pytest.mark.parametrize("stack", ["sqlite+sqla-transport"], indirect=True)
+
+
 @pytest.fixture(scope="module", params=["sqlite+sqla-transport", "postgres+redis"])
 def stack(request, tmp_path_factory):
     """One stack per backend pair for the module's tests: each test's jobs are its own."""
@@ -146,6 +151,7 @@ def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(
     assert client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 5}).json()["lines"]
 
 
+@ON_ONE_BACKEND
 def test_a_checkpoint_every_step_is_stored_before_the_loop_moves_on(stack):
     """The loop leaves its checkpoints to the worker, which deletes each once stored: none is pruned
     before the worker copied it, however fast the steps."""
@@ -157,6 +163,7 @@ def test_a_checkpoint_every_step_is_stored_before_the_loop_moves_on(stack):
     assert list((info.data_dir / "work").rglob("step-*")) == []  # every local copy handed over and removed
 
 
+@ON_ONE_BACKEND
 def test_a_crashing_job_fails_with_the_reason_and_its_last_output(stack):
     client, info = stack
     # Too short for one step of 4 windows of 16 characters, which only the training can tell: its 80
@@ -182,6 +189,7 @@ def test_cancel_stops_a_running_job_and_frees_its_host(stack):
     assert client.get("/v1/workers").json()[0]["busy_slots"] == 0
 
 
+@ON_ONE_BACKEND
 def test_a_classifier_job_reports_eval_accuracy_and_its_checkpoint_carries_the_labels(stack):
     client, info = stack
     write_labelled_jsonl(info.data_dir / "data" / "labels.jsonl")
@@ -196,6 +204,7 @@ def test_a_classifier_job_reports_eval_accuracy_and_its_checkpoint_carries_the_l
     assert json.loads(labels) == ["first", "second", "third"]
 
 
+@ON_ONE_BACKEND
 def test_a_loss_spike_is_rolled_back_past_its_batches_and_the_job_ends_as_one_without_them(stack):
     """Labels swapped in the batches of steps 31-33 (training/test_guard.py's data): the job rolls
     back once, to its checkpoint at 30, and ends with the weights of a job on the data without them."""
@@ -221,6 +230,7 @@ def test_a_loss_spike_is_rolled_back_past_its_batches_and_the_job_ends_as_one_wi
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
 
 
+@ON_ONE_BACKEND
 def test_a_custom_loops_spike_is_rolled_back_and_its_context_has_it_skip_the_batches(stack):
     """The same poisoned data, a custom loop fed by a loader (tests/e2e/plugins/labels_classifier.py):
     its worker sees the spike in what it logs, and the job resumes from step 30 with the context
@@ -248,25 +258,26 @@ def test_a_custom_loops_spike_is_rolled_back_and_its_context_has_it_skip_the_bat
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
 
 
-def test_the_gan_example_runs_as_a_custom_job_and_its_checkpoint_downloads_with_both_models(tmp_path):
+@ON_ONE_BACKEND
+def test_the_gan_example_runs_as_a_custom_job_and_its_checkpoint_downloads_with_both_models(stack):
+    client, _ = stack  # an embedded stack installs examples/plugins
     spec = json.loads((Path(__file__).resolve().parents[2] / "examples" / "gan.json").read_text())
     spec["training"]["max_steps"], spec["checkpoint"]["every_steps"] = 100, 50
-    with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:  # installs examples/plugins
-        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
-            job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
-            assert job["status"] == "succeeded", job["failure_reason"]
-            assert job["step"] == 100
-            series = client.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]
-            own = {name for name in series if not name.startswith("sys/")}  # the worker's samples of the machine beside them
-            assert own == {"d_loss", "g_loss"} and series["g_loss"]["steps"] == list(range(1, 101))
-            checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
-            assert [c["step"] for c in checkpoints] == [50, 100]
-            response = client.get(f"/v1/checkpoints/{checkpoints[-1]['id']}/download")
-            assert hashlib.sha256(response.content).hexdigest() == checkpoints[-1]["sha256"]
+    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["failure_reason"]
+    assert job["step"] == 100
+    series = client.get(f"/v1/jobs/{job['id']}/metrics").json()["series"]
+    own = {name for name in series if not name.startswith("sys/")}  # the worker's samples of the machine beside them
+    assert own == {"d_loss", "g_loss"} and series["g_loss"]["steps"] == list(range(1, 101))
+    checkpoints = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
+    assert [c["step"] for c in checkpoints] == [50, 100]
+    response = client.get(f"/v1/checkpoints/{checkpoints[-1]['id']}/download")
+    assert hashlib.sha256(response.content).hexdigest() == checkpoints[-1]["sha256"]
     names = {name.split(".")[0] for name in safetensors_load(response.content)}
     assert names == {"generator", "discriminator"}
 
 
+@ON_ONE_BACKEND
 def test_a_rerun_from_the_run_record_trains_the_same_weights_and_refuses_a_changed_dataset(stack, capsys):
     client, info = stack
     corpus = info.data_dir / "data" / "rerun.txt"

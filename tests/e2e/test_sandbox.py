@@ -37,6 +37,11 @@ PROBE = Path(__file__).with_name("sandbox_probe.py")
 REDIS_PORT, POSTGRES_PORT = 6379, 5432
 
 
+# Reaching the control plane is tried on both backends (PostgreSQL and Redis are there to reach on
+# one); the limits are the host's cgroups' alone, tried on the embedded one.
+ON_ONE_BACKEND = pytest.mark.parametrize("yard", ["sqlite+sqla-transport"], indirect=True)
+
+
 @pytest.fixture(scope="module", params=["sqlite+sqla-transport", "postgres+redis"])
 def yard(request, tmp_path_factory):
     """(admin client, a code-running non-admin's client, the stack, the admin's upload id, job id and checkpoint).
@@ -170,6 +175,7 @@ def test_a_hostile_custom_plugin_reaches_nothing_that_is_not_its_own(yard):
     assert_the_service_is_unharmed(admin, settings, checkpoint)
 
 
+@ON_ONE_BACKEND
 def test_a_job_over_its_memory_limit_fails_saying_so_and_the_worker_lives_on(yard, tmp_path):
     admin, mallory, _, settings, _, _, checkpoint = yard
     hog = tmp_path / "hog.py"
@@ -222,6 +228,7 @@ def cpu_quota_of(attempt_id: int) -> str:
 
 
 @pytest.mark.skipif(own_group("cpu") is None, reason="no writable cpu cgroup here: the worker leaves CPU unbounded")
+@ON_ONE_BACKEND
 def test_a_job_asking_for_nothing_is_held_to_its_slots_cores_and_stopped_past_its_disk_limit(yard, tmp_path):
     admin, mallory, _, settings, _, _, checkpoint = yard
     greedy = tmp_path / "greedy.py"
