@@ -12,8 +12,9 @@ two slurmd nodes of 2 CPUs, loopback), one after the other in each round:
 - Trainyard: the same spec with `resources.pool: slurm`, POSTed to an embedded stack whose
   scheduler hands it to the partition (no worker host of its own), timed from the POST to the first
   step seen through the API (`GET /v1/jobs/{id}` shows step ≥ 1): the scheduler's pass, its
-  `sbatch`, the agent's start on the node, its claim over the worker protocol, the sandbox, the same
-  cold launch, and the forwarding. Target: ≤ 1.2× the peer's median.
+  `sbatch`, the agent's start on the node, its claim over the worker protocol, the sandbox, the
+  launch (a one-node CPU try's: in the interpreter the agent started loading torch in as it
+  started, workers/warm_pool.py), and the forwarding. Target: ≤ 1.2× the peer's median.
 
 Then `--jobs` jobs are POSTed at once into the 2-node partition and timed until every one has a
 Slurm job id (handed: `sbatch` returned and the id is stored): jobs handed to Slurm per second. They
