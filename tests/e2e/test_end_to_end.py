@@ -209,41 +209,22 @@ def test_a_loss_spike_is_rolled_back_past_its_batches_and_the_job_ends_as_one_wi
     """Labels swapped in the batches of steps 31-33 (training/test_guard.py's data): the job rolls
     back once, to its checkpoint at 30, and ends with the weights of a job on the data without them."""
     client, info = stack
-    write_poisoned_labels(info.data_dir / "data", range(31, 34), batch=8)
-    poisoned_id = client.post("/v1/jobs", json=guarded_classifier_spec("poisoned.jsonl")).json()["id"]
-    reference_id = client.post("/v1/jobs", json=guarded_classifier_spec("without.jsonl")).json()["id"]
-    poisoned = wait_for(client, poisoned_id, {"succeeded", "failed", "cancelled"})
-    reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"})
-    assert poisoned["status"] == reference["status"] == "succeeded", (poisoned["failure_reason"], reference["failure_reason"])
-    assert (poisoned["rollbacks"], poisoned["restarts"], reference["rollbacks"]) == (1, 0, 0)
-    [mark] = poisoned["rollback_marks"]
-    assert (mark["first_step"], mark["last_step"], mark["resume_step"]) == (31, 33, 30)
+    poisoned, reference = rolled_back_once_against_a_run_without_the_window(client, info, guarded_classifier_spec)
     spiked, resumed = poisoned["attempts"]
     assert spiked["status"] == "preempted" and "loss guard" in spiked["failure_reason"] and resumed["resumed_from_step"] == 30
-    # The checkpoints of the spike's run past step 30 were dropped; each step's metrics once, the second run's.
-    assert [c["step"] for c in client.get(f"/v1/jobs/{poisoned_id}/checkpoints").json()] == [10, 20, 30, 40, 50, 60]
-    losses = client.get(f"/v1/jobs/{poisoned_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]
-    expected = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]
+    # Each step's metrics once, the second run's.
+    losses = client.get(f"/v1/jobs/{poisoned['id']}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]
+    expected = client.get(f"/v1/jobs/{reference['id']}/metrics", params={"names": "train_loss"}).json()["series"]["train_loss"]
     assert losses["steps"] == list(range(1, 61)) and losses["values"][30:] == pytest.approx(expected["values"][30:], abs=1e-6)
-    ours, theirs = final_weights(client, poisoned_id), final_weights(client, reference_id)
-    for name in theirs:
-        torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
 
 
-@ON_ONE_BACKEND
-def test_a_custom_loops_spike_is_rolled_back_and_its_context_has_it_skip_the_batches(stack):
-    """The same poisoned data, a custom loop fed by a loader (tests/e2e/plugins/labels_classifier.py):
-    its worker sees the spike in what it logs, and the job resumes from step 30 with the context
-    saying 3 steps' batches to pass over; it ends with the weights of the loop on the data without them."""
-    client, info = stack
-    shutil.copy(Path(__file__).parent / "plugins" / "labels_classifier.py", info.data_dir / "plugins")
+def rolled_back_once_against_a_run_without_the_window(client: httpx.Client, info, spec_for) -> tuple[dict, dict]:
+    """Labels swapped in the batches of steps 31-33: `spec_for("poisoned.jsonl")` rolls back once, to
+    its checkpoint at 30, its checkpoints past it dropped, and ends with the weights of
+    `spec_for("without.jsonl")`, run beside it. Both jobs, ended."""
     write_poisoned_labels(info.data_dir / "data", range(31, 34), batch=8)
-
-    def custom(path: str) -> dict:
-        return {**guarded_classifier_spec(path), "model": {"kind": "custom", "entrypoint": "labels_classifier:train"}}
-
-    poisoned_id = client.post("/v1/jobs", json=custom("poisoned.jsonl")).json()["id"]
-    reference_id = client.post("/v1/jobs", json=custom("without.jsonl")).json()["id"]
+    poisoned_id = client.post("/v1/jobs", json=spec_for("poisoned.jsonl")).json()["id"]
+    reference_id = client.post("/v1/jobs", json=spec_for("without.jsonl")).json()["id"]
     poisoned = wait_for(client, poisoned_id, {"succeeded", "failed", "cancelled"})
     reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"})
     assert poisoned["status"] == reference["status"] == "succeeded", (poisoned["failure_reason"], reference["failure_reason"])
@@ -256,6 +237,21 @@ def test_a_custom_loops_spike_is_rolled_back_and_its_context_has_it_skip_the_bat
     assert ours.keys() == theirs.keys()
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=0, atol=1e-6)
+    return poisoned, reference
+
+
+@ON_ONE_BACKEND
+def test_a_custom_loops_spike_is_rolled_back_and_its_context_has_it_skip_the_batches(stack):
+    """The same poisoned data, a custom loop fed by a loader (tests/e2e/plugins/labels_classifier.py):
+    its worker sees the spike in what it logs, and the job resumes from step 30 with the context
+    saying 3 steps' batches to pass over; it ends with the weights of the loop on the data without them."""
+    client, info = stack
+    shutil.copy(Path(__file__).parent / "plugins" / "labels_classifier.py", info.data_dir / "plugins")
+
+    def custom(path: str) -> dict:
+        return {**guarded_classifier_spec(path), "model": {"kind": "custom", "entrypoint": "labels_classifier:train"}}
+
+    rolled_back_once_against_a_run_without_the_window(client, info, custom)
 
 
 @ON_ONE_BACKEND
