@@ -144,6 +144,7 @@ InactiveLimit=0
 PartitionName=batch Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={GRACE_SECONDS}
 PartitionName=urgent Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 """)
+        self.conf.chmod(0o644)  # slurmrestd reads it as nobody, whatever umask this process has (`trainyard up` sets 077)
 
     def _spawn(self, command: list[str], name: str) -> None:
         with open(self.directory / f"{name}.out", "ab") as out:
