@@ -178,6 +178,10 @@ class WorkerSettings(_FromEnvironment):
         100.0, gt=0, description="Most an attempt's directory may hold on a host (what it writes: checkpoints, outputs, "
         "files) unless its spec says (resources.disk_gb); past it the training is stopped and the job fails saying so.",
     )
+    fetch_cache_gb: float = Field(
+        20.0, ge=0, description="A host without the shared store (shared_artifact_store false): most its cache of files fetched "
+        "through the API (data, resume checkpoints, code; workers/store_access.py) keeps of those no attempt uses now.",
+    )
     failed_attempt_retention_hours: float = Field(
         24.0, ge=0, description="How long a worker keeps the directory of a failed or lost attempt for someone to look into; "
         "others' are removed 10 minutes after they end (workers/attempt_dirs.py).",

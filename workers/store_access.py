@@ -4,14 +4,18 @@ doesn't mount it: TRAINYARD_SHARED_ARTIFACT_STORE=false).
 
 Through the API, every file is sent in parts, each written where the service says its copy ends,
 so a cut connection or an API restart costs at most the part in flight; the service hashes every
-byte against the item's manifest before it takes the item in. What an attempt reads from the store
-(the checkpoint it resumes from, a script's code) is fetched file by file the same way (Range), each
-checked against the listing's sha256, into a directory of the attempt's own that goes when it ends.
+byte against the item's manifest before it takes the item in. What an attempt reads from the
+service (the checkpoint it resumes from, its data, a script's code) is fetched file by file the same
+way (Range), each checked against the listing's sha256, into a cache of this host's named by that
+sha256, and linked from there into a directory of the attempt's own that goes when it ends: the
+next attempt of the job (a retry, a resume after preemption) fetches none of its data again. Files no
+attempt links are removed, least recently used first, past the cache's size (TRAINYARD_FETCH_CACHE_GB).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -61,9 +65,10 @@ class StoreThroughApi:
 
     fetches = True
 
-    def __init__(self, service: HostClient, scratch: Path):
+    def __init__(self, service: HostClient, scratch: Path, cache_bytes: int = 20 * 2**30):
         self.service = service
         self.scratch = scratch  # on this host: what attempts fetched, and outputs made ready to send
+        self.cache, self.cache_bytes = scratch / "by-sha256", cache_bytes
 
     def _fetched(self, claimed: ClaimedAttempt) -> Path:
         return self.scratch / f"attempt-{claimed.attempt_id}"
@@ -112,6 +117,7 @@ class StoreThroughApi:
 
     def release(self, claimed: ClaimedAttempt) -> None:
         shutil.rmtree(self._fetched(claimed), ignore_errors=True)
+        self._trim_cache()
 
     # -- moving files --------------------------------------------------------------------------
 
@@ -143,28 +149,55 @@ class StoreThroughApi:
                 received = self.service.send_part(claimed, upload_id, relative, received, file.read(MAX_UPLOAD_PART_BYTES))
 
     def _fetch(self, claimed: ClaimedAttempt, kind: str, into: Path) -> Path:
-        """The files of `kind` into `into`, each verified against the listing; a file half fetched is
-        continued from its end."""
+        """The files of `kind` into `into`, each from the cache or fetched into it first."""
         def fetch_all():
             listing = self.service.listing(claimed, kind)
             for relative, expected in listing.files.items():
                 target = into / relative
                 if not target.resolve().is_relative_to(into.resolve()):
                     raise CorruptCheckpoint(f"the listing names {relative!r}, outside the directory")
+                cached = self._cached(claimed, kind, relative, expected)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                have = target.stat().st_size if target.is_file() else 0
-                if have > expected.size:
-                    target.unlink()
-                    have = 0
-                with open(target, "ab") as file:  # made, if empty
-                    if have < expected.size:
-                        self.service.fetch_file(claimed, kind, relative, file, have)
-                if target.stat().st_size != expected.size or sha256_file(target) != expected.sha256:
-                    target.unlink()
-                    raise CorruptCheckpoint(f"{kind} file {relative} does not match the service's listing")
+                target.unlink(missing_ok=True)
+                os.link(cached, target)  # one copy on the host however many attempts read it (the sandbox binds it read-only)
+                os.utime(cached)  # used now: the last to be removed
             return into
 
         return _retrying(fetch_all, f"job {claimed.job_id}: fetching its {kind}")
+
+    def _cached(self, claimed: ClaimedAttempt, kind: str, relative: str, expected) -> Path:
+        """The cache's copy of a listed file, fetched first if it has none: verified against the
+        listing before it is named by its sha256; a file half fetched is continued from its end."""
+        cached = self.cache / expected.sha256
+        if cached.is_file() and cached.stat().st_size == expected.size:
+            return cached
+        self.cache.mkdir(parents=True, exist_ok=True)
+        partial = self.cache / f"{expected.sha256}.part"
+        have = partial.stat().st_size if partial.is_file() else 0
+        if have > expected.size:
+            partial.unlink()
+            have = 0
+        with open(partial, "ab") as file:  # made, if empty
+            if have < expected.size:
+                self.service.fetch_file(claimed, kind, relative, file, have)
+        if partial.stat().st_size != expected.size or sha256_file(partial) != expected.sha256:
+            partial.unlink()
+            raise CorruptCheckpoint(f"{kind} file {relative} does not match the service's listing")
+        partial.rename(cached)
+        return cached
+
+    def _trim_cache(self) -> None:
+        """Past the cache's size, remove the files no attempt links now, least recently used first."""
+        if not self.cache.is_dir():
+            return
+        files = [(path, path.stat()) for path in self.cache.iterdir() if not path.name.endswith(".part")]
+        total = sum(status.st_size for _, status in files)
+        for path, status in sorted(files, key=lambda item: item[1].st_mtime):
+            if total <= self.cache_bytes:
+                return
+            if status.st_nlink == 1:  # linked into no attempt's directory
+                path.unlink(missing_ok=True)
+                total -= status.st_size
 
 
 def _retrying(work, what: str):

@@ -294,7 +294,7 @@ class AttemptRunner:
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
         self.store = (  # where checkpoints go and resumes come from: workers/store_access.py
             SharedStore(settings.resolved_artifact_root, settings.resolved_data_root) if settings.shared_artifact_store
-            else StoreThroughApi(service, settings.resolved_work_root / "store-transfers")
+            else StoreThroughApi(service, settings.resolved_work_root / "store-transfers", int(settings.fetch_cache_gb * 2**30))
         )
         self.ended_attempts = EndedAttempts(settings.failed_attempt_retention_hours)  # their directories, removed in time
         # Checkpoints are taken into the store off the supervising thread: one copied to another

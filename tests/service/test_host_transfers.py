@@ -36,7 +36,7 @@ class CutOnce(httpx.HTTPTransport):
 
     def __init__(self, picks):
         super().__init__()
-        self.picks, self.cut, self.sent, self.ranges = picks, None, 0, []
+        self.picks, self.cut, self.sent, self.ranges, self.files = picks, None, 0, [], []
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if self.cut is None and self.picks(request):
@@ -46,6 +46,7 @@ class CutOnce(httpx.HTTPTransport):
             self.sent += len(request.read())
         if "/files/" in request.url.path:
             self.ranges.append(request.headers.get("Range"))
+            self.files.append(request.url.path)
         return super().handle_request(request)
 
     def _cut(self, request: httpx.Request) -> httpx.Response:
@@ -235,3 +236,18 @@ def test_the_data_a_job_names_is_fetched_through_the_api_and_nothing_else_of_the
     assert other.http.get(f"/attempts/{claimed.attempt_id}/files/data/corpora/ours.txt").status_code == 404
     store.release(claimed)
     assert not fetched.exists()
+
+    # The job's next attempt on this host links the data from the host's cache: nothing fetched again.
+    assert host.finish(claimed, "failed", "the training crashed", retry=True)
+    with session_factory(settings.resolved_database_url)() as session:
+        [(attempt_id, _)] = schedule_pass(session, settings)
+    counted = CutOnce(lambda request: False)  # cuts nothing: counts what is asked of /files/
+    host = on_a_host(settings, api, "far-host", counted)
+    again = host.claim(attempt_id, "far-host:2", "127.0.0.1:1")
+    store = StoreThroughApi(host, tmp_path / "scratch", cache_bytes=0)
+    store.prepare(again)
+    assert (store.data_root(again) / "corpora" / "ours.txt").read_bytes() == (data / "corpora" / "ours.txt").read_bytes()
+    assert counted.files == [f"/v1/host/attempts/{attempt_id}/files/data"]  # the listing only, no file
+    # Past the cache's size (0 here), what no attempt links any more goes as the attempt ends.
+    store.release(again)
+    assert not any((tmp_path / "scratch" / "by-sha256").iterdir())
