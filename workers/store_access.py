@@ -14,6 +14,7 @@ attempt links are removed, least recently used first, past the cache's size (TRA
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import shutil
@@ -204,7 +205,7 @@ def _retrying(work, what: str):
     """`work()` until it gets through: tried again after a pause while the API is out of reach (a cut
     mid-file goes on from where the service's copy ends), for up to GIVE_UP_SECONDS."""
     deadline = time.monotonic() + GIVE_UP_SECONDS
-    for attempt in range(1_000_000):
+    for attempt in itertools.count():
         try:
             return work()
         except ServiceUnreachable as exc:
@@ -213,5 +214,4 @@ def _retrying(work, what: str):
             pause = RETRY_SECONDS[min(attempt, len(RETRY_SECONDS) - 1)]
             log.warning("%s: %s; trying again in %s s", what, exc, pause)
             time.sleep(pause)
-    raise AssertionError("unreachable")
 

@@ -85,23 +85,29 @@ async def upload_part(
     if offset > received:
         raise HTTPException(status.HTTP_416_RANGE_NOT_SATISFIABLE, f"offset {offset} is past the {received} bytes received")
     limit = int(settings.max_attempt_disk_gb * 1e9)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = await run_in_threadpool(_open_at, target, offset)
     try:
-        os.ftruncate(fd, offset)
-        os.lseek(fd, offset, os.SEEK_SET)
         written = offset
         try:
             async for chunk in request.stream():
                 written += len(chunk)
                 if written > limit:
                     raise HTTPException(status.HTTP_413_CONTENT_TOO_LARGE, f"a file of an upload may hold at most {limit} bytes")
-                os.write(fd, chunk)
+                await run_in_threadpool(os.write, fd, chunk)  # a slow disk holds this request, not the event loop's others
         except ClientDisconnect:
             pass  # what arrived is kept; the host asks how much, and sends the rest
     finally:
         os.close(fd)
     return Transferred(received=written)
+
+
+def _open_at(target: Path, offset: int) -> int:
+    """The file opened for writing at `offset`, what was after it dropped."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.ftruncate(fd, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return fd
 
 
 def _sealed(store: ArtifactStore, take, staging: Path, *args) -> StoredItem:
