@@ -88,7 +88,7 @@ def seed(url: str, hosts: int, prefix: str) -> tuple[dict[str, str], dict[str, i
     from service.db.jobs import create_job
     from service.db.session import session_factory
     from service.scheduler import schedule_pass
-    from service.settings import Settings
+    from common.settings import Settings
     from tests.helpers import tiny_spec
 
     sessions = session_factory(url)

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from api_schemas.manifest import MODEL_FILE, verify_manifest, write_manifest  # noqa: E402
-from service.artifacts import ArtifactStore  # noqa: E402
+from common.artifacts import ArtifactStore  # noqa: E402
 
 
 def write_checkpoint(directory: Path, size_mb: int) -> Path:

@@ -41,7 +41,7 @@ from service.db.host_tokens import issue_host_token  # noqa: E402
 from service.db.jobs import create_job  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.scheduler import schedule_pass  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from stack.embedded import stop_children, wait_healthy  # noqa: E402
 from tests.helpers import job_spec  # noqa: E402
 from workers.host_client import HostClient  # noqa: E402

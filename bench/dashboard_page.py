@@ -38,7 +38,7 @@ from service.api.main import create_app  # noqa: E402
 from service.db.accounts import create_user  # noqa: E402
 from service.db.metric_buckets import refresh_metric_buckets  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from tests.helpers import job_spec  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 

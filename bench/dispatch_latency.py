@@ -45,8 +45,8 @@ from service.db.jobs import create_job, job_status, request_cancel  # noqa: E402
 from service.db.models import Attempt, Job, utcnow  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from stack.embedded import stop_children  # noqa: E402
-from service.queue import make_celery  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.queue import make_celery  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from tests.helpers import job_spec  # noqa: E402
 
 PEER_TASK, PEER_QUEUE = "bench.noop", "bench.noop"

@@ -41,7 +41,7 @@ from service.db.checkpoints import list_checkpoints, record_checkpoint  # noqa: 
 from service.db.jobs import create_job  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from stack.embedded import stop_children, wait_healthy  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from tests.helpers import job_spec, start_job  # noqa: E402
 from tests.nginx import nginx_in_front  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402

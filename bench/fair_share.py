@@ -46,7 +46,7 @@ from service.db.models import Attempt, Job, WorkerHost  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.db.teams import add_member, create_team  # noqa: E402
 from service.scheduler import schedule_pass  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from tests.helpers import job_spec  # noqa: E402
 
 HOSTS, SLOTS = 100, 8

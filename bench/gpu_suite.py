@@ -366,7 +366,7 @@ def check_service(suite: Suite) -> dict:
     import httpx
 
     from stack.embedded import embedded_stack
-    from service.settings import Settings
+    from common.settings import Settings
     from workers.launch import EVENTS_FILE_NAME, attempt_dir
     from workers.supervisor import free_port
 

@@ -41,7 +41,7 @@ from bench.scratch import REDIS_URL, postgres_database  # noqa: E402
 from service.db.models import Attempt, LogLine, Metric  # noqa: E402
 from service.db.session import read_session_factory  # noqa: E402
 from stack.embedded import embedded_stack  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from workers.supervisor import free_port  # noqa: E402
 
 FLOOD = '''

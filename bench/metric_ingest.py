@@ -36,7 +36,7 @@ from service.db.metrics import record_metrics  # noqa: E402
 from service.db.models import Metric  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.scheduler import schedule_pass  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from tests.helpers import job_spec  # noqa: E402
 
 NAMES = ["train_loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "peak_memory_mb", "eval_loss"]

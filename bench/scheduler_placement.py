@@ -38,7 +38,7 @@ from service.db.hosts import all_hosts, register_host  # noqa: E402
 from service.db.models import Attempt, Job, JobEvent, utcnow  # noqa: E402
 from service.db.session import session_factory  # noqa: E402
 from service.scheduler import schedule_pass  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from common.settings import Settings  # noqa: E402
 from tests.helpers import busy_slots_by_host, job_spec  # noqa: E402
 
 

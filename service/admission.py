@@ -27,7 +27,7 @@ from service.db.models import Job, Sweep, Team, User
 from service.db.teams import TeamError, team_for_job
 from service.db.sweeps import create_sweep
 from service.placement import never_fits
-from service.settings import Settings
+from common.settings import Settings
 from service.sweep_space import NoSuchField, with_params
 from service.uploads import CODE, DATASET, UploadRefused, code_directory
 

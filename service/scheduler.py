@@ -42,7 +42,7 @@ from service.db.scheduling import (
 )
 from service.logs import job_fields
 from service.placement import HostRoom, Rooms, preemption_plan, waiting_reason
-from service.settings import Settings
+from common.settings import Settings
 from service.db.teams import kind_of
 from service.fair_share import FairShare, Quotas, load_fair_share, load_quotas, pool_reclaims, reclaimable_attempts
 from service.sweeps import advance_sweeps

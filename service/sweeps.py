@@ -29,7 +29,7 @@ from service.db import state
 from service.db.jobs import TrialOf
 from service.db.models import Job, Sweep
 from service.db.sweeps import finish_sweep, lock_sweep, objective_series, running_sweep_ids, trial_jobs
-from service.settings import Settings
+from common.settings import Settings
 from service.sweep_space import distributions, grid, grid_size, with_params
 
 log = logging.getLogger("trainyard.sweeps")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from api_schemas.jobs import UPLOADS_DIR, CodeSource
-from service.settings import Settings
+from common.settings import Settings
 
 DATASET, CODE = "dataset", "code"
 COPY_CHUNK = 1 << 20

@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from service.settings import Settings
+from common.settings import Settings
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session

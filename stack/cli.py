@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from service.settings import Settings
+from common.settings import Settings
 from service.user_commands import add_host_commands, add_user_commands
 from trainyard.cli import SERVER_COMMANDS
 from trainyard.client import Client, token_file
@@ -53,7 +53,7 @@ def run_api(args: argparse.Namespace) -> int:
 
 def run_scheduler_command(args: argparse.Namespace) -> int:
     from service.db.session import session_factory
-    from service.queue import make_celery
+    from common.queue import make_celery
     from service.scheduler import run_scheduler
 
     _configure_logging("scheduler")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from service.settings import Settings
+from common.settings import Settings
 
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"
 REPO_PLUGINS = REPO_DATA.parent / "examples" / "plugins"

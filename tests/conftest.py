@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from service.db.migrate import upgrade
 from service.db.session import session_factory
-from service.settings import Settings
+from common.settings import Settings
 from tests.private_services import configured_postgres_url, configured_redis_url
 
 REPO = Path(__file__).resolve().parent.parent

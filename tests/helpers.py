@@ -23,7 +23,7 @@ from service.db.models import Attempt
 from service.db.session import session_factory
 from service.db.state import ACTIVE_ATTEMPT
 from service.scheduler import schedule_pass
-from service.settings import Settings
+from common.settings import Settings
 
 EXAMPLE_SPEC = json.loads((Path(__file__).resolve().parent.parent / "examples" / "shakespeare-char.json").read_text())
 

@@ -11,8 +11,8 @@ from urllib.parse import urlsplit
 from celery.signals import worker_shutting_down
 
 from api_schemas.host_api import HostRegistration, HostTerms
-from service.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
-from service.settings import Settings
+from common.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
+from common.settings import Settings
 from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
 from workers.limits import SlotShare

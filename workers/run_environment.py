@@ -14,7 +14,7 @@ from pathlib import Path
 from api_schemas import JobSpec
 from api_schemas.manifest import sha256_file
 from api_schemas.run_record import RunEnvironment
-from service.settings import Settings
+from common.settings import Settings
 from workers.sandbox import plugin_module
 
 # sha256 of a file by (path, size, mtime): a dataset of many GB is read once per worker, not per attempt.

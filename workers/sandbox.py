@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from api_schemas import JobSpec
-from service.settings import Settings
+from common.settings import Settings
 from workers import limits
 
 SANDBOX_UID = SANDBOX_GID = 65534  # nobody / nogroup: owns nothing of the service's

@@ -19,7 +19,7 @@ import socket
 import subprocess
 import time
 
-from service.settings import Settings
+from common.settings import Settings
 from workers.host_client import HostClient, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
 from workers.supervisor import AttemptRunner

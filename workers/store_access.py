@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 from api_schemas import JobSpec
 from api_schemas.host_api import MAX_UPLOAD_PART_BYTES, CheckpointSeal, ClaimedAttempt, OutputSeal
 from api_schemas.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_name, sha256_file, write_manifest
-from service.artifacts import ArtifactStore, links_and_special_files
+from common.artifacts import ArtifactStore, links_and_special_files
 from workers.host_client import HostClient, ServiceRefused, ServiceUnreachable
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
 from api_schemas.host_api import Rendezvous, Rollback
 from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, SpikeEvent, decode_events
-from service.settings import Settings
+from common.settings import Settings
 from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
 from workers.host_client import HostClient, ServiceError, ServiceUnreachable

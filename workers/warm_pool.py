@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from api_schemas import JobSpec
-from service.settings import Settings
+from common.settings import Settings
 from workers.launch import SERVICE_SETTINGS_PREFIX
 from workers.limits import AttemptLimits, Bounds, limited
 from workers.sandbox import (

@@ -21,14 +21,14 @@ from sqlalchemy.orm import Session
 
 from api_schemas import ErrorOut
 from service.api.limits import FailedAuthLimiter
-from service.artifacts import ArtifactStore
+from common.artifacts import ArtifactStore
 from service.db.accounts import user_by_token, why_refused
 from service.db.browser_logins import SESSION_PREFIX, user_by_browser_token
 from service.db.host_tokens import host_by_token
 from service.db.jobs import job_visible_to
 from service.db.models import Job, User, utcnow
 from service.db.session import read_session_factory, session_factory
-from service.settings import Settings
+from common.settings import Settings
 
 
 # Error responses for the OpenAPI schema, so clients (and schemathesis) know every status a route gives.

@@ -23,7 +23,7 @@ from service.api.audit import AuditTrail
 from service.api.routes import audit, checkpoints, dashboard, host_api, host_transfers, jobs, login, monitoring, outputs, sweeps, teams, tokens, uploads, usage
 from service.db.doorbell import libpq_dsn
 from service.db.session import read_session_factory, session_factory
-from service.settings import Settings, get_settings
+from common.settings import Settings, get_settings
 
 log = logging.getLogger("trainyard.api")
 

@@ -26,7 +26,7 @@ from service.db.monitoring import (
     queue_wait_histogram,
     running_attempt_count,
 )
-from service.settings import Settings
+from common.settings import Settings
 
 __all__ = ["CONTENT_TYPE_LATEST", "scrape"]
 

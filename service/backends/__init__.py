@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from service.settings import Settings
+from common.settings import Settings
 
 
 def cluster_pools(settings: Settings) -> set[str]:

@@ -1,5 +1,5 @@
 """Trainyard's own registered hosts as an execution backend: each placed attempt is sent to its
-host's Celery queue (service/queue.py); the message never is the attempt (the worker claims it)."""
+host's Celery queue (common/queue.py); the message never is the attempt (the worker claims it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 
 from celery import Celery
 
-from service.queue import dispatch_attempt
+from common.queue import dispatch_attempt
 
 log = logging.getLogger("trainyard.scheduler")
 

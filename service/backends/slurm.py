@@ -41,7 +41,7 @@ from service.db.models import Attempt, Job
 from service.db.pools import record_pool, set_cluster_state, unsettled_attempts
 from service.db.scheduling import pool_host
 from service.logs import job_fields
-from service.settings import Settings
+from common.settings import Settings
 
 log = logging.getLogger("trainyard.scheduler")
 

@@ -17,7 +17,7 @@ from service.db.attempts import finish_attempt
 from service.db.metrics import record_metrics
 from service.db.models import Job
 from service.db.session import session_factory
-from service.settings import Settings
+from common.settings import Settings
 from tests.client.serve import serve_app
 from tests.helpers import start_job
 from trainyard.progress import ProgressBar

@@ -9,12 +9,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api_schemas.manifest import MODEL_FILE, write_manifest
 from service.api.main import create_app
-from service.artifacts import ArtifactStore
+from common.artifacts import ArtifactStore
 from service.db.accounts import user_by_name
 from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.jobs import create_job
 from service.db.session import session_factory
-from service.settings import Settings
+from common.settings import Settings
 from tests.client.serve import serve_app
 from tests.helpers import job_spec, start_job
 from trainyard.cli import main

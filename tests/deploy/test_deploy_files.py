@@ -8,7 +8,7 @@ from pathlib import Path
 import yaml
 
 from stack.cli import build_parser
-from service.settings import Settings
+from common.settings import Settings
 from trainyard.cli import SERVER_COMMANDS
 
 REPO = Path(__file__).resolve().parents[2]

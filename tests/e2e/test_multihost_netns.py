@@ -18,7 +18,7 @@ from sqlalchemy import select
 
 from service.db.models import Attempt
 from service.db.session import session_factory
-from service.settings import Settings
+from common.settings import Settings
 from stack.embedded import embedded_stack, host_cores, stop_children, wait_for_workers, wait_healthy
 from tests.conftest import IN_CI
 from tests.e2e.netns import can_make_namespaces, namespaced_hosts, start_worker

@@ -19,7 +19,7 @@ from service.db.jobs import create_job
 from service.db.migrate import upgrade
 from service.db.session import session_factory
 from stack.embedded import stop_children, wait_healthy
-from service.settings import Settings
+from common.settings import Settings
 from tests.conftest import IN_CI
 from tests.helpers import job_spec, start_job
 from tests.nginx import NGINX, REPO, nginx_in_front

@@ -23,7 +23,7 @@ from api_schemas.manifest import MODEL_FILE, checkpoint_name
 from service.db.accounts import create_user
 from service.db.session import session_factory
 from stack.embedded import embedded_stack
-from service.settings import Settings
+from common.settings import Settings
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_scripts import upload_code
 from tests.helpers import tiny_spec

@@ -9,7 +9,7 @@ import pytest
 
 from service.db.accounts import create_user
 from service.db.session import session_factory
-from service.settings import Settings
+from common.settings import Settings
 from stack.embedded import ADMIN_NAME, embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_faults import FAULT_SPEC, assert_same_run, final_weights, wait_until_training

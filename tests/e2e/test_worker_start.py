@@ -15,7 +15,7 @@ import sys
 import time
 
 from stack.embedded import host_token_files, prepare_embedded, stop_children
-from service.settings import Settings
+from common.settings import Settings
 from workers.supervisor import free_port
 
 

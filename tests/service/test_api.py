@@ -26,7 +26,7 @@ from service.db.models import Job, WorkerHost, utcnow
 from service.db.scheduling import place_jobs
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
-from service.settings import Settings
+from common.settings import Settings
 from tests.helpers import auth, classifier_spec, finish_job, job_spec, start_job, tiny_spec, write_labelled_jsonl
 
 

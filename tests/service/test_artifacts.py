@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from api_schemas.manifest import MODEL_FILE, CorruptCheckpoint, sha256_file, verify_manifest, write_manifest
-from service.artifacts import ArtifactStore
+from common.artifacts import ArtifactStore
 from tests.helpers import directory_on_another_filesystem
 
 

@@ -30,7 +30,7 @@ from service.db.metrics import metric_series, record_metrics
 from service.db.models import Attempt, Base, Job, LogLine, Metric, User, WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
-from service.settings import Settings
+from common.settings import Settings
 from tests.helpers import busy_slots_by_host, directory_on_another_filesystem, host_client, job_spec
 from workers import supervisor
 from workers.supervisor import AttemptRunner

@@ -16,7 +16,7 @@ from service.db.metrics import record_metrics
 from service.db.migrate import upgrade
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
-from service.settings import Settings
+from common.settings import Settings
 from tests.client.serve import serve_app
 from tests.helpers import auth, start_job, tiny_spec
 from trainyard.cli import main

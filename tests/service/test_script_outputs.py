@@ -19,11 +19,11 @@ import pytest
 from api_schemas import AttemptStatus, JobSpec
 from api_schemas.manifest import MANIFEST_FILE, verify_manifest
 from api_schemas.worker_protocol import CheckpointEvent, InvalidSpecEvent, encode_event
-from service.artifacts import ArtifactStore
+from common.artifacts import ArtifactStore
 from service.db.accounts import create_user
 from service.db.outputs import record_output
 from service.db.session import session_factory
-from service.settings import Settings
+from common.settings import Settings
 from tests.helpers import auth, start_job, tiny_spec
 from workers.launch import EVENTS_FILE_NAME
 from workers.supervisor import FinalReason, RunningAttempt

@@ -24,7 +24,7 @@ def test_the_scheduler_logs_a_placement_with_the_job_id_as_a_field(caplog, sqlit
     from service.db.jobs import create_job
     from service.db.session import session_factory
     from service.scheduler import schedule_pass
-    from service.settings import Settings
+    from common.settings import Settings
     from tests.helpers import job_spec
 
     settings = Settings(data_dir=tmp_path, database_url=sqlite_url)

@@ -10,7 +10,7 @@ import pytest
 
 from api_schemas import JobSpec
 from api_schemas.run_record import AttemptEnvironment, RunEnvironment, RunRecord
-from service.settings import Settings
+from common.settings import Settings
 from tests.helpers import job_spec
 from trainyard.client import TrainyardError
 from trainyard.record_cli import environment_differences, rerun_spec

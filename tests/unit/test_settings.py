@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from service.settings import ApiSettings, LoggingSettings, SchedulerSettings, Settings, SlurmSettings, StorageSettings, WorkerSettings
+from common.settings import ApiSettings, LoggingSettings, SchedulerSettings, Settings, SlurmSettings, StorageSettings, WorkerSettings
 
 GROUPS = (StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings, WorkerSettings, SlurmSettings)
 

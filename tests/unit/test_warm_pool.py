@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from api_schemas import JobSpec
-from service.settings import Settings
+from common.settings import Settings
 from tests.helpers import job_spec
 from workers import warm_pool
 from workers.limits import Bounds

@@ -17,7 +17,7 @@ from api_schemas.host_api import (
 )
 from api_schemas.jobs import CheckpointConfig, CodeSource
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
-from service.artifacts import ArtifactStore
+from common.artifacts import ArtifactStore
 from service.db.attempts import (
     HeldAttempt, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
 )
@@ -28,7 +28,7 @@ from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job
 from service.db.outputs import record_output
 from service.db.gang_addresses import host_subnet
-from service.settings import Settings
+from common.settings import Settings
 from service.uploads import UploadRefused, code_directory
 
 # Each route takes a host's token (401 without one; 429 after many wrong ones); an attempt's, a 404

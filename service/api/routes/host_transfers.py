@@ -28,12 +28,12 @@ from api_schemas.host_api import (
 from api_schemas.jobs import CodeSource, JobSpec
 from api_schemas.manifest import MANIFEST_FILE, CorruptCheckpoint, read_manifest, sha256_file
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, StoreDep, not_found
-from service.artifacts import ArtifactStore
+from common.artifacts import ArtifactStore
 from service.datasets import DatasetError, resolve_under_root
 from service.db.attempts import HeldAttempt, attempt_on_host
 from service.db.models import Attempt, Checkpoint, Job
 from service.db.session import read_session_factory
-from service.settings import Settings
+from common.settings import Settings
 from service.uploads import UploadRefused, code_directory
 
 router = APIRouter(prefix=HOST_API_PREFIX, tags=["worker protocol"], responses={**NEEDS_TOKEN, **MAY_BE_MISSING})

@@ -29,7 +29,7 @@ from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentUser, RowId, Se
 from service.db.uploads import create_upload, upload_visible_to, uploads_visible_to
 from service.db.models import Upload, User
 from service.db.session import session_factory
-from service.settings import Settings
+from common.settings import Settings
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_. +-]*$"
 UploadName = Annotated[

@@ -12,7 +12,7 @@ import time
 import kombu.transport
 from celery import Celery
 
-from service.settings import Settings
+from common.settings import Settings
 
 RUN_ATTEMPT_TASK = "trainyard.run_attempt"
 
@@ -27,7 +27,7 @@ def make_celery(settings: Settings) -> Celery:
     if url.startswith("sqla+"):
         # Our transport for "sqla+" URLs (kombu imports it by this name when a connection opens).
         # Its transport options all go to create_engine(), so they carry SQLite's lock wait.
-        kombu.transport.TRANSPORT_ALIASES["sqla"] = "service.sqla_transport:SQLAlchemyTransport"
+        kombu.transport.TRANSPORT_ALIASES["sqla"] = "common.sqla_transport:SQLAlchemyTransport"
         if "sqlite" in url:
             transport_options = {"connect_args": {"timeout": 60}}
     app = Celery("trainyard", broker=url)

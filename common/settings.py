@@ -1,4 +1,5 @@
-"""The one place service configuration lives. Every field reads TRAINYARD_<NAME> from the environment.
+"""The one place every process's configuration lives (the API's, the scheduler's, the workers'):
+every field reads TRAINYARD_<NAME> from the environment.
 
 The settings come in groups, one per role that reads them, so that each process's own are in
 one class: where state lives and how to log (every process), the API's limits, the scheduler's

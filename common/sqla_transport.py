@@ -1,5 +1,5 @@
 """The broker transport of the embedded stack: kombu's SQLAlchemy transport, tuned for a queue of
-"run attempt X" messages (service/queue.py names it for "sqla+" broker URLs).
+"run attempt X" messages (common/queue.py names it for "sqla+" broker URLs).
 
 Its own module, imported by kombu only when such a connection opens: it imports SQLAlchemy, which
 a worker host on Redis never loads (it holds no database library)."""
