@@ -46,6 +46,8 @@ SKIPPED_BLOCKS = {
         "production mode: PostgreSQL and Redis at docker-compose.yml's hosts `db` and `redis`, /shared volumes, a GPU",
     "export TRAINYARD_SLURM_PARTITION=gpu TRAINYARD_SLURM_ACCOUNT=ml-team":
         "a Slurm cluster's login node and its `gpu` partition (tests/e2e/test_slurm.py runs the pool on a throwaway cluster)",
+    "scontrol token username=trainyard lifespan=604800 > /etc/trainyard/slurm.jwt":
+        "a Slurm cluster's admin making a token, and its slurmrestd (tests/e2e/test_slurm.py reaches a throwaway cluster's this way)",
 }
 
 
