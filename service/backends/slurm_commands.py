@@ -130,10 +130,15 @@ class SlurmCommands:
             nodes += int(count or 0)
             cpus = max(cpus, _number(node_cpus))
             memory = max(memory, _number(node_memory))
-            gpus = max([gpus, *(int(found) for found in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres))])
+            gpus = max(gpus, gpus_in(gres))
         if nodes == 0:
             raise SlurmError(f"sinfo: no partition {name!r}, or it has no nodes", transient=False)
         return {"partition": name, "nodes": nodes, "cpus_per_node": cpus, "gpus_per_node": gpus, "memory_mb": memory}
+
+
+def gpus_in(gres: str) -> int:
+    """The most GPUs a node's gres names (`gpu:a100:4(S:0),…`), 0 for none."""
+    return max((int(found) for found in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres)), default=0)
 
 
 def _number(text: str) -> int:

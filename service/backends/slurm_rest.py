@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from service.backends.slurm_commands import TRANSIENT, BatchJob, SlurmError, SlurmJob
+from service.backends.slurm_commands import TRANSIENT, BatchJob, SlurmError, SlurmJob, gpus_in
 
 API = "/slurm/v0.0.38"
 
@@ -51,7 +51,7 @@ class SlurmRest:
             raise SlurmError(f"slurmrestd: no partition {name!r}, or it has no nodes", transient=False)
         return {
             "partition": name, "nodes": len(nodes), "cpus_per_node": max(node["cpus"] for node in nodes),
-            "gpus_per_node": max(_gpus(node.get("gres", "")) for node in nodes), "memory_mb": max(node["real_memory"] for node in nodes),
+            "gpus_per_node": max(gpus_in(node.get("gres", "")) for node in nodes), "memory_mb": max(node["real_memory"] for node in nodes),
         }
 
     def _call(self, method: str, path: str, body: dict | None = None, result: str | None = None) -> dict:
@@ -79,12 +79,6 @@ class SlurmRest:
         except OSError as exc:
             raise SlurmError(f"TRAINYARD_SLURM_JWT_FILE {self.token_file}: {exc.strerror}", transient=True) from exc
         return text.removeprefix("SLURM_JWT=")  # as `scontrol token` prints it, or the token alone
-
-
-def _gpus(gres: str) -> int:
-    """The GPUs of a node's gres (`gpu:a100:4,...`), 0 for none."""
-    counts = [part.split("(")[0].rsplit(":", 1)[-1] for part in gres.split(",") if part.startswith("gpu")]
-    return max((int(count) for count in counts if count.isdigit()), default=0)
 
 
 def _expired_at(token: str) -> str | None:
