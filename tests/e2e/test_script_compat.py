@@ -102,17 +102,18 @@ def test_an_epoch_named_script_resumes_from_its_epoch_folder(stack):
 
 def test_a_script_that_never_logs_keeps_every_checkpoint_by_its_folder_name_and_is_not_taken_for_stalled(stack):
     client, info = stack
-    # 450 steps of 0.05 s, a checkpoint every 50: the resumed attempt trains longer than the stall
-    # timeout (which must also cover a start on a busy machine) with no metric at all, its
-    # checkpoints its only sign of progress.
-    args = ["--max_steps", "450", "--save_every", "50", "--step_seconds", "0.05"]
-    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "saves_only.py", args, training={"stall_timeout_s": 15})
+    # 750 steps of 0.05 s, a checkpoint every 50: the resumed attempt (from step 50 or 100) trains
+    # longer than the stall timeout with no metric at all, its checkpoints its only sign of progress.
+    # The timeout also covers the first attempt's start to its first checkpoint, which on CI's two
+    # busy cores took over 15 s.
+    args = ["--max_steps", "750", "--save_every", "50", "--step_seconds", "0.05"]
+    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "saves_only.py", args, training={"stall_timeout_s": 30})
     assert job["status"] == "succeeded", job["failure_reason"]
     first, second = job["attempts"]
     assert first["status"] == "failed"
     resumed = second["resumed_from_step"]
     assert resumed >= 50 and resumed % 50 == 0
-    assert {c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json()} == set(range(50, 451, 50))
+    assert {c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json()} == set(range(50, 751, 50))
     series = client.get(f"/v1/jobs/{job_id}/metrics").json()["series"]
     assert not [name for name in series if not name.startswith("sys/")]  # none of its own, only the machine's samples
     logs = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 200}).json()["lines"]
