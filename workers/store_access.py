@@ -14,6 +14,7 @@ attempt links are removed, least recently used first, past the cache's size (TRA
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import logging
 import os
@@ -173,25 +174,31 @@ class StoreThroughApi:
         if cached.is_file() and cached.stat().st_size == expected.size:
             return cached
         self.cache.mkdir(parents=True, exist_ok=True)
-        partial = self.cache / f"{expected.sha256}.part"
-        have = partial.stat().st_size if partial.is_file() else 0
-        if have > expected.size:
-            partial.unlink()
-            have = 0
-        with open(partial, "ab") as file:  # made, if empty
-            if have < expected.size:
-                self.service.fetch_file(claimed, kind, relative, file, have)
-        if partial.stat().st_size != expected.size or sha256_file(partial) != expected.sha256:
-            partial.unlink()
-            raise CorruptCheckpoint(f"{kind} file {relative} does not match the service's listing")
-        partial.rename(cached)
-        return cached
+        # Attempts starting at once on this host often read the same file (two jobs on one dataset):
+        # they take turns, the first fetches it, the others find it cached.
+        with open(self.cache / f"{expected.sha256}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if cached.is_file() and cached.stat().st_size == expected.size:
+                return cached
+            partial = self.cache / f"{expected.sha256}.part"
+            have = partial.stat().st_size if partial.is_file() else 0
+            if have > expected.size:
+                partial.unlink()
+                have = 0
+            with open(partial, "ab") as file:  # made, if empty
+                if have < expected.size:
+                    self.service.fetch_file(claimed, kind, relative, file, have)
+            if partial.stat().st_size != expected.size or sha256_file(partial) != expected.sha256:
+                partial.unlink()
+                raise CorruptCheckpoint(f"{kind} file {relative} does not match the service's listing")
+            partial.rename(cached)
+            return cached
 
     def _trim_cache(self) -> None:
         """Past the cache's size, remove the files no attempt links now, least recently used first."""
         if not self.cache.is_dir():
             return
-        files = [(path, path.stat()) for path in self.cache.iterdir() if not path.name.endswith(".part")]
+        files = [(path, path.stat()) for path in self.cache.iterdir() if not path.name.endswith((".part", ".lock"))]
         total = sum(status.st_size for _, status in files)
         for path, status in sorted(files, key=lambda item: item[1].st_mtime):
             if total <= self.cache_bytes:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -250,4 +251,21 @@ def test_the_data_a_job_names_is_fetched_through_the_api_and_nothing_else_of_the
     assert counted.files == [f"/v1/host/attempts/{attempt_id}/files/data"]  # the listing only, no file
     # Past the cache's size (0 here), what no attempt links any more goes as the attempt ends.
     store.release(again)
-    assert not any((tmp_path / "scratch" / "by-sha256").iterdir())
+    assert not [path for path in (tmp_path / "scratch" / "by-sha256").iterdir() if not path.name.endswith(".lock")]
+
+
+def test_attempts_fetching_the_same_data_at_once_on_one_host_fetch_it_once_and_each_gets_it_whole(settings, api, tmp_path):
+    data = settings.resolved_data_root
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "corpus.txt").write_bytes(os.urandom(30_000_000))  # long enough to fetch that the starts overlap
+    counted = CutOnce(lambda request: False)
+    host = on_a_host(settings, api, "far-host", counted)
+    claimed, _ = a_job_claimed_by(host, settings, **{"dataset.path": "corpus.txt"})
+
+    # Attempts starting together on one host (a worker's processes, each with its own view of the
+    # host's cache), all fetching the same file.
+    stores = [StoreThroughApi(host, tmp_path / "scratch") for _ in range(4)]
+    with ThreadPoolExecutor(len(stores)) as pool:
+        fetched = list(pool.map(lambda i: stores[i]._fetch(claimed, "data", tmp_path / f"attempt-{i}"), range(len(stores))))
+    assert all((into / "corpus.txt").read_bytes() == (data / "corpus.txt").read_bytes() for into in fetched)
+    assert counted.files.count(f"/v1/host/attempts/{claimed.attempt_id}/files/data/corpus.txt") == 1
