@@ -64,12 +64,14 @@ Reference = tuple[dict, dict[str, torch.Tensor]]  # an uninterrupted run's metri
 _references: dict[str, Reference] = {}
 
 
-def run_reference(client: httpx.Client, spec: dict, shared_as: str | None = None) -> Reference:
+def run_reference(client: httpx.Client, spec: dict, shared_as: str | None = None, reference_id: int | None = None) -> Reference:
     """The same spec run straight through: what an interrupted job must end up identical to.
-    Tests whose stacks train it alike (the same hosts, so the same threads) share one run, `shared_as`."""
+    Tests whose stacks train it alike (the same hosts, so the same threads) share one run, `shared_as`;
+    `reference_id`: that run, submitted already (beside the interrupted one, on a stack with room for both)."""
     if shared_as in _references:
         return _references[shared_as]
-    reference_id = client.post("/v1/jobs", json=spec).json()["id"]
+    if reference_id is None:
+        reference_id = client.post("/v1/jobs", json=spec).json()["id"]
     reference = wait_for(client, reference_id, {"succeeded", "failed", "cancelled"}, timeout=240)
     assert reference["status"] == "succeeded" and {a["number"] for a in reference["attempts"]} == {1}  # one try (a gang: one attempt per node)
     series = client.get(f"/v1/jobs/{reference_id}/metrics", params={"names": "train_loss,eval_loss"}).json()["series"]
@@ -122,11 +124,11 @@ FAULT_SPEC = spec_dict(
 STEPS, EVERY = FAULT_SPEC["training"]["max_steps"], FAULT_SPEC["checkpoint"]["every_steps"]
 
 
-def wait_until_training(client: httpx.Client, job_id: int) -> dict:
+def wait_until_training(client: httpx.Client, job_id: int, spec: dict = FAULT_SPEC) -> dict:
     """Until the job has a complete checkpoint and is still running."""
     wait_for_checkpoint(client, job_id, timeout=180)
     job = client.get(f"/v1/jobs/{job_id}").json()
-    assert job["status"] == "running" and job["step"] < FAULT_SPEC["training"]["max_steps"]
+    assert job["status"] == "running" and job["step"] < spec["training"]["max_steps"]
     return job
 
 

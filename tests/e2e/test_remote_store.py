@@ -19,8 +19,9 @@ import pytest
 
 from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
-from tests.e2e.test_faults import FAULT_SPEC, STEPS, EVERY, assert_same_run, run_reference, training_ranks, wait_until_training
+from tests.e2e.test_faults import assert_same_run, run_reference, training_ranks, wait_until_training
 from tests.e2e.test_scripts import EXAMPLES, TINY_GPT, kill_after_its_first_checkpoint, script_spec
+from tests.helpers import spec_dict
 from workers.launch import attempt_dir
 from workers.supervisor import free_port
 
@@ -44,23 +45,31 @@ def stack(tmp_path_factory, module_postgres_url, module_redis_url):
     assert not any(hosts_data.rglob("*")), list(hosts_data.rglob("*"))
 
 
+# test_faults' job, shorter: what is fetched and sent is the same few files whatever the steps.
+SPEC = spec_dict(**{
+    "training.max_steps": 80, "training.eval_every": 40, "training.eval_batches": 5, "schedule.warmup_steps": 10,
+    "checkpoint.every_steps": 20, "checkpoint.keep_last": 10, "max_restarts": 2,
+})
+
+
 def test_a_job_killed_mid_run_resumes_from_a_checkpoint_fetched_through_the_api_bit_identical(stack):
     client, info = stack
-    reference = run_reference(client, FAULT_SPEC)
-    job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
+    # The job and its uninterrupted reference train side by side, a slot each.
+    job_id = client.post("/v1/jobs", json=SPEC).json()["id"]
+    reference = client.post("/v1/jobs", json=SPEC).json()["id"]
 
     # Its training killed once a checkpoint is listed: the next attempt fetches that checkpoint back.
-    wait_until_training(client, job_id)
+    wait_until_training(client, job_id, SPEC)
     for pid in training_ranks(attempt_dir(info.data_dir / "work", job_id, 1)):
         os.kill(pid, signal.SIGKILL)
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
     assert job["status"] == "succeeded", job["failure_reason"]
     first, second = job["attempts"]
-    assert first["status"] == "failed" and second["resumed_from_step"] >= EVERY
-    assert_same_run(client, job_id, reference, STEPS)
+    assert first["status"] == "failed" and second["resumed_from_step"] >= SPEC["checkpoint"]["every_steps"]
+    assert_same_run(client, job_id, run_reference(client, SPEC, reference_id=reference), SPEC["training"]["max_steps"])
     # Its dataset came through the API (this host's data root is empty): the record names what the service holds.
-    corpus = FAULT_SPEC["dataset"]["path"]
+    corpus = SPEC["dataset"]["path"]
     for attempt in client.get(f"/v1/jobs/{job_id}/record").json()["attempts"]:
         assert attempt["environment"]["inputs"] == {corpus: hashlib.sha256((info.data_dir / "data" / corpus).read_bytes()).hexdigest()}
     for checkpoint in client.get(f"/v1/jobs/{job_id}/checkpoints").json():  # each listed one verified, and whole
