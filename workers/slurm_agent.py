@@ -59,8 +59,9 @@ def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None, w
     logging.getLogger("httpx").setLevel(logging.WARNING)
     sandbox = HostSandbox.detect(unsafe=False)
     # Torch and accelerate load from now on, beside the claim and the inputs' placing, instead of after them.
-    pool = WarmPool(settings, sandbox, 1 if warm else 0)
-    pool.fill()
+    pool = WarmPool(settings, sandbox, 1) if warm else None
+    if pool is not None:
+        pool.fill()
     runner = AttemptRunner(settings, service, node_name, node_address(node_name), sandbox, pool, cpu_threads=threads)
     signal.signal(signal.SIGTERM, lambda *_: runner.preempt_all())
     # The API may be restarting as the allocation starts: wait for it as long as a dispatch lasts.
@@ -76,6 +77,7 @@ def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None, w
                 log.warning("the service is out of reach; trying again")
                 time.sleep(2)
     finally:
-        pool.close()  # one attempt per agent: an interpreter it did not use, or the replacement the runner asked for, goes
+        if pool is not None:
+            pool.close()  # one attempt per agent: an interpreter it did not use, or the replacement the runner asked for, goes
     service.close()
     return 0
