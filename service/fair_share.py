@@ -5,9 +5,9 @@ slots and `cuda` GPUs of the registered hosts, `<pool>/cpu` and `<pool>/cuda` of
 (service/db/teams.py: JOB_KIND; "device kind" below means either). Within it, a team's jobs are
 placed as they always were. Beyond it a
 team may *borrow* slots nobody else wants now; when a team under its quota has a job waiting, the
-borrowed slots are reclaimed: the borrowing attempts (a team's newest first, never taking it below
-its quota) are asked to stop at a checkpoint, the preemption path, and queued again with no restart
-counted. A kind no team has a quota for is not governed: every job on it runs as if teams did not
+borrowed slots are reclaimed: the borrowing attempts (a team's newest first, as many as cover what
+it holds beyond its quota; one that crossed the quota line borrowed as a whole) are asked to stop at
+a checkpoint, the preemption path, and queued again with no restart counted. A kind no team has a quota for is not governed: every job on it runs as if teams did not
 exist. A job of no team (or of a team with no quota of that kind) on a governed kind only borrows.
 
 Fair share is Slurm's classic factor. Each claimant's usage is its device-seconds decayed with a
@@ -75,24 +75,30 @@ class Quotas:
 
     def reclaimable(self, running: list[tuple[int, int | None, str, int]]) -> set[int]:
         """Of running attempts (id, team id, device, slots), those holding borrowed slots: each team's
-        newest first, as many as it holds beyond its quota, so none is taken below it."""
+        newest first, until what it holds beyond its quota is covered. An attempt that crossed its
+        team's quota line borrowed as a whole (Kueue's view: a 2-slot job of a team with a quota of
+        1 borrows), so it may be reclaimed though the team then holds less than its quota for a
+        while; attempts wholly within the quota never are."""
         over = {(team, device): self.borrowed(team, device) for team, device in {(t or NO_TEAM, d) for _, t, d, _ in running}}
         chosen: set[int] = set()
         for attempt_id, team_id, device, slots in sorted(running, key=lambda a: -a[0]):
             key = (team_id or NO_TEAM, device)
-            if 0 < slots <= over.get(key, 0):
+            if over.get(key, 0) > 0:
                 over[key] -= slots
                 chosen.add(attempt_id)
         return chosen
 
     def describe(self, team_id: int | None, device: str) -> str:
-        """`team vision at its quota: 8 of 8 GPUs in use`; `… 8 of 8 slurm/cuda GPUs …` in a pool."""
+        """`team vision at its quota: 8 of 8 GPUs in use`, `… 10 of 8 GPUs in use, 2 borrowed`; in a
+        pool the kind is named: `… 2 of 2 slurm/cpu slots in use`."""
         pool, _, kind = device.rpartition("/")
-        what = ("GPU" if kind == "cuda" else "CPU slot") if not pool else f"{device} {'GPU' if kind == 'cuda' else 'slot'}"
+        unit = "GPUs" if kind == "cuda" else ("slots" if pool else "CPU slots")
+        what = f"{device} {unit}" if pool else unit
         quota, held = self.quota(team_id, device), self.held(team_id, device)
         if quota == 0:
-            return f"{self.name(team_id)} ha{'s' if team_id else 've'} no {device} quota ({held} {what}s borrowed now)"
-        return f"{self.name(team_id)} at its quota: {held} of {quota} {what}s in use"
+            return f"{self.name(team_id)} ha{'s' if team_id else 've'} no {device} quota ({held} {what} borrowed now)"
+        borrowed = f", {held - quota} borrowed" if held > quota else ""
+        return f"{self.name(team_id)} at its quota: {held} of {quota} {what} in use{borrowed}"
 
 
 @dataclass

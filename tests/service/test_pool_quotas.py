@@ -45,7 +45,7 @@ def test_a_pool_quota_hands_over_within_it_borrows_what_is_idle_and_reclaims_it_
         assert len(running) == 4 and {session.get(Attempt, held.attempt_id).pool for held in running} == {"slurm"}
         waiting = session.query(Job).filter(Job.status == JobStatus.queued).first()
         assert waiting.waiting_reason == (
-            "team vision at its quota: 4 of 2 slurm/cpu slots in use; it borrows idle slots of pool slurm beyond it: 0 of its 4 slots idle"
+            "team vision at its quota: 4 of 2 slurm/cpu slots in use, 2 borrowed; it borrows idle slots of pool slurm beyond it: 0 of its 4 slots idle"
         )
 
         # Bob's job, within nlp's quota, is handed to the full pool: the newest borrowing try is

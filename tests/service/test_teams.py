@@ -61,7 +61,7 @@ def test_a_team_under_its_quota_reclaims_borrowed_slots_at_a_checkpoint_and_neve
         running = place(session, settings)
         assert len(running) == 4 and team_of_jobs(session, running) == ["vision"] * 4
         waiting = session.query(Job).filter(Job.status == JobStatus.queued).first()
-        assert waiting.waiting_reason.startswith("team vision at its quota: 4 of 2 CPU slots in use; it borrows idle slots beyond it")
+        assert waiting.waiting_reason.startswith("team vision at its quota: 4 of 2 CPU slots in use, 2 borrowed; it borrows idle slots beyond it")
 
         # Bob's team, under its quota, wants a slot: the newest borrowed attempt is asked to stop.
         [bobs] = submit(session, settings, bob)
@@ -116,6 +116,28 @@ def test_a_higher_priority_of_another_team_never_preempts_a_job_within_its_teams
         place(session, settings)
         assert not renew_lease(session, alices, settings.lease_seconds).preempt_requested
         assert not renew_lease(session, bobs, settings.lease_seconds).preempt_requested  # it borrows: it waits for idle room
+
+
+def test_a_job_wider_than_its_teams_quota_borrowed_as_a_whole_and_is_reclaimed(sessions, settings):
+    with sessions() as session:
+        alice, _ = create_user(session, "alice")
+        bob, _ = create_user(session, "bob")
+        register_host(session, "host-a", "cpu", 2, {})
+        add_member(session, create_team(session, "vision", {"cpu": 1}), alice, default=True)
+        add_member(session, create_team(session, "nlp", {"cpu": 1}), bob, default=True)
+        session.commit()
+        # Vision's 2-process job holds its 1 slot and 1 borrowed: a team could otherwise hold
+        # another's quota for a whole job by asking for one slot more than its own.
+        submit(session, settings, alice, 1, **{"resources.processes_per_node": 2})
+        [wide] = place(session, settings)
+        [bobs] = submit(session, settings, bob)
+        assert place(session, settings) == []
+        session.refresh(bobs)
+        assert "2 slots borrowed by team vision reclaimed at their next checkpoint" in bobs.waiting_reason
+        assert renew_lease(session, wide, settings.lease_seconds).preempt_requested
+        finish_attempt(session, wide, AttemptStatus.preempted, "reclaimed; stopped at a checkpoint")
+        [started] = place(session, settings)
+        assert started.job_id == bobs.id
 
 
 def test_two_users_of_one_team_converge_to_equal_device_hours(sessions, settings):
