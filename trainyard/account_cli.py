@@ -10,7 +10,7 @@ from datetime import datetime
 import yaml
 
 from trainyard.client import config_file, read_config, token_file
-from trainyard.client_cli import connect, guarded, local_time, print_table
+from trainyard.client_cli import connect, guarded, local_time, positive, print_table
 
 
 def local_moment(text: str) -> datetime:
@@ -95,11 +95,11 @@ def add_account_commands(subparsers, connection: argparse.ArgumentParser) -> Non
 
     usage = subparsers.add_parser("usage", parents=[connection], help="device-hours per user and job (yours; everyone's for an admin)")
     usage.add_argument("--since", type=local_moment, help="count from this time (ISO 8601, e.g. 2026-11-01)")
-    usage.add_argument("--limit", type=int, default=20, help="jobs to list (default 20)")
+    usage.add_argument("--limit", type=positive, default=20, help="jobs to list (default 20)")
     usage.set_defaults(func=guarded(cmd_usage))
 
     audit = subparsers.add_parser("audit", parents=[connection], help="who did what, when, from where (admins only)")
     audit.add_argument("--user", help="only this user's requests")
     audit.add_argument("--since", type=local_moment, help="only from this time (ISO 8601)")
-    audit.add_argument("--limit", type=int, default=50, help="entries to show (default 50)")
+    audit.add_argument("--limit", type=positive, default=50, help="entries to show (default 50)")
     audit.set_defaults(func=guarded(cmd_audit))

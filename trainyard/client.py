@@ -294,7 +294,11 @@ class Client:
     def upload_dataset(self, path: Path, name: str | None = None) -> UploadOut:
         """Upload a data file (streamed from disk); a job then names it as `"dataset": {…, "upload_id": ID}`."""
         path = Path(path)
-        with open(path, "rb") as body:
+        try:
+            body = open(path, "rb")
+        except OSError as exc:
+            raise TrainyardError(f"cannot read {path}: {exc.strerror}") from None
+        with body:
             return self._upload("/v1/datasets", body, name or path.name)
 
     def datasets(self) -> list[UploadOut]:

@@ -34,6 +34,17 @@ class SpecFileError(TrainyardError):
     pass
 
 
+def positive(text: str) -> int:
+    """argparse's type for a count (`--limit`): a whole number, 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
+    return value
+
+
 def load_spec_file(path: Path) -> dict:
     """A job spec from a .json file, or YAML for any other name."""
     path = Path(path)
@@ -407,7 +418,7 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
 
     ls = command("ls", cmd_ls, "list jobs, newest first")
     ls.add_argument("--status", choices=[s.value for s in JobStatus])
-    ls.add_argument("--limit", type=int, default=50, help="show at most this many (default 50)")
+    ls.add_argument("--limit", type=positive, default=50, help="show at most this many (default 50)")
 
     command("status", cmd_status, "show a job and its attempts").add_argument("id", type=int)
 

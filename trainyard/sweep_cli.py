@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 
 from api_schemas import SweepOut
-from trainyard.client_cli import connect, guarded, load_spec_file, local_time, print_table
+from trainyard.client_cli import connect, guarded, load_spec_file, local_time, positive, print_table
 
 
 def cmd_sweep_submit(args: argparse.Namespace) -> int:
@@ -74,6 +74,6 @@ def add_sweep_commands(subparsers, connection: argparse.ArgumentParser) -> None:
         return parser
 
     command("submit", cmd_sweep_submit, "submit a sweep spec (YAML or JSON): base job spec, search space, sampler, objective, budget, pruner").add_argument("file")
-    command("ls", cmd_sweep_ls, "list sweeps, newest first").add_argument("--limit", type=int, default=50)
+    command("ls", cmd_sweep_ls, "list sweeps, newest first").add_argument("--limit", type=positive, default=50)
     command("show", cmd_sweep_show, "a sweep's trials and its best trial's spec, ready to submit").add_argument("id", type=int)
     command("cancel", cmd_sweep_cancel, "cancel a sweep and its unfinished trials").add_argument("id", type=int)

@@ -29,7 +29,10 @@ def trainyard(api_url, token, capsys, monkeypatch):
     monkeypatch.setenv("TRAINYARD_TOKEN", token)
 
     def run(*args: str) -> tuple[int, str, str]:
-        code = main(list(args))
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's refusals
+            code = exit.code
         out, err = capsys.readouterr()
         return code, out, err
 
@@ -100,6 +103,13 @@ def test_bad_input_exits_2_without_a_traceback(trainyard, tmp_path):
         "  model: n_embd (32) must be divisible by n_head (3)",
     ]
     assert trainyard("submit", str(tmp_path / "nope.yaml"))[0] == 2
+    # A file that isn't there or isn't a file, a count below 1: a message, never a traceback.
+    for path in (tmp_path / "nope.txt", tmp_path):
+        code, _, err = trainyard("datasets", "upload", str(path))
+        assert code != 0 and err.startswith(f"error: cannot read {path}: ") and "Traceback" not in err
+    for command in (["ls"], ["audit"], ["usage"], ["sweep", "ls"]):
+        code, _, err = trainyard(*command, "--limit", "-1")
+        assert code == 2 and "--limit: -1: give 1 or more" in err, command
 
 
 def test_server_errors_exit_1_with_the_reason(trainyard):
