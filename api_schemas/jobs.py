@@ -425,6 +425,17 @@ class ResourcesConfig(_Config):
         "it (a Slurm partition: GET /v1/pools lists them). Its cluster places the nodes; None: Trainyard's own hosts.",
     )
 
+    @property
+    def slots(self) -> int:
+        """The process slots it holds in all, as quotas and the scheduler count them."""
+        return self.nodes * self.processes_per_node
+
+    @property
+    def slot_kind(self) -> str:
+        """The kind of slots it holds, which quotas and fair share count apart: its device on the
+        registered hosts (`cpu`, `cuda`), `<pool>/<device>` in a cluster pool (`slurm/cuda`)."""
+        return f"{self.pool}/{self.device}" if self.pool else self.device
+
     @model_validator(mode="after")
     def _gpu_memory_needs_cuda(self) -> ResourcesConfig:
         if self.min_gpu_memory_gb is not None and self.device != "cuda":

@@ -9,20 +9,23 @@ from sqlalchemy import delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from api_schemas import JobStatus
+from api_schemas.jobs import ResourcesConfig
 from service.db import state
 from service.db.models import Attempt, FairShareUsage, Job, Team, TeamMember, User
 
-# The kind of slots a job holds, which quotas and fair share count separately: its device kind on
-# the registered hosts (`cpu`, `cuda`), `<pool>/<device>` in a cluster pool (`slurm/cuda`). Read
-# from its spec in SQL (both dialects' JSON path; NULL || '/' is NULL in both), and in Python.
+# The kind of slots a job holds (ResourcesConfig.slot_kind) read from its spec in SQL (both
+# dialects' JSON path; NULL || '/' is NULL in both).
 JOB_KIND = func.coalesce(Job.spec["resources"]["pool"].as_string().concat("/"), "").concat(Job.spec["resources"]["device"].as_string())
 NO_TEAM = 0  # the team id a job of no team is counted under
 
 
+def resources_of(job: Job) -> ResourcesConfig:
+    """The job's resources as admitted, unvalidated again: a scheduler pass reads them for thousands of jobs."""
+    return ResourcesConfig.model_construct(**job.spec.get("resources", {}))
+
+
 def kind_of(job: Job) -> str:
-    resources = job.spec.get("resources", {})
-    device = resources.get("device", "cpu")
-    return f"{resources['pool']}/{device}" if resources.get("pool") else device
+    return resources_of(job).slot_kind
 
 
 class TeamError(ValueError):
@@ -64,9 +67,11 @@ def add_member(session: Session, team: Team, user: User, default: bool) -> None:
         session.add(membership)
         default = default or default_team(session, user) is None
     if default:
-        session.execute(TeamMember.__table__.update().where(TeamMember.user_id == user.id).values(is_default=False))
+        # Through the ORM, not a bulk UPDATE behind its back: an UPDATE clearing every row, then this
+        # row set True again, was no change to the session, so an existing default was left cleared.
         session.flush()
-        membership.is_default = True
+        for other in session.scalars(select(TeamMember).where(TeamMember.user_id == user.id)):
+            other.is_default = other is membership
 
 
 def remove_member(session: Session, team: Team, user: User) -> None:

@@ -18,7 +18,7 @@ from service.db.attempts import claim_attempt, finish_attempt, renew_lease
 from service.db.hosts import record_heartbeat, register_host
 from service.db.models import Job, utcnow
 from service.db.session import session_factory
-from service.db.teams import add_member, create_team
+from service.db.teams import add_member, create_team, default_team
 from service.scheduler import schedule_pass
 from tests.helpers import job_spec
 
@@ -183,6 +183,12 @@ def test_a_job_names_one_of_its_owners_teams_or_runs_under_their_default(session
         with pytest.raises(Refused) as refused:
             submit(session, settings, alice, team="robotics")
         assert refused.value.field == ("team",) and "your teams: nlp, vision" in refused.value.message
+
+        # `trainyard team add nlp alice --default`, said again and again: nlp stays her default.
+        for _ in range(3):
+            add_member(session, nlp, alice, default=True)
+            session.commit()
+            assert default_team(session, alice) is nlp
 
 
 def test_teams_through_the_api_admins_only_audited_and_shown_with_what_they_hold(api, sessions, settings):
