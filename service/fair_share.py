@@ -5,9 +5,9 @@ slots and `cuda` GPUs of the registered hosts, `<pool>/cpu` and `<pool>/cuda` of
 (service/db/teams.py: JOB_KIND; "device kind" below means either). Within it, a team's jobs are
 placed as they always were. Beyond it a
 team may *borrow* slots nobody else wants now; when a team under its quota has a job waiting, the
-borrowed slots are reclaimed: the borrowing attempts (a team's newest first, as many as cover what
-it holds beyond its quota; one that crossed the quota line borrowed as a whole) are asked to stop at
-a checkpoint, the preemption path, and queued again with no restart counted. A kind no team has a quota for is not governed: every job on it runs as if teams did not
+borrowed slots are reclaimed: the borrowing attempts (a team's newest first, never taking it below
+its quota, but for an attempt that crossed the quota line, which borrowed as a whole) are asked to
+stop at a checkpoint, the preemption path, and queued again with no restart counted. A kind no team has a quota for is not governed: every job on it runs as if teams did not
 exist. A job of no team (or of a team with no quota of that kind) on a governed kind only borrows.
 
 Fair share is Slurm's classic factor. Each claimant's usage is its device-seconds decayed with a
@@ -75,15 +75,20 @@ class Quotas:
 
     def reclaimable(self, running: list[tuple[int, int | None, str, int]]) -> set[int]:
         """Of running attempts (id, team id, device, slots), those holding borrowed slots: each team's
-        newest first, until what it holds beyond its quota is covered. An attempt that crossed its
-        team's quota line borrowed as a whole (Kueue's view: a 2-slot job of a team with a quota of
-        1 borrows), so it may be reclaimed though the team then holds less than its quota for a
-        while; attempts wholly within the quota never are."""
+        newest first, as many as it holds beyond its quota, so none is taken below it; then, if
+        some of that is held by an attempt too wide to stop without, that attempt too: one that
+        crossed its team's quota line (a 2-slot job of a team with 1) borrowed as a whole."""
         over = {(team, device): self.borrowed(team, device) for team, device in {(t or NO_TEAM, d) for _, t, d, _ in running}}
         chosen: set[int] = set()
-        for attempt_id, team_id, device, slots in sorted(running, key=lambda a: -a[0]):
+        newest_first = sorted(running, key=lambda a: -a[0])
+        for attempt_id, team_id, device, slots in newest_first:
             key = (team_id or NO_TEAM, device)
-            if over.get(key, 0) > 0:
+            if 0 < slots <= over.get(key, 0):
+                over[key] -= slots
+                chosen.add(attempt_id)
+        for attempt_id, team_id, device, slots in newest_first:
+            key = (team_id or NO_TEAM, device)
+            if attempt_id not in chosen and over.get(key, 0) > 0:
                 over[key] -= slots
                 chosen.add(attempt_id)
         return chosen

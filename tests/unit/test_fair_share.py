@@ -33,7 +33,7 @@ def test_a_claimant_at_its_entitlement_gets_half_and_one_that_used_nothing_gets_
     assert shares.team_factor(3, "cuda") == 1.0  # unused: nothing to hold against it
 
 
-def test_borrowed_slots_are_the_newest_attempts_beyond_a_quota_and_never_more():
+def test_borrowed_slots_are_the_newest_attempts_beyond_a_quota_and_never_more_but_for_one_that_crossed_the_line():
     quotas = Quotas(nominal={1: {"cpu": 2}, 2: {"cpu": 2}}, names={1: "a", 2: "b"})
     running = [(1, 1, "cpu", 1), (2, 1, "cpu", 2), (3, 1, "cpu", 1), (4, 2, "cpu", 1)]
     for _, team, device, slots in running:
@@ -41,6 +41,10 @@ def test_borrowed_slots_are_the_newest_attempts_beyond_a_quota_and_never_more():
     # Team 1 holds 4 against its 2, newest first: attempt 3 (1 slot) is borrowed; attempt 2's 2 slots would take
     # the team below its quota, so it is kept; attempt 1's one slot is the other borrowed one.
     assert quotas.reclaimable(running) == {3, 1}
+    # A team of quota 1 whose one attempt holds 2: that attempt crossed the quota line, so it borrowed as a whole.
+    wide = Quotas(nominal={1: {"cpu": 1}}, names={1: "a"})
+    wide.take(1, "cpu", 2)
+    assert wide.reclaimable([(7, 1, "cpu", 2)]) == {7}
     assert quotas.borrowed(2, "cpu") == 0 and not quotas.within(2, "cpu", 2) and quotas.within(2, "cpu", 1)
     assert quotas.within(None, "cuda", 100)  # no quota governs GPUs: as without teams
 
