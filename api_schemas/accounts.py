@@ -7,6 +7,10 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 
+# A user's name: a login or an e-mail address, as `trainyard user create` takes it.
+USER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,99}$"
+
+
 class TokenOut(BaseModel):
     token: str = Field(description="Shown once; only its hash is stored. The token it replaces no longer works.")
     expires_at: datetime | None = Field(description="When this token stops working; null: until rotated or revoked.")

@@ -62,6 +62,10 @@ MAX_WHAT_CHARS = 1_000  # a refused item's name (its folder, or the output's nam
 LeaseOwner = Field(min_length=1, max_length=200)
 
 
+# A worker host's name, as its `--host-name` and `trainyard host token` give it: a hostname.
+HOST_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
 class HostRegistration(BaseModel):
     """What a starting host offers."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import re
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -14,6 +15,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from api_schemas.accounts import USER_NAME_PATTERN
+from api_schemas.host_api import HOST_NAME_PATTERN
 from common.settings import Settings
 
 if TYPE_CHECKING:
@@ -132,12 +135,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _name_of_a(what: str, pattern: str, punctuation: str) -> Callable[[str], str]:
+    """argparse's type for a new user's or host's name: refused here, before it is stored."""
+    def check(text: str) -> str:
+        if not re.fullmatch(pattern, text):
+            raise argparse.ArgumentTypeError(f"{text!r}: a {what} name is letters, digits and {punctuation}, starting with a letter or digit")
+        return text
+    return check
+
+
+user_name = _name_of_a("user", USER_NAME_PATTERN, ". _ @ + -")
+host_name = _name_of_a("host", HOST_NAME_PATTERN, ". _ -")
+
+
 def add_user_commands(parser: argparse.ArgumentParser, settings: Callable[[], Settings]) -> None:
     commands = parser.add_subparsers(dest="user_command", required=True)
 
     def command(name: str, action: Callable[[argparse.Namespace, Session], str], help: str) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=help)
-        sub.add_argument("name")
+        sub.add_argument("name", type=user_name if action is create else str)
         sub.set_defaults(func=lambda args: run(action, args, settings()))
         return sub
 
@@ -161,7 +177,7 @@ def add_host_commands(parser: argparse.ArgumentParser, settings: Callable[[], Se
         ("revoke", host_revoke, "stop a host's token from working: its attempts are lost and requeued, as a dead host's"),
     ):
         sub = commands.add_parser(name, help=help)
-        sub.add_argument("name", help="the host's name (its worker's --host-name)")
+        sub.add_argument("name", type=host_name if action is host_token else str, help="the host's name (its worker's --host-name)")
         sub.set_defaults(func=lambda args, action=action: run(action, args, settings()))
         if action is host_token:
             sub.add_argument("--output", type=Path, help="write the token to this file (0600) instead of printing it")

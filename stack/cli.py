@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from common.settings import Settings
-from service.user_commands import add_host_commands, add_user_commands
+from service.user_commands import add_host_commands, add_user_commands, host_name
 from trainyard.cli import SERVER_COMMANDS
 from trainyard.client import Client, token_file
 
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     command("scheduler").set_defaults(func=run_scheduler_command)
 
     worker = command("worker")
-    worker.add_argument("--host-name", required=True, help="unique name of this host")
+    worker.add_argument("--host-name", required=True, type=host_name, help="unique name of this host")
     worker.add_argument("--devices", default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
     worker.add_argument("--address", help="where the other hosts of a multi-node job reach this one (default: this host's IP)")
     worker.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)

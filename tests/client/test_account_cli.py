@@ -50,6 +50,15 @@ def test_an_admin_revokes_a_user_and_rotates_them_a_new_token(run, api_url):
     assert run("user", "revoke", "nobody")[0] == 1
     code, _, err = run("user", "create", "dave", "--token-lifetime-days", "0")
     assert code == 2 and "must be more than 0" in err
+    # A name is refused before it is stored: nothing the other commands, an audit line or a page would trip on.
+    for bad in ("", "bad name", "../x", ".hidden"):
+        code, _, err = run("user", "create", bad)
+        assert code == 2 and "a user name is letters, digits and . _ @ + -, starting with a letter or digit" in err, bad
+    assert run("user", "create", "erin.o'hara")[0] == 2 and run("user", "create", "erin@lab.example")[0] == 0
+    for bad in ("", "bad host", "../x"):
+        code, _, err = run("host", "token", bad)
+        assert code == 2 and "a host name is letters, digits and . _ -" in err, bad
+    assert run("host", "token", "gpu-01.lab")[0] == 0
 
 
 def test_token_rotate_writes_the_new_token_where_the_old_one_was_read(run, settings, tmp_path, monkeypatch):
