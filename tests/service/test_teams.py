@@ -17,6 +17,7 @@ from service.db.accounts import create_user
 from service.db.attempts import claim_attempt, finish_attempt, renew_lease
 from service.db.hosts import record_heartbeat, register_host
 from service.db.models import Job, utcnow
+from service.db.pools import record_pool
 from service.db.session import session_factory
 from service.db.teams import add_member, create_team, default_team
 from service.scheduler import schedule_pass
@@ -206,6 +207,19 @@ def test_teams_through_the_api_admins_only_audited_and_shown_with_what_they_hold
     assert refused.status_code == 422 and "quota" in refused.text
     refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"cpu": -3}}, headers=as_admin)
     assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "quota", "cpu"]
+    # A pool's slots: of a pool the scheduler has described, or a quota nobody could ever use.
+    refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"slrum/cuda": 4}}, headers=as_admin)
+    assert refused.status_code == 422 and refused.json()["detail"][0] == {
+        "loc": ["body", "quota", "slrum/cuda"], "msg": "no pool named 'slrum' (pools: none; GET /v1/pools)", "type": "value_error",
+    }
+    with sessions() as session:
+        record_pool(session, "slurm", "slurm", {"partition": "gpu", "nodes": 2})
+        session.commit()
+    assert api.put("/v1/teams/vision/quota", json={"quota": {"cpu": 2, "slrum/cuda": 4}}, headers=as_admin).status_code == 422
+    assert api.put("/v1/teams/vision/quota", json={"quota": {"cpu": 2, "slurm/cuda": 4}}, headers=as_admin).json()["quota"] == {
+        "cpu": 2, "slurm/cuda": 4,
+    }
+    assert api.put("/v1/teams/vision/quota", json={"quota": {"cpu": 2}}, headers=as_admin).status_code == 200
     refused = api.post("/v1/teams/vision/members", json={"user": "nobody"}, headers=as_admin)
     assert refused.status_code == 422 and refused.json()["detail"][0] == {"loc": ["body", "user"], "msg": "no user named 'nobody'", "type": "value_error"}
     assert api.post("/v1/teams/vision/members", json={"user": "alice"}, headers=as_admin).json()["members"] == ["alice*"]

@@ -6,12 +6,14 @@ from __future__ import annotations
 from http import HTTPStatus
 
 from fastapi import APIRouter, Request
+from sqlalchemy.orm import Session
 
 from api_schemas import MemberIn, QuotaIn, TeamIn, TeamOut
 from service.admission import Refused, bad_field
 from service.api.audit import note
 from service.api.deps import NEEDS_TOKEN, AdminUser, CurrentUser, SessionDep, SessionsEndWithRoute, SettingsDep, WriteSessionDep
 from service.db.accounts import user_by_name
+from service.db.pools import all_pools, pool_named
 from service.db.models import Team, utcnow
 from service.db.teams import (
     NO_TEAM, TeamError, add_member, all_teams, create_team, forget_team, members, remove_member, set_quota, team_named, waiting_jobs_by_team,
@@ -51,8 +53,19 @@ def list_teams(session: SessionDep, user: CurrentUser, settings: SettingsDep) ->
     return out
 
 
+def _pools_exist(session: Session, quota: dict[str, int]) -> None:
+    """A quota of a pool's slots (`slurm/cuda`) names a pool the scheduler has described: one that
+    doesn't exist (a typo) would be a quota nobody could ever use."""
+    for kind in quota:
+        pool, _, _ = kind.rpartition("/")
+        if pool and pool_named(session, pool) is None:
+            names = ", ".join(p.name for p in all_pools(session)) or "none"
+            raise bad_field(("quota", kind), f"no pool named {pool!r} (pools: {names}; GET /v1/pools)")
+
+
 @router.post("", response_model=TeamOut, status_code=HTTPStatus.CREATED, responses=ADMINS_ONLY)
 def create(request: Request, session: WriteSessionDep, admin: AdminUser, settings: SettingsDep, body: TeamIn) -> TeamOut:
+    _pools_exist(session, body.quota)
     try:
         create_team(session, body.name, body.quota)
     except TeamError as exc:
@@ -65,6 +78,7 @@ def create(request: Request, session: WriteSessionDep, admin: AdminUser, setting
 @router.put("/{name}/quota", response_model=TeamOut, responses=ADMINS_ONLY)
 def put_quota(request: Request, session: WriteSessionDep, admin: AdminUser, settings: SettingsDep, name: str, body: QuotaIn) -> TeamOut:
     team = _team(session, name)
+    _pools_exist(session, body.quota)
     before = dict(team.quota)
     set_quota(team, body.quota)
     session.commit()
