@@ -154,7 +154,9 @@ def _validation_problem(error: Any) -> str:
         loc = loc[1:]  # where in the request is implied by the call
     where = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
     message = str(error.get("msg", error)).removeprefix("Value error, ")  # pydantic's prefix for our own checks
-    return f"{where}: {message}" if where else message
+    if not where or message.startswith((f"{where}:", f"{where}.", f"{where} ")):
+        return message  # a section's own check names the field already ("resources.elastic: one node only")
+    return f"{where}: {message}"
 
 
 class Client:

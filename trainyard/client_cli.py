@@ -290,6 +290,8 @@ def cmd_outputs(args: argparse.Namespace) -> int:
     with connect(args) as client:
         outputs = client.outputs(args.id)
         names = args.names or [output.name for output in outputs]
+        if not names:
+            raise TrainyardError(f"job {args.id} has no collected outputs (a script job's `script.outputs` names the directories collected)")
         if missing := sorted(set(names) - {output.name for output in outputs}):
             raise TrainyardError(f"job {args.id} has no collected output {', '.join(missing)}" if outputs else f"job {args.id} has no collected outputs")
         for name in names:

@@ -200,3 +200,5 @@ def test_spec_prints_a_jobs_spec_that_submits_again_and_checkpoints_says_when_th
     assert trainyard("submit", str(tmp_path / "again.yaml"))[0] == 0  # the printed spec is one the server takes
     assert json.loads(trainyard("spec", job_id, "--json")[1])["optimizer"]["lr"] == 0.003
     assert trainyard("checkpoints", job_id) == (0, f"job {job_id} has no checkpoints yet\n", "")
+    code, out, err = trainyard("outputs", job_id, "-o", str(tmp_path / "out"))  # a built-in job collects none: said, not silence
+    assert (code, out) == (1, "") and err.startswith(f"error: job {job_id} has no collected outputs")

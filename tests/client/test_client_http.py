@@ -125,11 +125,13 @@ def test_a_config_file_that_cannot_be_used_says_why(monkeypatch, tmp_path, text,
                 {"loc": ["body", "model"], "msg": "Value error, n_embd (33) must be divisible by n_head (4)", "type": "value_error"},
                 {"loc": ["body", "optimizer", "betas", 0], "msg": "Input should be less than 1", "type": "less_than"},
                 {"loc": ["body"], "msg": "Value error, fp16 needs device 'cuda'", "type": "value_error"},
+                {"loc": ["body", "dataset"], "msg": "Value error, dataset: give exactly one of `path` and `upload_id`", "type": "value_error"},
             ]}),
             "the server rejected the request (HTTP 422):\n"
             "  model: n_embd (33) must be divisible by n_head (4)\n"
             "  optimizer.betas[0]: Input should be less than 1\n"
-            "  fp16 needs device 'cuda'",
+            "  fp16 needs device 'cuda'\n"
+            "  dataset: give exactly one of `path` and `upload_id`",  # named once, though its check names it too
         ),
         (httpx.Response(422, json={"detail": "dataset file is empty"}), "dataset file is empty (HTTP 422)"),
         (
