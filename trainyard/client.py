@@ -381,6 +381,11 @@ class Client:
     def remove_team_member(self, name: str, user: str) -> TeamOut:
         return self._call(TeamOut, "DELETE", f"/v1/teams/{name}/members/{user}")
 
+    def delete_team(self, name: str) -> None:
+        """Only a team no job ever ran under (409 otherwise: set its quota to 0 instead)."""
+        with self._stream("DELETE", f"/v1/teams/{name}") as response:
+            response.read()
+
     # -- cluster -----------------------------------------------------------------------------------
 
     def dashboard(self) -> DashboardOut:

@@ -30,7 +30,11 @@ EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
 
 
-class SpecFileError(TrainyardError):
+class BadInput(TrainyardError):
+    """What the user typed can't be used: exits 2, as argparse's own refusals do."""
+
+
+class SpecFileError(BadInput):
     pass
 
 
@@ -358,7 +362,7 @@ def guarded(handler: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
             return handler(args)
         except TrainyardError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT if isinstance(exc, SpecFileError) or exc.status_code == 422 else EXIT_FAILED
+            return EXIT_BAD_INPUT if isinstance(exc, BadInput) or exc.status_code == 422 else EXIT_FAILED
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
 
