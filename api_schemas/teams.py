@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 # What a quota counts: process slots of a device kind on the registered hosts (`cpu`, `cuda`), or in
 # a cluster pool (`slurm/cuda`: that pool's GPUs), which jobs name with `resources.pool`.
 SlotKind = Annotated[str, Field(pattern=r"^([a-z][a-z0-9-]{0,39}/)?(cpu|cuda)$")]
-Slots = Annotated[int, Field(ge=0, le=1_000_000)]
+Slots = Annotated[int, Field(ge=0, le=1_000_000, strict=True)]  # strict: `true` is no number of slots
 TeamName = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
@@ -29,7 +29,7 @@ class QuotaIn(BaseModel):
 
 class MemberIn(BaseModel):
     user: str = Field(min_length=1, max_length=100)
-    default: bool = Field(False, description="Make this the user's default team: where their jobs that name none run.")
+    default: bool = Field(False, strict=True, description="Make this the user's default team: where their jobs that name none run.")
 
 
 class TeamOut(BaseModel):

@@ -205,8 +205,9 @@ def test_teams_through_the_api_admins_only_audited_and_shown_with_what_they_hold
     assert api.post("/v1/teams", json={"name": "vision"}, headers=as_admin).status_code == 409
     refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"tpu": 2}}, headers=as_admin)
     assert refused.status_code == 422 and "quota" in refused.text
-    refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"cpu": -3}}, headers=as_admin)
-    assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "quota", "cpu"]
+    for bad in (-3, True, "2", 1.5):
+        refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"cpu": bad}}, headers=as_admin)
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "quota", "cpu"], bad
     # A pool's slots: of a pool the scheduler has described, or a quota nobody could ever use.
     refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"slrum/cuda": 4}}, headers=as_admin)
     assert refused.status_code == 422 and refused.json()["detail"][0] == {
