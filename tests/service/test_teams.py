@@ -99,14 +99,20 @@ def test_a_team_under_its_quota_reclaims_borrowed_slots_at_a_checkpoint_and_neve
         assert third.waiting_reason.startswith("team nlp at its quota: 2 of 2 CPU slots in use; it borrows idle slots beyond it")
 
 
+def two_teams_of_one_slot_each(session) -> tuple:
+    """Alice in team vision, bob in nlp, each team's quota 1 of host-a's 2 CPU slots."""
+    alice, _ = create_user(session, "alice")
+    bob, _ = create_user(session, "bob")
+    register_host(session, "host-a", "cpu", 2, {})
+    add_member(session, create_team(session, "vision", {"cpu": 1}), alice, default=True)
+    add_member(session, create_team(session, "nlp", {"cpu": 1}), bob, default=True)
+    session.commit()
+    return alice, bob
+
+
 def test_a_higher_priority_of_another_team_never_preempts_a_job_within_its_teams_quota(sessions, settings):
     with sessions() as session:
-        alice, _ = create_user(session, "alice")
-        bob, _ = create_user(session, "bob")
-        register_host(session, "host-a", "cpu", 2, {})
-        add_member(session, create_team(session, "vision", {"cpu": 1}), alice, default=True)
-        add_member(session, create_team(session, "nlp", {"cpu": 1}), bob, default=True)
-        session.commit()
+        alice, bob = two_teams_of_one_slot_each(session)
         submit(session, settings, alice, 1, preemptible=True)
         [alices] = place(session, settings)
         submit(session, settings, bob, 1, preemptible=True)
@@ -121,12 +127,7 @@ def test_a_higher_priority_of_another_team_never_preempts_a_job_within_its_teams
 
 def test_a_job_wider_than_its_teams_quota_borrowed_as_a_whole_and_is_reclaimed(sessions, settings):
     with sessions() as session:
-        alice, _ = create_user(session, "alice")
-        bob, _ = create_user(session, "bob")
-        register_host(session, "host-a", "cpu", 2, {})
-        add_member(session, create_team(session, "vision", {"cpu": 1}), alice, default=True)
-        add_member(session, create_team(session, "nlp", {"cpu": 1}), bob, default=True)
-        session.commit()
+        alice, bob = two_teams_of_one_slot_each(session)
         # Vision's 2-process job holds its 1 slot and 1 borrowed: a team could otherwise hold
         # another's quota for a whole job by asking for one slot more than its own.
         submit(session, settings, alice, 1, **{"resources.processes_per_node": 2})
