@@ -1,6 +1,6 @@
 """Fair share: teams' device-hours against their quotas, on a simulated cluster and arrival trace.
 
-    PYTHONPATH=$PWD .venv/bin/python bench/fair_share.py [--hours 16] [--jobs 5000] [--backend sqlite]
+    PYTHONPATH=$PWD .venv/bin/python bench/fair_share.py [--hours 16] [--jobs 5000] [--backend sqlite] [--small-job-weight 5]
 
 The scheduler alone, on a real database, with no training: 100 simulated hosts × 8 CPU slots, three
 teams with quotas of 50/30/20% of the slots (400/240/160), three users each, and a trace of
@@ -12,7 +12,9 @@ done succeed, an attempt asked to stop does so a step later (its checkpoint) and
 the work left, and `schedule_pass` runs as the scheduler process would.
 
 The peer is today's scheduler on the same trace: the same code with no teams and no fair share
-(priority and aging alone). Reported: each hour's Jain's fairness index of the teams' device-hours
+(priority and aging alone). The teams run also weighs a job's size (`--small-job-weight`, 5 by
+default: TRAINYARD_SMALL_JOB_WEIGHT, Slurm's job size factor), so each size's waits and the jobs
+never started within the trace are reported too: what favouring small jobs costs the large ones. Reported: each hour's Jain's fairness index of the teams' device-hours
 over their entitlements, in the hours where every team had work waiting throughout; utilisation;
 p50/p95 wait of 1-slot jobs; preemptions per hour. Targets: fairness ≥ 0.95 in every such hour,
 utilisation ≥ 95% of the peer's, p95 wait of 1-slot jobs ≤ 0.5× the peer's. Prints one JSON line.
@@ -82,15 +84,16 @@ def trace(jobs: int, hours: float, seed: int = 0) -> list[Arrival]:
 @dataclass
 class Outcome:
     used: dict[str, list[tuple[datetime, datetime, int]]] = field(default_factory=lambda: {t: [] for t in TEAMS})
-    waits_1slot: list[tuple[str, float]] = field(default_factory=list)  # (team, seconds from submit to start)
+    waits: list[tuple[str, int, float]] = field(default_factory=list)  # (team, slots, seconds from submit to first start)
+    submitted: dict[int, int] = field(default_factory=lambda: {n: 0 for n in (1, 2, 4, 8)})  # slots -> jobs submitted
     waiting_all_teams: list[datetime] = field(default_factory=list)  # the steps at which every team had a job queued
     preemptions: int = 0
 
 
-def simulate(url: str, arrivals: list[Arrival], hours: float, with_teams: bool) -> Outcome:
+def simulate(url: str, arrivals: list[Arrival], hours: float, with_teams: bool, small_job_weight: float = 0.0) -> Outcome:
     settings = Settings(
-        database_url=url, fair_share_weight=10.0 if with_teams else 0.0, lease_seconds=3600, host_timeout_seconds=3600,
-        dispatch_timeout_seconds=3600,
+        database_url=url, fair_share_weight=10.0 if with_teams else 0.0, small_job_weight=small_job_weight if with_teams else 0.0,
+        lease_seconds=3600, host_timeout_seconds=3600, dispatch_timeout_seconds=3600,
     )
     sessions = session_factory(url)
     outcome = Outcome()
@@ -125,6 +128,7 @@ def simulate(url: str, arrivals: list[Arrival], hours: float, with_teams: bool) 
                 job = create_job(session, users[a.team, a.user], spec, team_id=team_ids[a.team])
                 left[job.id], team_of[job.id], submitted[job.id] = a.seconds, a.team, now
                 queued[a.team] += 1
+                outcome.submitted[a.slots] += 1
             # Work done, and stops asked for a step ago (at their checkpoint).
             for attempt_id, (held, job_id, started, ends, slots) in list(running.items()):
                 stop_at = stopping.get(attempt_id)
@@ -151,8 +155,8 @@ def simulate(url: str, arrivals: list[Arrival], hours: float, with_teams: bool) 
             for attempt_id, _ in schedule_pass(session, settings):
                 held = claim_attempt(session, attempt_id, "sim", settings.lease_seconds)
                 job = session.get(Job, held.job_id)
-                if job.restarts == 0 and len(job.attempts) == 1 and job.spec["resources"]["processes_per_node"] == 1:
-                    outcome.waits_1slot.append((team_of[job.id], (now - submitted[job.id]).total_seconds()))
+                if job.restarts == 0 and len(job.attempts) == 1:
+                    outcome.waits.append((team_of[job.id], job.spec["resources"]["processes_per_node"], (now - submitted[job.id]).total_seconds()))
                 running[attempt_id] = (held, job.id, now, now + timedelta(seconds=left[job.id]), held.slots)
                 queued[team_of[job.id]] -= 1
             if all(queued.values()):
@@ -183,7 +187,7 @@ def hourly_fairness(outcome: Outcome, hours: float) -> list[float]:
 
 def summary(outcome: Outcome, hours: float) -> dict:
     busy = sum(slots * (e - s).total_seconds() for runs in outcome.used.values() for s, e, slots in runs)
-    waits = sorted(seconds for _, seconds in outcome.waits_1slot)
+    waits = sorted(seconds for _, slots, seconds in outcome.waits if slots == 1)
     p95 = lambda values: round(values[int(0.95 * (len(values) - 1))], 1) if values else None  # noqa: E731
     fairness = hourly_fairness(outcome, hours)
     return {
@@ -192,7 +196,13 @@ def summary(outcome: Outcome, hours: float) -> dict:
         "fairness_hours": len(fairness),
         "wait_1slot_p50_s": round(statistics.median(waits), 1) if waits else None,
         "wait_1slot_p95_s": p95(waits),
-        "wait_1slot_p95_s_by_team": {t: p95(sorted(s for team, s in outcome.waits_1slot if team == t)) for t in TEAMS},
+        "wait_1slot_p95_s_by_team": {t: p95(sorted(s for team, slots, s in outcome.waits if team == t and slots == 1)) for t in TEAMS},
+        # What favouring small jobs costs the large ones: each size's waits of the jobs that started, and
+        # how many of its jobs never started within the trace.
+        "wait_p50_p95_s_by_size": {
+            n: [round(statistics.median(w), 1), p95(w)] if (w := sorted(s for _, slots, s in outcome.waits if slots == n)) else None for n in (1, 2, 4, 8)
+        },
+        "never_started_by_size": {n: count - sum(1 for _, slots, _ in outcome.waits if slots == n) for n, count in outcome.submitted.items()},
         "preemptions_per_hour": round(outcome.preemptions / hours, 2),
         "device_hours": {t: round(sum(slots * (e - s).total_seconds() for s, e, slots in runs) / 3600, 1) for t, runs in outcome.used.items()},
     }
@@ -203,15 +213,16 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=16)
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--small-job-weight", type=float, default=5.0, help="the teams run's TRAINYARD_SMALL_JOB_WEIGHT")
     args = parser.parse_args()
     arrivals = trace(args.jobs, args.hours)
     results = {}
     for name, with_teams in (("peer_priority_aging", False), ("teams_fair_share", True)):
         with database(args.backend) as url:
-            results[name] = summary(simulate(url, arrivals, args.hours, with_teams), args.hours)
+            results[name] = summary(simulate(url, arrivals, args.hours, with_teams, args.small_job_weight), args.hours)
     peer, ours = results["peer_priority_aging"], results["teams_fair_share"]
     print(json.dumps({
-        "bench": "fair_share", "backend": args.backend, "hosts": HOSTS, "slots_per_host": SLOTS, "jobs": args.jobs, "hours": args.hours,
+        "bench": "fair_share", "backend": args.backend, "small_job_weight": args.small_job_weight, "hosts": HOSTS, "slots_per_host": SLOTS, "jobs": args.jobs, "hours": args.hours,
         **results,
         "utilisation_ratio": round(ours["utilisation"] / peer["utilisation"], 3),
         "wait_1slot_p95_ratio": round(ours["wait_1slot_p95_s"] / peer["wait_1slot_p95_s"], 3) if peer["wait_1slot_p95_s"] else None,

@@ -141,6 +141,12 @@ class SchedulerSettings(_FromEnvironment):
         description="Priority points fair share is worth: a waiting job's order adds this × its fair-share factor (1 for a team "
         "and user that used nothing lately, 0.25 for one at its entitlement, towards 0 above it); 0: priority and age alone.",
     )
+    small_job_weight: float = Field(
+        0.0, ge=0,
+        description="Priority points a small job is worth (Slurm's job size factor with PriorityFavorSmall): a waiting job of n "
+        "slots (nodes × processes) adds this / n, so a burst of large jobs doesn't hold every 1-slot job back for hours; the "
+        "first job that must wait still gets hosts held for it, so large ones are not starved. 0: size doesn't count.",
+    )
     fair_share_half_life_seconds: float = Field(
         7 * 24 * 3600.0, gt=0, description="Usage counts for fair share with this half-life (Slurm's PriorityDecayHalfLife): a week ago, half."
     )

@@ -18,9 +18,11 @@ is its quota over all teams' quotas of the kind (equal shares where no team has 
 is an equal part of their team's among its users that ran or wait. A waiting job's order is
 
     priority + seconds waited / priority_aging_seconds + fair_share_weight × F_team × F_user
+             + small_job_weight / slots
 
 so equal claimants converge to equal device-hours, an explicit priority still counts for more than
-a few points of fair share, and aging keeps anything from waiting forever.
+a few points of fair share, and aging keeps anything from waiting forever. The last term (0 by
+default) is Slurm's job size factor: a burst of large jobs then doesn't hold every 1-slot job back.
 
 The loaders at the end read what a pass needs (service/db/teams.py); the rest is arithmetic.
 """

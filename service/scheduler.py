@@ -43,7 +43,7 @@ from service.db.scheduling import (
 from service.logs import job_fields
 from service.placement import HostRoom, Rooms, preemption_plan, waiting_reason
 from common.settings import Settings
-from service.db.teams import kind_of
+from service.db.teams import kind_of, resources_of
 from service.fair_share import FairShare, Quotas, load_fair_share, load_quotas, pool_reclaims, reclaimable_attempts
 from service.sweeps import advance_sweeps
 
@@ -103,12 +103,12 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     def take(job: Job, resources: ResourcesConfig, chosen: list, processes: int) -> None:
         for name, devices in chosen:
             rooms.take(name, processes, devices)
-        quotas.take(job.team_id, resources.device, len(chosen) * processes)
+        quotas.take(job.team_id, resources.slot_kind, len(chosen) * processes)
         placements.append((job, chosen, processes))
 
     def hand_to_pool(job: Job, resources: ResourcesConfig) -> None:
         # Its cluster places it (and queues it, if full): handed over in this order, at once.
-        quotas.take(job.team_id, pool_kind(resources), resources.nodes * resources.processes_per_node)
+        quotas.take(job.team_id, resources.slot_kind, resources.slots)
         nodes = [(pool_host(resources.pool, job.id), None)] * resources.nodes
         to_pools.setdefault(resources.pool, []).append((job, nodes, resources.processes_per_node))
 
@@ -120,12 +120,12 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             if resources.pool not in cluster_pools(settings):
                 set_waiting_reason(job, f"waiting for pool {resources.pool!r}, which this scheduler is not configured to run")
                 continue
-            if quotas.within(job.team_id, pool_kind(resources), resources.nodes * resources.processes_per_node):
+            if quotas.within(job.team_id, resources.slot_kind, resources.slots):
                 hand_to_pool(job, resources)
             else:
                 borrowing_in_pools.append((job, resources))
             continue
-        if not quotas.within(job.team_id, resources.device, resources.nodes * resources.processes_per_node):
+        if not quotas.within(job.team_id, resources.slot_kind, resources.slots):
             borrowing.append((job, resources))
             continue
         chosen, processes = rooms.best_fit(resources, skip=reserved), resources.processes_per_node
@@ -156,7 +156,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
         chosen = rooms.best_fit(resources, skip=reserved)
         if chosen is None:
             reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved))
-            set_waiting_reason(job, f"{quotas.describe(job.team_id, resources.device)}; it borrows idle slots beyond it: {reason}")
+            set_waiting_reason(job, f"{quotas.describe(job.team_id, resources.slot_kind)}; it borrows idle slots beyond it: {reason}")
             continue
         take(job, resources, chosen, resources.processes_per_node)
     # In a cluster pool, beyond their team's quota: what the pool has idle (its slots less what
@@ -165,7 +165,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     if quotas.nominal and (borrowing_in_pools or to_pools):
         pools = {pool: pool_named(session, pool) for pool in cluster_pools(settings)}
         for job, resources in borrowing_in_pools:
-            kind, slots = pool_kind(resources), resources.nodes * resources.processes_per_node
+            kind, slots = resources.slot_kind, resources.slots
             capacity, held = slot_capacity(pools[resources.pool], resources.device), quotas.held_by_all(kind)
             if capacity is None or held + slots > capacity:
                 idle = f"{max(0, capacity - held)} of its {capacity} slots idle" if capacity is not None else "not described yet"
@@ -202,11 +202,6 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     return to_dispatch
 
 
-def pool_kind(resources: ResourcesConfig) -> str:
-    """The kind of slots a pool job holds, as its team's quota counts them (`slurm/cuda`)."""
-    return f"{resources.pool}/{resources.device}"
-
-
 def smaller_fit(rooms: Rooms, spec: JobSpec, skip: set[str]) -> tuple[list | None, int]:
     """An elastic job's largest smaller size that fits now: (its hosts, its processes), or (None, 0)."""
     for processes in spec.elastic_sizes()[1:]:
@@ -232,11 +227,13 @@ def full_size_fits(rooms: Rooms, attempt: Attempt, skip: set[str]) -> bool:
 
 def queue_order(jobs: list[Job], now: datetime, settings: Settings, shares: FairShare) -> list[Job]:
     """Highest effective priority first: priority, one point more per `priority_aging_seconds`
-    queued, and up to `fair_share_weight` points for its team's and user's fair share."""
+    queued, up to `fair_share_weight` points for its team's and user's fair share, and
+    `small_job_weight` over its slots for its size."""
 
     def effective(job: Job) -> float:
         waited = (now - job.created_at).total_seconds() / settings.priority_aging_seconds
-        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, kind_of(job))
+        size = settings.small_job_weight / resources_of(job).slots if settings.small_job_weight else 0.0
+        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, kind_of(job)) + size
 
     return sorted(jobs, key=lambda job: (-effective(job), job.id))
 

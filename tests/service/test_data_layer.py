@@ -29,7 +29,8 @@ from service.db.log_lines import lock_job_logs, log_lines_after, record_logs
 from service.db.metrics import metric_series, record_metrics
 from service.db.models import Attempt, Base, Job, LogLine, Metric, User, WorkerHost, utcnow
 from service.db.session import session_factory
-from service.scheduler import schedule_pass
+from service.fair_share import FairShare, Quotas
+from service.scheduler import queue_order, schedule_pass
 from common.settings import Settings
 from tests.helpers import busy_slots_by_host, directory_on_another_filesystem, host_client, job_spec
 from workers import supervisor
@@ -590,6 +591,29 @@ def test_a_long_wait_outranks_a_higher_priority(sessions, settings):
         schedule_pass(session, settings)
         assert session.get(Job, old_low).status == JobStatus.scheduled  # 0 + 6 points of waiting > 5
         assert session.get(Job, new_high).status == JobStatus.queued
+
+
+def test_with_a_small_job_weight_a_one_slot_job_goes_before_an_older_eight_slot_one_until_that_has_waited_longer(sessions, settings):
+    small_first = settings.model_copy(update={"small_job_weight": 10.0})  # 10 points for 1 slot, 1.25 for 8: 8.75 apart
+    wide, small = queue_job(sessions, **{"resources.processes_per_node": 8}), queue_job(sessions)
+    with sessions() as session:
+        jobs, now = [session.get(Job, wide), session.get(Job, small)], utcnow()
+        no_usage = FairShare(usage={}, quotas=Quotas(nominal={}, names={}))
+
+        def first(settings, wide_waited: float) -> int:
+            jobs[0].created_at, jobs[1].created_at = now - timedelta(seconds=wide_waited * settings.priority_aging_seconds), now
+            return queue_order(jobs, now, settings, no_usage)[0].id
+
+        assert first(small_first, 8) == small  # 8 points of waiting + 1.25 < 10
+        assert first(small_first, 9) == wide  # 9 + 1.25 > 10: aging still wins in the end
+        assert first(settings, 0.1) == wide  # by default size doesn't count: the older first
+
+        # In a pass: the small one starts, and the wide one, the first that must wait, gets the host held.
+        first(small_first, 8)
+        register_host(session, "host-a", "cpu", 8, {})
+        schedule_pass(session, small_first)
+        assert session.get(Job, small).status == JobStatus.scheduled
+        assert session.get(Job, wide).waiting_reason.endswith("host-a held for it")
 
 
 def test_the_first_blocked_job_gets_hosts_held_and_smaller_jobs_backfill_only_elsewhere(sessions, settings):
