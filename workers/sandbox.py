@@ -52,7 +52,9 @@ SYSTEM_DIRS = ("/usr", "/etc", "/opt")
 SYSTEM_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # links into /usr on merged-/usr systems
 GPU_CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
-PROJECT_PACKAGES = ("api_schemas", "service", "workers", "trainyard")  # what an attempt imports of the project
+# What an attempt imports of the project: the training loop, the script hooks and their types; never
+# the service's code, its settings (common/), the server commands or the client.
+PROJECT_PACKAGES = ("api_schemas", "workers")
 INPUT_COPIES = "inputs"  # in the attempt directory: inputs the job's user id could not read where they are
 
 

@@ -34,6 +34,7 @@ from workers.supervisor import free_port
 pytestmark = pytest.mark.timeout(600)
 
 PROBE = Path(__file__).with_name("sandbox_probe.py")
+REPO = PROBE.parents[2]
 REDIS_PORT, POSTGRES_PORT = 6379, 5432
 
 
@@ -81,6 +82,8 @@ def targets(info, settings: Settings, upload_id: int, job_id: int, checkpoint: d
         "list": {
             "the artifact store": str(artifacts / "jobs"),
             "other jobs' runs": str(settings.resolved_work_root / f"job-{job_id}"),
+            # The project's own code but what the training imports (api_schemas, workers).
+            **{f"the project's {package}": str(REPO / package) for package in ("service", "common", "stack", "trainyard")},
         },
         "write": {
             "the data directory": str(data_dir),
