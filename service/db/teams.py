@@ -41,8 +41,9 @@ def all_teams(session: Session) -> list[Team]:
 
 
 def create_team(session: Session, name: str, quota: dict[str, int]) -> Team:
-    if team_named(session, name) is not None:
-        raise TeamError(f"a team named {name!r} exists")
+    # Told apart by case only, two teams would be one to the people naming them.
+    if (same := session.scalar(select(Team).where(func.lower(Team.name) == name.lower()))) is not None:
+        raise TeamError(f"a team named {same.name!r} exists")
     team = Team(name=name, quota=_positive(quota))
     session.add(team)
     session.flush()
@@ -109,7 +110,8 @@ def team_for_job(session: Session, user: User, name: str | None) -> Team | None:
     team = team_named(session, name)
     if team is None or session.get(TeamMember, (team.id, user.id)) is None:
         yours = ", ".join(teams_of(session, user)) or "none (an admin adds you: trainyard team add TEAM USER)"
-        raise TeamError(f"you are not in a team named {name!r}; your teams: {yours}")
+        problem = f"no team named {name!r}" if team is None else f"you are not in team {name!r}"
+        raise TeamError(f"{problem}; your teams: {yours}")
     return team
 
 

@@ -184,7 +184,7 @@ def test_a_job_names_one_of_its_owners_teams_or_runs_under_their_default(session
         assert job.team_id == nlp.id
         with pytest.raises(Refused) as refused:
             submit(session, settings, alice, team="robotics")
-        assert refused.value.field == ("team",) and "your teams: nlp, vision" in refused.value.message
+        assert refused.value.field == ("team",) and refused.value.message == "no team named 'robotics'; your teams: nlp, vision"
 
         # `trainyard team add nlp alice --default`, said again and again: nlp stays her default.
         for _ in range(3):
@@ -204,6 +204,8 @@ def test_teams_through_the_api_admins_only_audited_and_shown_with_what_they_hold
     assert api.post("/v1/teams", json={"name": "vision", "quota": {"cpu": 2}}, headers=as_alice).status_code == 403
     assert api.post("/v1/teams", json={"name": "vision", "quota": {"cpu": 2}}, headers=as_admin).status_code == 201
     assert api.post("/v1/teams", json={"name": "vision"}, headers=as_admin).status_code == 409
+    refused = api.post("/v1/teams", json={"name": "Vision"}, headers=as_admin)  # to people, one name
+    assert refused.status_code == 409 and "a team named 'vision' exists" in refused.text
     refused = api.post("/v1/teams", json={"name": "nlp", "quota": {"tpu": 2}}, headers=as_admin)
     assert refused.status_code == 422 and "quota" in refused.text
     for bad in (-3, True, "2", 1.5):
