@@ -199,8 +199,10 @@ def _running_stack(
         if name.startswith("worker-"):
             env = {**worker_env, "TRAINYARD_HOST_TOKEN_FILE": str(token_files[int(name.removeprefix("worker-"))])}
         with open(log_dir / f"{name}.log", "ab") as out:
+            # -P: not the working directory first on the path, where a project of the user's may have a
+            # `common/` or `workers/` package of its own, which the child would import instead of ours.
             children[name] = subprocess.Popen(
-                [sys.executable, "-m", "trainyard", *commands[name]], env=env, stdout=out, stderr=subprocess.STDOUT
+                [sys.executable, "-P", "-m", "trainyard", *commands[name]], env=env, stdout=out, stderr=subprocess.STDOUT
             )
         if name.startswith("worker-") and cores:  # before it starts any process of its own: they inherit it
             os.sched_setaffinity(children[name].pid, cores[int(name.removeprefix("worker-"))])

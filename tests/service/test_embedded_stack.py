@@ -1,6 +1,7 @@
 """`trainyard up` where it can't run: a second one on the same folder, a taken port. Refused at
 once, saying why and what to do, with nothing started (a second stack on one folder used to print
-"Trainyard is up" while its API failed to bind, and on exit deleted the first one's worker host)."""
+"Trainyard is up" while its API failed to bind, and on exit deleted the first one's worker host).
+And where it can: in a user's project whose packages share names with Trainyard's."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import socket
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from stack.embedded import StackRefused, _sole_stack_on, embedded_stack
+from tests.e2e.test_end_to_end import wait_for
+from tests.helpers import tiny_spec
+from workers.supervisor import free_port
 
 
 def test_a_second_trainyard_up_on_the_same_folder_is_refused_saying_where_the_first_runs(tmp_path):
@@ -36,3 +41,15 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "yard" / "logs").exists()
     with _sole_stack_on(tmp_path / "yard"):  # and the folder's lock was let go
         pass
+
+
+def test_up_in_a_project_with_packages_named_like_trainyards_runs_a_job(tmp_path, monkeypatch):
+    project = tmp_path / "project"  # a user's own `common/`, `workers/`…: never imported in their stead
+    for package in ("common", "workers", "service", "api_schemas", "stack", "trainyard"):
+        (project / package).mkdir(parents=True)
+        (project / package / "__init__.py").write_text(f"raise ImportError('the project\\'s own {package}, not Trainyard\\'s')\n")
+    monkeypatch.chdir(project)
+    with embedded_stack(project / ".trainyard", free_port()) as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            job = client.post("/v1/jobs", json=tiny_spec()).json()
+            assert wait_for(client, job["id"], {"succeeded", "failed"}, timeout=120)["status"] == "succeeded"
