@@ -7,8 +7,9 @@ placed as they always were. Beyond it a
 team may *borrow* slots nobody else wants now; when a team under its quota has a job waiting, the
 borrowed slots are reclaimed: the borrowing attempts (a team's newest first, never taking it below
 its quota, but for an attempt that crossed the quota line, which borrowed as a whole) are asked to
-stop at a checkpoint, the preemption path, and queued again with no restart counted. A kind no team has a quota for is not governed: every job on it runs as if teams did not
-exist. A job of no team (or of a team with no quota of that kind) on a governed kind only borrows.
+stop at a checkpoint, the preemption path, and queued again with no restart counted. A kind no team
+has a quota for is not governed: every job on it runs as if teams did not exist. A job of no team
+(or of a team with no quota of that kind) on a governed kind only borrows.
 
 Fair share is Slurm's classic factor. Each claimant's usage is its device-seconds decayed with a
 half-life (a week ago, half), kept up by the scheduler (service/db/teams.py: `decayed_usage`). For a device kind, a
