@@ -90,6 +90,8 @@ class HostTerms(BaseModel):
     control_plane_ports: list[int] = Field(
         description="The service's ports (database, broker, API) that a host closes to its multi-node jobs (workers/egress.py)."
     )
+    artifact_mark: str | None = Field(None, description="The id in the artifact root's mark file: a host sharing the store must read the same.")
+    data_mark: str | None = Field(None, description="The same of the data root.")
 
 
 class EnvironmentReport(BaseModel):

@@ -23,6 +23,27 @@ from api_schemas.manifest import (
 
 
 INCOMING = "incoming"  # a job's uploads from hosts without the store, until sealed
+MARK_FILE = ".trainyard-mark"  # in the artifact root and the data root: which service's they are
+
+
+def directory_mark(root: Path, make: bool = False) -> str | None:
+    """The id written in `root`'s mark file: the API makes it (`make`), and a host that says it shares
+    the directory must read the same one where it mounts it, or it would write where the API never
+    looks (checkpoints no one can register) and read data the API never checked. None if there is none."""
+    path = root / MARK_FILE
+    if make and not path.exists():
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            with open(path, "x") as file:  # two API processes at once: one writes it, the other reads it
+                file.write(uuid.uuid4().hex)
+        except FileExistsError:
+            pass
+        except OSError:  # mounted read-only here: there is no mark, and hosts are not checked against one
+            return None
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 class ArtifactStore:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from urllib.parse import urlsplit
@@ -11,6 +12,7 @@ from urllib.parse import urlsplit
 from celery.signals import worker_shutting_down
 
 from api_schemas.host_api import HostRegistration, HostTerms
+from common.artifacts import MARK_FILE, directory_mark
 from common.queue import RUN_ATTEMPT_TASK, declare_host_queue, host_queue, make_celery
 from common.settings import Settings
 from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable, read_token
@@ -65,10 +67,19 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     if sandbox.enabled and gang_network.available() is None:
         gang_network.remove_orphans()
         info["gang_network"] = True
+    # The embedded broker is a file of `trainyard up`'s data directory (beside its admin token): a host
+    # anywhere else would make a broker of its own there that no scheduler sends to.
+    if settings.broker_url is None and not (settings.data_dir / "token").exists():
+        raise ValueError(
+            f"no broker: TRAINYARD_BROKER_URL is not set and {settings.data_dir.resolve()} is no `trainyard up` data directory "
+            "with an embedded one: a host of a production service needs the service's Redis in TRAINYARD_BROKER_URL"
+        )
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
     registration = HostRegistration(device=device, slots=slots, info=info, address=address)
     terms = register(service, registration)
+    if settings.shared_artifact_store:
+        check_shared_directories(settings, terms)
     settings = follow_terms(settings, terms)
     # A gang keeps the host's network: only a root worker can close the service's ports to its jobs' user.
     ports = [*terms.control_plane_ports, api_port(settings.api_url)]
@@ -92,8 +103,15 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
             try:
                 if not service.heartbeat():  # taken out of the pool meanwhile (e.g. the service's database restored)
                     service.register(registration)
-            except ServiceError:
-                log.exception("heartbeat failed; retrying")
+            except NotOurs as exc:
+                if exc.status == 401:  # revoked, or replaced by a new one: the host may not act any more
+                    log.error("the service refused this host's token (revoked, or replaced by `trainyard host token %s`): "
+                              "stopping; start the worker again with its new token", host_name)
+                    os.kill(os.getpid(), signal.SIGTERM)  # Celery's warm shutdown: the attempts, lost already, stop
+                    return
+                log.warning("heartbeat refused (%s); retrying", exc)
+            except ServiceError as exc:
+                log.warning("heartbeat failed (%s); retrying", exc)
             runner.ended_attempts.sweep()
 
     warm = WarmPool(settings, sandbox, settings.warm_interpreters)
@@ -155,6 +173,22 @@ def register(service: HostClient, registration: HostRegistration) -> HostTerms:
             log.warning("cannot register yet (%s); retrying in %.1f s", exc, pause)
         time.sleep(pause)
         pause = min(pause * 2, 5.0)
+
+
+def check_shared_directories(settings: Settings, terms: HostTerms) -> None:
+    """A host that shares the artifact store and the data root with the API must see the API's own
+    (their mark files, common/artifacts.py): else its checkpoints would land where the API never
+    looks, to be refused for ever, and its jobs fail reading data the API found. Raises ValueError."""
+    for what, root, variable, mark in (
+        ("artifact store", settings.resolved_artifact_root, "TRAINYARD_ARTIFACT_ROOT", terms.artifact_mark),
+        ("data root", settings.resolved_data_root, "TRAINYARD_DATA_ROOT", terms.data_mark),
+    ):
+        if mark is not None and directory_mark(root) != mark:
+            raise ValueError(
+                f"{root} is not the service's {what} (its {MARK_FILE} is missing or another service's): set {variable} to "
+                f"where this host mounts the API's, or TRAINYARD_SHARED_ARTIFACT_STORE=false if it doesn't mount it "
+                "(checkpoints and data then go through the API)"
+            )
 
 
 def follow_terms(settings: Settings, terms: HostTerms) -> Settings:

@@ -14,8 +14,10 @@ import subprocess
 import sys
 import time
 
-from stack.embedded import host_token_files, prepare_embedded, stop_children
 from common.settings import Settings
+from service.db.host_tokens import revoke_host_token
+from service.db.session import session_factory
+from stack.embedded import host_token_files, prepare_embedded, stop_children
 from workers.supervisor import free_port
 
 
@@ -59,3 +61,60 @@ def test_a_worker_without_a_host_token_says_how_to_get_one(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "no host token" in done.stderr and "trainyard host token NAME" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_worker_set_up_apart_from_the_service_says_what_it_lacks(tmp_path):
+    """A host started where the admin forgot a setting: told which, at start, not a traceback nor a job
+    failed later (its checkpoints refused for ever, its jobs' data not found)."""
+    service_dir, host_dir = tmp_path / "service", tmp_path / "host"
+    settings = Settings(data_dir=service_dir)
+    prepare_embedded(settings)
+    [token_file] = host_token_files(settings, ["node-1"])
+    port = free_port()
+    api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env={**os.environ, "TRAINYARD_DATA_DIR": str(service_dir)},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    host = {**os.environ, "TRAINYARD_DATA_DIR": str(host_dir), "TRAINYARD_API_URL": f"http://127.0.0.1:{port}", "TRAINYARD_HOST_TOKEN_FILE": str(token_file)}
+    host.pop("TRAINYARD_BROKER_URL", None)
+
+    def start(**env) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trainyard", "worker", "--host-name", "node-1", "--devices", "cpu:1"],
+                              env={**host, **env}, capture_output=True, text=True, timeout=120)
+
+    try:
+        no_broker = start()
+        assert no_broker.returncode == 2 and "no broker: TRAINYARD_BROKER_URL is not set" in no_broker.stderr, no_broker.stderr
+        # The broker given, but its own artifact store where the API's is not mounted.
+        elsewhere = start(TRAINYARD_BROKER_URL=settings.resolved_broker_url)
+        assert elsewhere.returncode == 2, elsewhere.stderr
+        assert f"{host_dir / 'artifacts'} is not the service's artifact store" in elsewhere.stderr
+        assert "set TRAINYARD_ARTIFACT_ROOT to where this host mounts the API's" in elsewhere.stderr
+        assert "Traceback" not in no_broker.stderr + elsewhere.stderr
+    finally:
+        stop_children([api])
+
+
+def test_a_worker_whose_token_is_revoked_stops_saying_why(tmp_path):
+    settings = Settings(data_dir=tmp_path)
+    prepare_embedded(settings)
+    [token_file] = host_token_files(settings, ["node-1"])
+    port = free_port()
+    env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path), "TRAINYARD_HEARTBEAT_SECONDS": "0.5"}
+    api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "trainyard", "worker", "--host-name", "node-1", "--devices", "cpu:1"],
+            env={**env, "TRAINYARD_API_URL": f"http://127.0.0.1:{port}", "TRAINYARD_HOST_TOKEN_FILE": str(token_file)}, stdout=log, stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while not rows(str(tmp_path / "trainyard.db"), "SELECT name FROM worker_hosts WHERE name = 'node-1'"):
+            assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
+            time.sleep(0.05)
+        with session_factory(settings.resolved_database_url)() as session:
+            assert revoke_host_token(session, "node-1")
+        # Not a traceback every heartbeat for ever: it stops, and says why and what to do.
+        worker.wait(timeout=60)
+        said = (tmp_path / "worker.log").read_text()
+        assert "the service refused this host's token (revoked, or replaced by `trainyard host token node-1`): stopping" in said, said
+    finally:
+        stop_children([worker, api])

@@ -21,6 +21,7 @@ from service.db.models import Attempt, Job, JobEvent, User
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from tests.helpers import auth, job_spec
+from workers.host import check_shared_directories
 from workers.host_client import HostClient, ServiceRefused
 from workers.supervisor import AttemptRunner, Outbox
 
@@ -194,3 +195,14 @@ def test_what_an_attempt_ran_with_is_its_part_of_the_jobs_run_record_and_only_it
     assert attempt["host_name"] == "host-a" and attempt["environment"] == environment.model_dump()
     assert record.json()["spec"]["name"] == job_spec().name and record.json()["code_sha256"] is None
     assert users.get(f"/v1/jobs/{claimed.job_id}/record", headers=auth(bob_token)).status_code == 404
+
+
+def test_a_host_that_says_it_shares_the_store_must_see_the_apis_own_or_it_does_not_start(app, sessions, settings, tmp_path):
+    terms = host(app, sessions, "node-1").register(HostRegistration(device="cpu", slots=1, address="127.0.0.1"))
+    check_shared_directories(settings, terms)  # the same directories as the API's: it starts
+    # Its own default directories instead of where it mounts the API's: a checkpoint written there
+    # could never be registered (refused for ever) and a job's data would not be found.
+    for variable, field in (("TRAINYARD_ARTIFACT_ROOT", "artifact_root"), ("TRAINYARD_DATA_ROOT", "data_root")):
+        elsewhere = settings.model_copy(update={field: tmp_path / field})
+        with pytest.raises(ValueError, match=f"{tmp_path / field} is not the service's .* set {variable} to where this host mounts the API's"):
+            check_shared_directories(elsewhere, terms)

@@ -17,7 +17,7 @@ from api_schemas.host_api import (
 )
 from api_schemas.jobs import CheckpointConfig, CodeSource
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
-from common.artifacts import ArtifactStore
+from common.artifacts import ArtifactStore, directory_mark
 from service.db.attempts import (
     HeldAttempt, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
 )
@@ -65,6 +65,7 @@ def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep
         heartbeat_seconds=settings.heartbeat_seconds, lease_seconds=settings.lease_seconds,
         dispatch_timeout_seconds=settings.dispatch_timeout_seconds, max_log_lines_per_attempt=settings.max_log_lines_per_attempt,
         max_runtime_hours=settings.max_runtime_hours, max_attempt_disk_gb=settings.max_attempt_disk_gb, control_plane_ports=control_plane_ports(settings),
+        artifact_mark=directory_mark(settings.resolved_artifact_root, make=True), data_mark=directory_mark(settings.resolved_data_root, make=True),
     )
 
 
