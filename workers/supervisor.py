@@ -44,7 +44,7 @@ from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, Invalid
 from common.settings import Settings
 from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
-from workers.host_client import HostClient, ServiceError, ServiceUnreachable
+from workers.host_client import HostClient, ServiceError, ServiceRefused, ServiceUnreachable
 from workers.launch import (
     EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
 )
@@ -150,7 +150,7 @@ class Transfers:
     database (`record`, in the sync's short transaction). A take still running after
     INGEST_WAIT_SECONDS is left for a later sync (unless it must `wait`); one that failed with
     `unfit` is skipped (retrying can't mend a missing or corrupt directory); a recording that
-    failed (the database out of reach) keeps what was taken for the next sync."""
+    failed (the API out of reach) keeps what was taken for the next sync."""
 
     items: list = field(default_factory=list)
     taking: Future | None = None  # the first item's take into the store
@@ -179,9 +179,16 @@ class Transfers:
         return bool(self.items or self.taken or self.refused)
 
     def record(self, record: Callable) -> None:
+        """`record` each item taken, oldest first. One the service refuses outright (ServiceRefused:
+        sent again, refused again) is reported as refused, not retried while the attempt waits on
+        it for ever; one it can't be reached for stays for the next sync."""
         while self.taken:
             item, taken = self.taken[0]
-            record(*item, taken)
+            try:
+                record(*item, taken)
+            except ServiceRefused as exc:
+                log.warning("%s taken into the store but refused by the service: %s", item[0], exc)
+                self.refused.append((item, f"the service refused to list it: {exc}"))
             self.taken.pop(0)
 
 

@@ -139,18 +139,21 @@ def test_a_host_taken_out_of_the_pool_is_told_to_register_again(app, sessions):
     assert a.heartbeat()
 
 
-def test_a_registration_the_api_refuses_is_kept_for_later_not_a_crash_of_the_supervisor(app, sessions, settings):
+def test_a_registration_the_api_refuses_is_reported_refused_not_retried_for_ever(app, sessions, settings):
     a = host(app, sessions, "host-a")
     a.register(REGISTRATION)
     claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
     missing = f"jobs/{claimed.job_id}/checkpoints/never-written"
-    with pytest.raises(ServiceRefused):  # a 422: not a reason to retry at once, nor to lose the lease
+    with pytest.raises(ServiceRefused):  # a 422: sent again, refused again
         a.checkpoint_stored(claimed, 1, missing, "0" * 64, 1)
     runner = AttemptRunner(settings, a, "host-a")
     outbox = Outbox()
     outbox.checkpoints.taken.append(((settings.data_dir / "gone", 1, "step-1"), (missing, "0" * 64, 1)))
-    assert runner._sync(claimed, outbox).held  # the attempt goes on
-    assert len(outbox.checkpoints.taken) == 1  # and the checkpoint waits, logged, for the next sync
+    assert runner._sync(claimed, outbox).held  # the attempt goes on, its lease held
+    assert runner._sync(claimed, outbox).held and outbox.empty()  # nothing left that would hold its end back for ever
+    with sessions() as session:
+        [event] = session.scalars(select(JobEvent).where(JobEvent.job_id == claimed.job_id, JobEvent.type == JobEventType.checkpoint_refused))
+        assert event.data["what"] == "step-1" and "the service refused to list it" in event.data["reason"]
 
 
 def test_what_the_database_cant_keep_is_a_422_naming_the_field(app, sessions, settings):
