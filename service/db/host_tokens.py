@@ -9,6 +9,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from api_schemas import AttemptStatus
+from service.db import state
 from service.db.accounts import hash_token
 from service.db.dialect import dialect_insert
 from service.db.doorbell import ring
@@ -31,16 +32,17 @@ def host_by_token(session: Session, token: str) -> str | None:
 
 
 def revoke_host_token(session: Session, host_name: str) -> bool:
-    """Revoke the host's token: it opens nothing from now on. Its running attempts' leases expire
-    now (the scheduler's next pass ends them as lost, and requeues their jobs) and the host leaves
-    the pool (its scheduled ones are lost the same way). False if it had no live token."""
+    """Revoke the host's token: it opens nothing from now on. Its attempts end now as lost, saying
+    why, and their jobs are requeued (as a dead host's), and the host leaves the pool. False if it
+    had no live token."""
     now = utcnow()
     revoked = session.execute(
         update(HostToken).where(HostToken.host_name == host_name, HostToken.revoked_at.is_(None)).values(revoked_at=now)
     ).rowcount
-    session.execute(
-        update(Attempt).where(Attempt.host_name == host_name, Attempt.status == AttemptStatus.running).values(lease_expires_at=now)
-    )
+    active = select(Attempt).where(Attempt.host_name == host_name, Attempt.status.in_([AttemptStatus.scheduled, AttemptStatus.running]))
+    for attempt in session.scalars(active.with_for_update()).all():
+        if attempt.status in (AttemptStatus.scheduled, AttemptStatus.running):  # not ended with its gang's node just before it
+            state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {host_name}'s token was revoked")
     session.execute(WorkerHost.__table__.delete().where(WorkerHost.name == host_name))
     ring(session)
     session.commit()

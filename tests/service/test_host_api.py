@@ -124,11 +124,11 @@ def test_a_revoked_host_token_opens_nothing_and_its_hosts_attempts_are_requeued(
     assert a.renew(claimed).held
     with sessions() as session:
         assert revoke_host_token(session, "host-a")
-        schedule_pass(session, settings)  # the scheduler's next pass
     assert not a.renew(claimed).held  # the worker stops it
     assert TestClient(app).post("/v1/host/heartbeat", headers=auth(a.token)).status_code == 401
     with sessions() as session:
-        assert session.get(Attempt, claimed.attempt_id).status == AttemptStatus.lost
+        attempt = session.get(Attempt, claimed.attempt_id)
+        assert (attempt.status, attempt.failure_reason) == (AttemptStatus.lost, "host host-a's token was revoked")  # not "stopped renewing"
         assert session.get(Job, claimed.job_id).status == JobStatus.queued  # to run elsewhere
 
 
