@@ -73,6 +73,10 @@ class HostRegistration(BaseModel):
     slots: int = Field(ge=1, le=4096, description="GPUs, or CPU process slots.")
     address: str = Field(min_length=1, max_length=200, description="Where the other hosts of a multi-node job reach this one.")
     info: dict[str, Any] = Field(default_factory=dict, description="gpus (index, name, memory_gb), sandbox: shown in GET /v1/workers.")
+    instance: str | None = Field(
+        None, max_length=64,
+        description="This worker process's own id: while a host registered by another lives (heartbeats), a second is refused (409).",
+    )
 
 
 class HostTerms(BaseModel):

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import uuid
 from urllib.parse import urlsplit
 
 from celery.signals import worker_shutting_down
@@ -76,7 +77,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         )
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
-    registration = HostRegistration(device=device, slots=slots, info=info, address=address)
+    registration = HostRegistration(device=device, slots=slots, info=info, address=address, instance=uuid.uuid4().hex)
     terms = register(service, registration)
     if settings.shared_artifact_store:
         check_shared_directories(settings, terms)
@@ -166,7 +167,10 @@ def register(service: HostClient, registration: HostRegistration) -> HostTerms:
         try:
             return service.register(registration)
         except NotOurs as exc:
-            raise ValueError(f"the service refused this host's token: {exc}") from exc
+            if exc.status != 409:
+                raise ValueError(f"the service refused this host's token: {exc}") from exc
+            # Another process is up under this name, or was until it died: its name is free once it is silent long enough.
+            log.warning("cannot register yet: %s; retrying in %.1f s", exc, pause)
         except ServiceRefused as exc:
             raise ValueError(f"the service refused this host's registration: {exc}") from exc
         except ServiceUnreachable as exc:

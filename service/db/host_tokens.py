@@ -17,11 +17,13 @@ from service.db.models import Attempt, HostToken, WorkerHost, utcnow
 
 
 def issue_host_token(session: Session, host_name: str) -> str:
-    """A new token for `host_name`, replacing (and so revoking) any earlier one."""
+    """A new token for `host_name`, replacing (and so revoking) any earlier one. The host's registration
+    goes with the old token (its process can act no more): the worker given the new one registers at once."""
     token = "tyh_" + secrets.token_urlsafe(32)  # its own prefix: a secret scanner, or a reader, tells it from a user's
     values = {"token_hash": hash_token(token), "created_at": utcnow(), "revoked_at": None}
     insert = dialect_insert(session)(HostToken).values(host_name=host_name, **values)
     session.execute(insert.on_conflict_do_update(index_elements=["host_name"], set_=values))
+    session.execute(WorkerHost.__table__.delete().where(WorkerHost.name == host_name))
     session.commit()
     return token
 

@@ -4,6 +4,8 @@ nothing and its host's attempts are requeued; what a host sends again is stored 
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
@@ -17,12 +19,12 @@ from service.db.host_tokens import issue_host_token, revoke_host_token
 from service.db.jobs import create_job
 from service.db.log_lines import log_lines_after
 from service.db.metrics import metric_series
-from service.db.models import Attempt, Job, JobEvent, User
+from service.db.models import Attempt, Job, JobEvent, User, WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from tests.helpers import auth, job_spec
 from workers.host import check_shared_directories
-from workers.host_client import HostClient, ServiceRefused
+from workers.host_client import HostClient, NotOurs, ServiceRefused
 from workers.supervisor import AttemptRunner, Outbox
 
 REGISTRATION = HostRegistration(device="cpu", slots=1, address="127.0.0.1")
@@ -209,3 +211,23 @@ def test_a_host_that_says_it_shares_the_store_must_see_the_apis_own_or_it_does_n
         elsewhere = settings.model_copy(update={field: tmp_path / field})
         with pytest.raises(ValueError, match=f"{tmp_path / field} is not the service's .* set {variable} to where this host mounts the API's"):
             check_shared_directories(elsewhere, terms)
+
+
+def test_a_second_worker_under_a_live_hosts_name_is_refused_until_the_first_is_silent_or_its_token_replaced(app, sessions, settings):
+    first = host(app, sessions, "node-1")
+    first.register(REGISTRATION.model_copy(update={"instance": "first"}))
+    second = HostClient("http://testserver", first.token, http=TestClient(app))  # another process, the same token
+    with pytest.raises(NotOurs) as refused:
+        second.register(REGISTRATION.model_copy(update={"instance": "second"}))
+    assert refused.value.status == 409 and "another worker is up as host node-1" in str(refused.value)
+    first.register(REGISTRATION.model_copy(update={"instance": "first"}))  # the first registering again (a restart of its own): fine
+    # Dead (no heartbeat for host_timeout_seconds): its name is free.
+    with sessions() as session:
+        session.get(WorkerHost, "node-1").last_heartbeat = utcnow() - timedelta(seconds=settings.host_timeout_seconds + 1)
+        session.commit()
+    second.register(REGISTRATION.model_copy(update={"instance": "second"}))
+    # An admin's new token for the name frees it at once: the old token's process can act no more.
+    third = host(app, sessions, "node-1")
+    third.register(REGISTRATION.model_copy(update={"instance": "third"}))
+    with pytest.raises(NotOurs):
+        second.heartbeat()

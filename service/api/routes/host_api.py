@@ -25,7 +25,7 @@ from service.db.checkpoints import record_checkpoint, record_refused
 from service.db.hosts import deregister_host, record_heartbeat, register_host
 from service.db.log_lines import record_logs
 from service.db.metrics import not_stored_yet, record_metrics
-from service.db.models import Job
+from service.db.models import Job, WorkerHost, utcnow
 from service.db.outputs import record_output
 from service.db.gang_addresses import host_subnet
 from common.settings import Settings
@@ -58,7 +58,14 @@ def control_plane_ports(settings: Settings) -> list[int]:
 @router.post("/register", response_model=HostTerms)
 def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> HostTerms:
     """The host joins the pool (again, after a restart) with what it offers; it learns the service's timing."""
-    net_index = register_host(session, host, body.device, body.slots, body.info, body.address)
+    running = session.get(WorkerHost, host)
+    if running is not None and body.instance is not None and running.info.get("instance") not in (None, body.instance):
+        silent = (utcnow() - running.last_heartbeat).total_seconds()
+        if silent < settings.host_timeout_seconds:  # two processes under one name would take each other's attempts
+            raise HTTPException(409, f"another worker is up as host {host} (its last heartbeat {silent:.0f} s ago): stop it, "
+                                     f"or start this one under another --host-name; a dead one's name is free after {settings.host_timeout_seconds:g} s")
+    info = body.info | ({"instance": body.instance} if body.instance else {})
+    net_index = register_host(session, host, body.device, body.slots, info, body.address)
     subnet = host_subnet(settings.gang_network, net_index) if net_index is not None and settings.gang_network else None
     return HostTerms(
         attempt_subnet=subnet,
