@@ -134,9 +134,12 @@ def preemption_plan(
     return PreemptionPlan(hosts=[name for _, name, _ in chosen], victims=[a for _, _, victims in chosen for a in victims])
 
 
-def waiting_reason(resources: ResourcesConfig, fitting_now: int) -> str:
+def waiting_reason(resources: ResourcesConfig, fitting_now: int, online: int) -> str:
     """`waiting for a host with 2 free CPU slots; 0 hosts have that free now` (the count of hosts
-    that could take it, not of free slots: "(0 now)" read as no free slot while one of two was)."""
+    that could take it, not of free slots: "(0 now)" read as no free slot while one of two was);
+    with no host online at all, that (a worker that never came up reads as a full cluster otherwise)."""
+    if online == 0:
+        return "waiting for a worker host: none is online (`trainyard worker` registers one; GET /v1/workers lists them)"
     count = resources.processes_per_node
     what = ("GPU" if resources.device == "cuda" else "CPU slot") + ("s" if count != 1 else "")
     memory = f" of at least {resources.min_gpu_memory_gb:g} GB" if resources.min_gpu_memory_gb else ""

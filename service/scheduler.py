@@ -132,7 +132,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
         if chosen is None and resources.elastic and (now - (job.queued_at or job.created_at)).total_seconds() >= resources.elastic.wait_s:
             chosen, processes = smaller_fit(rooms, JobSpec.model_validate(job.spec), skip=reserved)
         if chosen is None:
-            reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved))
+            reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved), len(hosts))
             if resources.elastic:
                 reason += f"; elastic: runs on as few as {resources.elastic.min_processes} process(es) if still queued after {resources.elastic.wait_s:g} s"
             # The first job that must wait gets hosts held for it: nothing behind it starts there,
@@ -155,7 +155,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     for job, resources in borrowing:
         chosen = rooms.best_fit(resources, skip=reserved)
         if chosen is None:
-            reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved))
+            reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved), len(hosts))
             set_waiting_reason(job, f"{quotas.describe(job.team_id, resources.slot_kind)}; it borrows idle slots beyond it: {reason}")
             continue
         take(job, resources, chosen, resources.processes_per_node)

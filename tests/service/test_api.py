@@ -430,6 +430,8 @@ def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api
     # No host registered yet: hosts may still join, so the job is accepted and waits.
     queued = api.post("/v1/jobs", json=cuda_job, headers=auth(tokens["alice"])).json()
     with session_factory(settings.resolved_database_url)() as session:
+        schedule_pass(session, settings)
+        assert session.get(Job, queued["id"]).waiting_reason.startswith("waiting for a worker host: none is online")  # not "0 free"
         register_host(session, "cpu-box", "cpu", 2, {})
         schedule_pass(session, settings)
     assert api.get(f"/v1/jobs/{queued['id']}", headers=auth(tokens["alice"])).json()["waiting_reason"] == (
