@@ -36,8 +36,11 @@ def _configure_logging(role: str) -> None:
 def db_upgrade(args: argparse.Namespace) -> int:
     from service.db.migrate import upgrade
 
-    upgrade(_settings().resolved_database_url)
-    print("database schema is up to date")
+    before, now = upgrade(_settings().resolved_database_url)
+    if before == now:
+        print(f"database schema is up to date (revision {now})")
+    else:
+        print(f"database schema migrated from {'an empty database' if before is None else f'revision {before}'} to revision {now}")
     return 0
 
 

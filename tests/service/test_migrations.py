@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import sqlalchemy as sa
 from alembic import command
@@ -10,6 +11,7 @@ from alembic import command
 from api_schemas import JobSpec
 from service.db.migrate import alembic_config, upgrade
 from tests.helpers import spec_dict
+from trainyard.cli import main
 
 
 def test_a_database_with_users_and_jobs_upgrades_from_0003_to_head(empty_database_url):
@@ -78,3 +80,16 @@ def test_gpt_specs_stored_before_the_untied_default_keep_their_tied_head(empty_d
     assert (json.loads(sweep) if isinstance(sweep, str) else sweep)["base"]["model"] == tied
     # What a job submits now says what it asks for, and is read as it says.
     assert JobSpec.model_validate(spec_dict()).model.tie_embeddings is False
+
+
+def test_db_upgrade_says_what_it_did(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", f"sqlite:///{tmp_path / 'fresh.db'}")
+    umask = os.umask(0o022)  # the server commands set 077 for what they write: not for the rest of this process
+    try:
+        assert main(["db", "upgrade"]) == 0
+        first = capsys.readouterr().out.strip()
+        assert first.startswith("database schema migrated from an empty database to revision "), first
+        assert main(["db", "upgrade"]) == 0
+        assert capsys.readouterr().out.strip() == f"database schema is up to date (revision {first.rpartition(' ')[2]})"
+    finally:
+        os.umask(umask)
