@@ -43,7 +43,7 @@ from service.db.scheduling import (
 from service.logs import job_fields
 from service.placement import HostRoom, Rooms, preemption_plan, waiting_reason
 from common.settings import Settings
-from service.db.teams import kind_of, resources_of
+from service.db.teams import resources_of
 from service.fair_share import FairShare, Quotas, load_fair_share, load_quotas, pool_reclaims, reclaimable_attempts
 from service.sweeps import advance_sweeps
 
@@ -231,9 +231,10 @@ def queue_order(jobs: list[Job], now: datetime, settings: Settings, shares: Fair
     `small_job_weight` over its slots for its size."""
 
     def effective(job: Job) -> float:
+        resources = resources_of(job)
         waited = (now - job.created_at).total_seconds() / settings.priority_aging_seconds
-        size = settings.small_job_weight / resources_of(job).slots if settings.small_job_weight else 0.0
-        return job.priority + waited + settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, kind_of(job)) + size
+        fair_share = settings.fair_share_weight * shares.factor(job.owner_id, job.team_id, resources.slot_kind)
+        return job.priority + waited + fair_share + settings.small_job_weight / resources.slots
 
     return sorted(jobs, key=lambda job: (-effective(job), job.id))
 
