@@ -93,7 +93,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     if said:
         info["sandbox"] += "; " + "; ".join(said)
         registration.info["sandbox"] = info["sandbox"]
-        service.register(registration)  # again, with that said, for GET /v1/workers
+        register(service, registration)  # again, with that said, for GET /v1/workers
     (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, info["sandbox"])
     log.info("host %s registered with %s × %s at %s", host_name, slots, device, settings.api_url)
 
@@ -168,7 +168,7 @@ def register(service: HostClient, registration: HostRegistration) -> HostTerms:
             return service.register(registration)
         except NotOurs as exc:
             if exc.status != 409:
-                raise ValueError(f"the service refused this host's token: {exc}") from exc
+                raise ValueError(f"the service refused this host's token (revoked, or replaced by a new one): {exc}") from exc
             # Another process is up under this name, or was until it died: its name is free once it is silent long enough.
             log.warning("cannot register yet: %s; retrying in %.1f s", exc, pause)
         except ServiceRefused as exc:

@@ -107,7 +107,8 @@ def test_a_worker_whose_token_is_revoked_stops_saying_why(tmp_path):
         )
     try:
         deadline = time.monotonic() + 60
-        while not rows(str(tmp_path / "trainyard.db"), "SELECT name FROM worker_hosts WHERE name = 'node-1'"):
+        # Up: registered (perhaps twice, the second time with its sandbox described) and heartbeating.
+        while "host node-1 registered with" not in (tmp_path / "worker.log").read_text():
             assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
             time.sleep(0.05)
         with session_factory(settings.resolved_database_url)() as session:
