@@ -25,12 +25,19 @@ PING_AFTER_IDLE_SECONDS = 10.0
 # How long a SQLite writer waits for the write lock before "database is locked".
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 
-_READ_ONLY = "trainyard_read_only"  # an execution option and a Session.info key
+_READ_ONLY = "trainyard_read_only"
+
+# The most connections one process holds to PostgreSQL (bench/agents.py: an API process serving
+# 1,000 worker hosts needs no more).
+POOL_SIZE = 15  # an execution option and a Session.info key
 
 
 def make_engine(url: str) -> Engine:
     if not url.startswith("sqlite"):
-        engine = create_engine(url, pool_size=5, max_overflow=10)
+        # Up to POOL_SIZE connections, opened as they are first needed and then kept: an "overflow"
+        # past a smaller pool is closed at every check-in, so under load each transaction could open
+        # a connection (a new PostgreSQL backend, forked and authenticated) and close it again.
+        engine = create_engine(url, pool_size=POOL_SIZE, max_overflow=0)
 
         @event.listens_for(engine, "checkin")
         def _note_idle_since(_dbapi_connection, record):
