@@ -172,6 +172,16 @@ class Report(BaseModel):
     )
 
 
+class Reported(BaseModel):
+    """The answer to a report: when to send the next one."""
+
+    next_report_seconds: float = Field(
+        0.0, ge=0, description="Send this attempt's next report no sooner than this (what is new meanwhile waits, batched): "
+        "0 while the API takes every report at once; more as more hosts report, so that each sends fewer, larger reports "
+        "and none waits in a queue at the API (settings: api_reports_per_second)."
+    )
+
+
 class RefusedTransfer(BaseModel):
     """A checkpoint or output the artifact store refused (incomplete, corrupt): an event of the job, never silently dropped."""
 

@@ -119,6 +119,13 @@ class ApiSettings(_FromEnvironment):
     max_failed_auths_per_minute: int = Field(
         30, gt=0, description="Wrong bearer tokens one client address may send per minute (counted across API processes with the Redis broker); past that its requests get 429 with Retry-After until the minute is over."
     )
+    api_reports_per_second: float = Field(
+        100.0, gt=0,
+        description="Reports of running attempts the API processes take per second, all together, before they ask hosts to "
+        "report less often (each running attempt's host then reports every running attempts / this many seconds, its points "
+        "batched meanwhile). One API process on a core of its own takes about 200 requests a second (bench/agents.py); raise it "
+        "with more API processes.",
+    )
     max_streams_per_user: int = Field(
         50, gt=0, description="Most followed /events and /logs streams one user may have open at once (across API processes with the Redis broker, else on the one); another gets 429."
     )

@@ -101,6 +101,9 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
 
     def heartbeat() -> None:
         while not stop.wait(settings.heartbeat_seconds):
+            runner.ended_attempts.sweep()
+            if service.heard_from_within(settings.heartbeat_seconds):
+                continue  # an attempt's lease was renewed lately, and the service took that as this host's heartbeat
             try:
                 if not service.heartbeat():  # taken out of the pool meanwhile (e.g. the service's database restored)
                     service.register(registration)
@@ -113,7 +116,6 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
                 log.warning("heartbeat refused (%s); retrying", exc)
             except ServiceError as exc:
                 log.warning("heartbeat failed (%s); retrying", exc)
-            runner.ended_attempts.sweep()
 
     warm = WarmPool(settings, sandbox, settings.warm_interpreters)
     warm.fill()

@@ -11,13 +11,14 @@ as a lease not held, and the attempt stops.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import httpx
 
 from api_schemas.host_api import (
     HOST_API_PREFIX, AttemptEnd, CheckpointSeal, CheckpointStored, ClaimedAttempt, ClaimRequest, DirectoryListing, EnvironmentReport,
-    Finished, HostRegistration, HostTerms, Lease, LeaseRequest, OutputSeal, OutputStored, RefusedTransfer, Rendezvous, Report, Rollback,
+    Finished, HostRegistration, HostTerms, Lease, LeaseRequest, OutputSeal, OutputStored, RefusedTransfer, Rendezvous, Report, Reported, Rollback,
     StoredItem, Transferred,
 )
 from api_schemas.run_record import RunEnvironment
@@ -56,6 +57,8 @@ class HostClient:
         self.http = http or httpx.Client(timeout=TIMEOUT)
         self.http.base_url = api_url.rstrip("/") + HOST_API_PREFIX
         self.http.headers.update({"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+        # When the service last renewed a lease of this host's: a renewal is the host's heartbeat too.
+        self.renewed_at = float("-inf")
 
     def close(self) -> None:
         self.http.close()
@@ -113,7 +116,14 @@ class HostClient:
             answer = self._post(f"/attempts/{claimed.attempt_id}/lease", LeaseRequest(lease_owner=claimed.lease_owner))
         except NotOurs:
             return LOST
-        return Lease.model_validate_json(answer.content)
+        lease = Lease.model_validate_json(answer.content)
+        if lease.held:
+            self.renewed_at = time.monotonic()
+        return lease
+
+    def heard_from_within(self, seconds: float) -> bool:
+        """Whether a lease renewal, which the service counts as this host's heartbeat, was answered that recently."""
+        return time.monotonic() - self.renewed_at < seconds
 
     def rendezvous(self, claimed: ClaimedAttempt) -> Rendezvous:
         try:
@@ -125,11 +135,12 @@ class HostClient:
     def report(
         self, claimed: ClaimedAttempt, metrics: list[tuple[int, str, float]], logs: list[tuple[int, int | None, str]],
         refused: list[RefusedTransfer] = (), resent: bool = False,
-    ) -> None:
-        """`resent`: an earlier report's answer was lost, so some of this may be stored already."""
+    ) -> float:
+        """`resent`: an earlier report's answer was lost, so some of this may be stored already. Returns
+        how soon to send the next (the API spreads many hosts' reports out: Reported)."""
         points = [(step, name, value if math.isfinite(value) else None) for step, name, value in metrics]
         body = Report(lease_owner=claimed.lease_owner, metrics=points, logs=logs, refused=list(refused), resent=resent)
-        self._post(f"/attempts/{claimed.attempt_id}/report", body)
+        return Reported.model_validate_json(self._post(f"/attempts/{claimed.attempt_id}/report", body).content).next_report_seconds
 
     def environment(self, claimed: ClaimedAttempt, environment: RunEnvironment) -> None:
         self._post(f"/attempts/{claimed.attempt_id}/environment", EnvironmentReport(lease_owner=claimed.lease_owner, environment=environment))

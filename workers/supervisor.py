@@ -75,7 +75,8 @@ POINTS_PER_BATCH = MAX_POINTS_PER_REPORT
 DELIVERY_SECONDS = 1.0
 # Between heartbeats, what is new (a step's metrics, a checkpoint, lines) is forwarded at once, at
 # most this often: seen through the API within half a second of the training writing it, batched
-# only when it comes faster than this (the lease is renewed on the heartbeat alone).
+# only when it comes faster than this, or when the API asks for fewer reports (many hosts report:
+# service/api/report_pacing.py). The lease is renewed on the heartbeat alone.
 FORWARD_SECONDS = 0.25
 # Characters of lines waiting to be stored, at most: past it (printed faster than they can be stored,
 # or the database out of reach) lines are dropped and counted, and the job's logs say how many, where.
@@ -593,35 +594,40 @@ class AttemptRunner:
         self._deliver_or_keep(claimed, outbox)
         return lease
 
-    def _forward(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
-        """Deliver what is new without renewing the lease (between heartbeats)."""
+    def _forward(self, claimed: ClaimedAttempt, outbox: Outbox) -> float:
+        """Deliver what is new without renewing the lease (between heartbeats); how soon the API
+        asked for the next report."""
         self._take_in(claimed, outbox, timeout=0)
-        self._deliver_or_keep(claimed, outbox)
+        return self._deliver_or_keep(claimed, outbox)
 
-    def _deliver_or_keep(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+    def _deliver_or_keep(self, claimed: ClaimedAttempt, outbox: Outbox) -> float:
         """Deliver the outbox; what the service did not take (out of reach, or refused: logged each
-        time) stays in it for the next round, and the lease decides whether the attempt goes on."""
+        time) stays in it for the next round, and the lease decides whether the attempt goes on.
+        Returns how soon the API asked for the next report (0 if it did not answer)."""
         try:
-            self._deliver(claimed, outbox)
+            return self._deliver(claimed, outbox)
         except ServiceError as exc:
             log.warning("could not deliver what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
+            return 0.0
 
     def _take_in(self, claimed: ClaimedAttempt, outbox: Outbox, timeout: float | None) -> None:
         outbox.checkpoints.take_in(self.ingest, partial(self.store.checkpoint, claimed), CorruptCheckpoint, timeout)
         outbox.outputs.take_in(self.ingest, partial(self.store.output, claimed), (OSError, CorruptCheckpoint), timeout)
 
-    def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
+    def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox) -> float:
         """Send the outbox's metrics and lines in bounded reports for up to DELIVERY_SECONDS (what a
         report carried is taken out of it once answered; the rest waits for the next sync), then
-        register its checkpoints and outputs taken into the store, and say what the store refused."""
+        register its checkpoints and outputs taken into the store, and say what the store refused.
+        Returns how soon the API asked for the next report."""
         deadline = time.monotonic() + DELIVERY_SECONDS
+        pause = 0.0
         self._take_refused(outbox)
         while True:
             points, lines, refused = outbox.metrics[:POINTS_PER_BATCH], outbox.next_lines(LINES_PER_BATCH), outbox.refused[:MAX_REFUSED_PER_REPORT]
             if points or lines or refused:
                 # Idempotent: sent again whole if its answer is lost (`resent` then, so no step is announced twice).
                 resent, outbox.resending = outbox.resending, True
-                self.service.report(claimed, points, lines, refused, resent=resent)
+                pause = self.service.report(claimed, points, lines, refused, resent=resent)
                 outbox.resending = False
                 del outbox.metrics[:len(points)]
                 outbox.drop_lines(len(lines))
@@ -629,7 +635,7 @@ class AttemptRunner:
             self._register_checkpoints(claimed, outbox)
             self._register_outputs(claimed, outbox)
             if not outbox.backlog() or time.monotonic() >= deadline:
-                return
+                return pause
 
     def _register_checkpoints(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
         """Register the checkpoints taken into the store (the service drops the oldest past `keep_last`)."""
@@ -903,8 +909,8 @@ class RunningAttempt:
         if not (self.finished or time.monotonic() >= self.next_sync):
             if not self.outbox.empty() and time.monotonic() >= self.next_forward:
                 started = time.monotonic()
-                self.runner._forward(self.claimed, self.outbox)
-                self.next_forward = time.monotonic() + forward_pause(time.monotonic() - started)
+                asked = self.runner._forward(self.claimed, self.outbox)
+                self.next_forward = time.monotonic() + max(asked, forward_pause(time.monotonic() - started))
             return None
         self.next_sync = time.monotonic() + self.runner.settings.heartbeat_seconds
         if self.exit_code is None:

@@ -39,7 +39,9 @@ NEEDS_TOKEN = {
 MAY_BE_MISSING = {404: {"model": ErrorOut, "description": "No such item, or not yours."}}
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
+    # async: FastAPI runs a sync dependency on its thread pool, a round trip through the event loop
+    # for every request just to read an attribute.
     return request.app.state.settings
 
 

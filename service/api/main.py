@@ -18,6 +18,7 @@ from api_schemas.host_api import MAX_UPLOAD_PART_BYTES, is_upload_part
 from service.admission import Refused
 from service.api.events import Feeds
 from service.api.limits import limits_for
+from service.api.report_pacing import ReportPacing
 from service.api.stream_tokens import StreamTokens
 from service.api.audit import AuditTrail
 from service.api.routes import audit, checkpoints, dashboard, host_api, host_transfers, jobs, login, monitoring, outputs, sweeps, teams, tokens, uploads, usage
@@ -112,6 +113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     database_url = settings.resolved_database_url
     app.state.stream_tokens = StreamTokens(read_session_factory(database_url))  # a followed stream ends when its token stops working
+    app.state.report_pacing = ReportPacing(read_session_factory(database_url), settings.api_reports_per_second)
     app.state.feeds = Feeds(read_session_factory(database_url), settings.events_poll_seconds, listen_dsn=libpq_dsn(database_url))
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(AuditTrail, sessions=session_factory(database_url))  # a refused body is audited too

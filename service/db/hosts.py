@@ -49,9 +49,14 @@ def deregister_host(session: Session, host_name: str) -> None:
 
 def record_heartbeat(session: Session, host_name: str) -> bool:
     """False if the host is not registered (it deregistered, or was taken out of the pool): it should register again."""
-    found = session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount
+    found = note_seen(session, host_name)
     session.commit()
-    return bool(found)
+    return found
+
+
+def note_seen(session: Session, host_name: str) -> bool:
+    """The host's heartbeat, in the caller's transaction (a lease renewal is one); False if it is not registered."""
+    return bool(session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount)
 
 
 def online_hosts(session: Session, now: datetime, host_timeout: float) -> list[WorkerHost]:

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
 from api_schemas.host_api import HostRegistration
@@ -105,6 +105,26 @@ def test_a_report_sent_again_is_stored_once_and_announces_no_step_twice(app, ses
         series = metric_series(session, claimed.job_id, ["train_loss", "grad_norm"], None, 100)
         assert series["train_loss"] == ([1, 2], [2.4, 2.3])
         assert series["grad_norm"] == ([1], [None])  # NaN travels as null, stored as NULL
+
+
+def test_reports_are_paced_by_the_running_attempts_and_a_lease_renewal_is_the_hosts_heartbeat(sessions, settings):
+    # Two running attempts, and an API that takes 4 reports a second: each host reports every 0.5 s.
+    app = create_app(settings.model_copy(update={"api_reports_per_second": 4.0}))
+    a, b = host(app, sessions, "host-a"), host(app, sessions, "host-b")
+    a.register(REGISTRATION), b.register(REGISTRATION)
+    attempts = placed_on(sessions, settings, ["host-a", "host-b"])
+    claimed = a.claim(attempts["host-a"], "a", "127.0.0.1:1")
+    assert b.claim(attempts["host-b"], "b", "127.0.0.1:1") is not None
+    assert a.report(claimed, [(1, "train_loss", 2.5)], []) == 0.5
+
+    # A host renewing a lease sends no heartbeat of its own: the renewal moves its last heartbeat on.
+    with sessions() as session:
+        session.execute(update(WorkerHost).where(WorkerHost.name == "host-a").values(last_heartbeat=utcnow() - timedelta(minutes=5)))
+        session.commit()
+    assert not a.heard_from_within(60)
+    assert a.renew(claimed).held and a.heard_from_within(60)
+    with sessions() as session:
+        assert session.scalar(select(WorkerHost.last_heartbeat).where(WorkerHost.name == "host-a")) > utcnow() - timedelta(minutes=1)
 
 
 def test_a_host_can_register_only_checkpoints_of_its_own_job_that_are_in_the_store(app, sessions, settings):

@@ -7,13 +7,13 @@ from __future__ import annotations
 import math
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, HTTPException, Response, status
+from fastapi import APIRouter, HTTPException, Request, Response, status
 from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobEventType
 from api_schemas.host_api import (
     HOST_API_PREFIX, AttemptEnd, CheckpointStored, ClaimedAttempt, ClaimRequest, EnvironmentReport, Finished, HostRegistration, HostTerms, Lease,
-    LeaseRequest, OutputStored, Rendezvous, Report,
+    LeaseRequest, OutputStored, Rendezvous, Report, Reported,
 )
 from api_schemas.jobs import CheckpointConfig, CodeSource
 from service.api.deps import MAY_BE_MISSING, NEEDS_TOKEN, CurrentHost, RowId, SettingsDep, SessionsEndWithRoute, StoreDep, WriteSessionDep, not_found
@@ -22,7 +22,7 @@ from service.db.attempts import (
     HeldAttempt, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
 )
 from service.db.checkpoints import record_checkpoint, record_refused
-from service.db.hosts import deregister_host, record_heartbeat, register_host
+from service.db.hosts import deregister_host, note_seen, record_heartbeat, register_host
 from service.db.log_lines import record_logs
 from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job, WorkerHost, utcnow
@@ -120,8 +120,12 @@ def claim(
 
 @router.post("/attempts/{attempt_id}/lease", response_model=Lease)
 def lease(attempt_id: RowId, body: LeaseRequest, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> Lease:
-    """Renew the lease; it says whether the attempt is still this host's, and if it is to stop."""
-    return renew_lease(session, _own(session, host, attempt_id, body.lease_owner), settings.lease_seconds)
+    """Renew the lease; it says whether the attempt is still this host's, and if it is to stop. It
+    is the host's heartbeat too (a host renewing leases sends none of its own: one request fewer a
+    round; the host's row first, in the order a claim locks them)."""
+    held = _own(session, host, attempt_id, body.lease_owner)
+    note_seen(session, host)
+    return renew_lease(session, held, settings.lease_seconds)
 
 
 @router.post("/attempts/{attempt_id}/rendezvous", response_model=Rendezvous)
@@ -141,9 +145,10 @@ def environment(attempt_id: RowId, body: EnvironmentReport, host: CurrentHost, s
     return Response(status_code=204)
 
 
-@router.post("/attempts/{attempt_id}/report", status_code=204)
-def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep) -> Response:
-    """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again whole if its answer was lost."""
+@router.post("/attempts/{attempt_id}/report", response_model=Reported)
+def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep, request: Request) -> Reported:
+    """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again
+    whole if its answer was lost. The answer says when to send the next (service/api/report_pacing.py)."""
     held = _own(session, host, attempt_id, body.lease_owner)
     points = [(step, name, math.nan if value is None else value) for step, name, value in body.metrics]
     if body.resent:
@@ -152,7 +157,7 @@ def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSes
     record_logs(session, held.job_id, held, body.logs)
     for refused in body.refused:
         record_refused(session, held.job_id, JobEventType(refused.kind), refused.step, refused.what, refused.reason)
-    return Response(status_code=204)
+    return Reported(next_report_seconds=request.app.state.report_pacing.next_report_seconds())
 
 
 def _stored_path(store: ArtifactStore, held: HeldAttempt, path: str, folder: str) -> None:
