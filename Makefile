@@ -55,7 +55,11 @@ test-quick: $(VENV)/.test-stamp
 BENCHMARKS := throughput job_start dispatch_latency scheduler_placement metric_ingest metrics_query dashboard_page \
               download_throughput checkpoint_stall checkpoint_ingest checkpoint_upload environment fair_share guard
 
-bench: $(VENV)/.test-stamp $(NGINX) $(BWRAP)
+$(VENV)/.bench-stamp: $(VENV)/.test-stamp
+	$(PIP) -e '.[test,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-stamp $(NGINX) $(BWRAP)
 	@for name in $(BENCHMARKS); do \
 	  echo "bench/$$name.py" >&2; PYTHONPATH=$(CURDIR) $(PYTHON) bench/$$name.py || exit 1; \
 	done

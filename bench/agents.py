@@ -1,13 +1,15 @@
 """Many worker hosts speaking the worker protocol to two API processes on PostgreSQL, against the
 old design (each host its own database connection) at the size where that still fits.
 
+    make .venv/.bench-stamp  # aiohttp, for the simulated hosts
     PYTHONPATH=$PWD .venv/bin/python bench/agents.py [--hosts 1000] [--seconds 30]
 
 Simulated hosts (asyncio, no training) speak the real protocol (api_schemas/host_api.py) as a
-worker does (workers/host_client.py, workers/supervisor.py): each registers, then heartbeats every
-5 s; half of them have claimed an attempt, make a step of 7 metrics 5 times a second, forward what
-is new every 0.25 s, or less often when the API answers slowly (forward_pause), and renew their
-lease every 5 s. A user meanwhile asks for
+worker does (workers/host_client.py, workers/supervisor.py): each registers; half of them have
+claimed an attempt, make a step of 7 metrics 5 times a second, forward what is new every 0.25 s, or
+less often when the API answers slowly (forward_pause) or asks for fewer reports (Reported), and
+renew their lease every 5 s, which is their heartbeat too; the other half heartbeat every 5 s. A
+user meanwhile asks for
 /healthz and GET /v1/jobs twice a second. Measured: PostgreSQL connections in use (pg_stat_activity,
 sampled every second), lease renewals later than a third of the lease after the one before
 (late), report (ingest) latency p50/p99, the user's p99s, and the API processes' CPU and RSS.
@@ -35,6 +37,7 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
+import aiohttp
 import httpx
 import psutil
 from sqlalchemy import create_engine, text
@@ -109,20 +112,24 @@ def seed(url: str, hosts: int, prefix: str) -> tuple[dict[str, str], dict[str, i
 # -- Trainyard: simulated hosts over HTTP -------------------------------------------------------
 
 
-async def simulated_host(client: httpx.AsyncClient, name: str, token: str, attempt_id: int | None, stop_at: float, stats: dict) -> None:
+async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, attempt_id: int | None, stop_at: float, stats: dict) -> None:
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+
+    answers = {}
 
     async def post(path: str, body: dict | None = None) -> float | None:
         """Seconds the request took; None if it failed (the worker keeps what it sent, for its next round)."""
         start = time.monotonic()
         try:
-            answer = await client.post(HOST_API_PREFIX + path, content=json.dumps(body) if body else None, headers=headers)
-        except httpx.HTTPError as exc:
+            async with client.post(HOST_API_PREFIX + path, data=json.dumps(body) if body else None, headers=headers) as answer:
+                answers[path] = await answer.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             stats["errors"].append(f"{path.split('/')[-1]} {type(exc).__name__}")
             return None
-        if answer.status_code >= 300:
-            stats["errors"].append(f"{path.split('/')[-1]} {answer.status_code}")
+        if answer.status >= 300:
+            stats["errors"].append(f"{path.split('/')[-1]} {answer.status}")
             return None
+        stats["requests"] += 1
         return time.monotonic() - start
 
     await asyncio.sleep(random.uniform(0, HEARTBEAT_SECONDS))  # hosts start at different times
@@ -141,37 +148,43 @@ async def simulated_host(client: httpx.AsyncClient, name: str, token: str, attem
                 next_step += STEP_SECONDS
             if pending and now >= next_report:
                 started = time.monotonic()
-                took = await post(f"/attempts/{attempt_id}/report", {"lease_owner": owner, "metrics": pending})
+                path = f"/attempts/{attempt_id}/report"
+                took = await post(path, {"lease_owner": owner, "metrics": pending})
                 if took is not None:  # else kept, and sent again with what comes next
                     stats["ingest"].append(took)
                     stats["points"] += len(pending)
                     pending = []
-                next_report = time.monotonic() + forward_pause(time.monotonic() - started)
+                asked = json.loads(answers[path])["next_report_seconds"] if took is not None else 0.0
+                next_report = time.monotonic() + max(asked, forward_pause(time.monotonic() - started))
             if now >= next_renew:
                 if await post(f"/attempts/{attempt_id}/lease", {"lease_owner": owner}) is not None:
                     done = time.monotonic()
                     stats["renewal_gaps"].append(done - renewed_at)
                     renewed_at = done
                 next_renew += HEARTBEAT_SECONDS
-        if now >= next_heartbeat:
+        if attempt_id is None and now >= next_heartbeat:  # a host renewing a lease sends none: the renewal is its heartbeat
             await post("/heartbeat")
             next_heartbeat += HEARTBEAT_SECONDS
-        upcoming = [next_heartbeat] + ([next_step, next_renew] if attempt_id is not None else [])
+        upcoming = [next_step, next_renew] if attempt_id is not None else [next_heartbeat]
         await asyncio.sleep(max(0.0, min(upcoming) - time.monotonic()))
 
 
 def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]], seconds: float, out) -> None:
     """One process's share of the hosts, spread over the API processes; its stats sent to `out`."""
     async def main() -> dict:
-        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": []}
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-        clients = [httpx.AsyncClient(base_url=url, limits=limits, timeout=60) for url in urls]
+        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0}
+        # aiohttp, not the worker's httpx: a load generator on the machine it measures must cost little
+        # (1,000 hosts through httpx's async client took more CPU than the two API processes).
+        clients = [
+            aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(total=60))
+            for url in urls
+        ]
         stop_at = time.monotonic() + seconds
         await asyncio.gather(*(
             simulated_host(clients[i % len(clients)], name, token, attempt, stop_at, stats) for i, (name, token, attempt) in enumerate(hosts)
         ), return_exceptions=False)
         for client in clients:
-            await client.aclose()
+            await client.close()
         return stats
 
     out.send(asyncio.run(main()))
@@ -187,7 +200,7 @@ def run_direct_hosts(url: str, hosts: list[tuple[str, str, int | None]], seconds
     from service.db.metrics import record_metrics
     from sqlalchemy.orm import sessionmaker
 
-    stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": []}
+    stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0}
     stop_at = time.monotonic() + seconds
 
     def host(name: str, attempt_id: int | None) -> None:
@@ -297,6 +310,8 @@ def summary(stats: dict, watch: Watch, hosts: int) -> dict:
         "jobs_list_p99_ms": percentile(watch.jobs, 0.99),
         "api_cpu_cores": round(watch.cpu_s / watch.wall_s, 2) if watch.apis else None,
         "api_rss_mb": round(max(watch.rss, default=0) / 2**20) if watch.apis else None,
+        "requests_per_s": round(stats["requests"] / watch.wall_s) if watch.apis else None,
+        "api_cpu_ms_per_request": round(watch.cpu_s * 1000 / max(1, stats["requests"]), 2) if watch.apis else None,
         "failed_requests": len(stats["errors"]),
         "failures": dict(Counter(stats["errors"]).most_common(5)),
     }
@@ -334,7 +349,7 @@ def trainyard_run(hosts: int, seconds: float, processes: int) -> dict:
             results = [pipe.recv() for pipe in pipes]
             for worker in workers:
                 worker.join()
-        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": []}
+        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0}
         for result in results:
             for key in stats:
                 stats[key] += result[key]
