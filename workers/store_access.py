@@ -158,44 +158,48 @@ class StoreThroughApi:
                 target = into / relative
                 if not target.resolve().is_relative_to(into.resolve()):
                     raise CorruptCheckpoint(f"the listing names {relative!r}, outside the directory")
-                cached = self._cached(claimed, kind, relative, expected)
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.unlink(missing_ok=True)
-                os.link(cached, target)  # one copy on the host however many attempts read it (the sandbox binds it read-only)
-                os.utime(cached)  # used now: the last to be removed
+                self._link_cached(claimed, kind, relative, expected, target)
             return into
 
         return _retrying(fetch_all, f"job {claimed.job_id}: fetching its {kind}")
 
-    def _cached(self, claimed: ClaimedAttempt, kind: str, relative: str, expected) -> Path:
-        """The cache's copy of a listed file, fetched first if it has none: verified against the
-        listing before it is named by its sha256; a file half fetched is continued from its end."""
+    def _link_cached(self, claimed: ClaimedAttempt, kind: str, relative: str, expected, target: Path) -> None:
+        """Link the cache's copy of a listed file at `target`, fetched first if it has none: verified
+        against the listing before it is named by its sha256; a file half fetched is continued from
+        its end. One copy on the host however many attempts read it (the sandbox binds it read-only)."""
+        self.cache.mkdir(parents=True, exist_ok=True)
+        # Attempts starting at once on this host often read the same file (two jobs on one dataset):
+        # they take turns, the first fetches it, the others find it cached; and a file is linked
+        # while its lock is held, so the cache's trim (which takes the lock) never removes it between.
+        with _locked(self.cache / f"{expected.sha256}.lock"):
+            cached = self._fetched_into_cache(claimed, kind, relative, expected)
+            target.unlink(missing_ok=True)
+            os.link(cached, target)
+            os.utime(cached)  # used now: the last to be removed
+
+    def _fetched_into_cache(self, claimed: ClaimedAttempt, kind: str, relative: str, expected) -> Path:
+        """The cache's copy, fetched if it has none (its lock held)."""
         cached = self.cache / expected.sha256
         if cached.is_file() and cached.stat().st_size == expected.size:
             return cached
-        self.cache.mkdir(parents=True, exist_ok=True)
-        # Attempts starting at once on this host often read the same file (two jobs on one dataset):
-        # they take turns, the first fetches it, the others find it cached.
-        with open(self.cache / f"{expected.sha256}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if cached.is_file() and cached.stat().st_size == expected.size:
-                return cached
-            partial = self.cache / f"{expected.sha256}.part"
-            have = partial.stat().st_size if partial.is_file() else 0
-            if have > expected.size:
-                partial.unlink()
-                have = 0
-            with open(partial, "ab") as file:  # made, if empty
-                if have < expected.size:
-                    self.service.fetch_file(claimed, kind, relative, file, have)
-            if partial.stat().st_size != expected.size or sha256_file(partial) != expected.sha256:
-                partial.unlink()
-                raise CorruptCheckpoint(f"{kind} file {relative} does not match the service's listing")
-            partial.rename(cached)
-            return cached
+        partial = self.cache / f"{expected.sha256}.part"
+        have = partial.stat().st_size if partial.is_file() else 0
+        if have > expected.size:
+            partial.unlink()
+            have = 0
+        with open(partial, "ab") as file:  # made, if empty
+            if have < expected.size:
+                self.service.fetch_file(claimed, kind, relative, file, have)
+        if partial.stat().st_size != expected.size or sha256_file(partial) != expected.sha256:
+            partial.unlink()
+            raise CorruptCheckpoint(f"{kind} file {relative} does not match the service's listing")
+        partial.rename(cached)
+        return cached
 
     def _trim_cache(self) -> None:
-        """Past the cache's size, remove the files no attempt links now, least recently used first."""
+        """Past the cache's size, remove the files no attempt links now, least recently used first,
+        with their lock files (one being fetched or linked, its lock held, is left for next time)."""
         if not self.cache.is_dir():
             return
         files = [(path, path.stat()) for path in self.cache.iterdir() if not path.name.endswith((".part", ".lock"))]
@@ -203,9 +207,33 @@ class StoreThroughApi:
         for path, status in sorted(files, key=lambda item: item[1].st_mtime):
             if total <= self.cache_bytes:
                 return
-            if status.st_nlink == 1:  # linked into no attempt's directory
-                path.unlink(missing_ok=True)
-                total -= status.st_size
+            if status.st_nlink != 1:  # linked into an attempt's directory
+                continue
+            lock_path = path.with_name(f"{path.name}.lock")
+            with open(lock_path, "a") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue
+                if path.stat().st_nlink == 1:  # still: linked by none while we waited
+                    path.unlink()
+                    lock_path.unlink()  # a fetcher waiting on this one opens the path again (_locked)
+                    total -= status.st_size
+
+
+def _locked(path: Path):
+    """`path` opened and exclusively locked (made if missing), as a context manager. A lock file
+    removed by the cache's trim while this waited for it is opened again: locking the removed one
+    would exclude no one who opens the path after."""
+    while True:
+        lock = open(path, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                return lock
+        except FileNotFoundError:
+            pass
+        lock.close()
 
 
 def _retrying(work, what: str):
