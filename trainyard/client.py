@@ -404,9 +404,15 @@ class Client:
 
         Bytes go to `dest.part` first; a `.part` left by an interrupted download is resumed with
         a Range request. Only a complete, verified file is renamed to `dest`. `progress(done, total)`
-        is called as bytes arrive (total is None when the server doesn't say).
+        is called as bytes arrive (total is None when the server doesn't say). A directory `dest`
+        gets `checkpoint-N.safetensors` inside; a device, pipe or socket is refused (the finished file
+        is renamed over `dest`: `-o /dev/null` replaced the machine's /dev/null).
         """
         dest = Path(dest)
+        if dest.is_dir():
+            dest = dest / f"checkpoint-{checkpoint_id}.safetensors"
+        elif dest.exists() and not dest.is_file():
+            raise TrainyardError(f"{dest} is not a regular file (a device, a pipe or a socket), which the download would replace: give a file's path")
         partial = dest.with_name(dest.name + ".part")
         dest.parent.mkdir(parents=True, exist_ok=True)
         offset = partial.stat().st_size if partial.exists() else 0
@@ -448,6 +454,8 @@ class Client:
     def download_output(self, job_id: int, name: str, dest: Path) -> Path:
         """A script job's output directory unpacked as `dest/<name>`, every file verified against
         its manifest; returns that directory. An existing `dest/<name>` is left alone (an error)."""
+        if Path(dest).exists() and not Path(dest).is_dir():
+            raise TrainyardError(f"{dest} is not a directory: outputs are unpacked into one")
         target = Path(dest) / relative_inside_root(name, "the destination")  # the name comes from the server
         if target.exists():
             raise TrainyardError(f"{target} exists already; remove it or unpack somewhere else")
@@ -459,6 +467,8 @@ class Client:
 
     def _download_tree(self, path: str, params: dict[str, str], dest: Path, what: str) -> Path:
         """A tar download unpacked under `dest`: its one top directory, verified against the manifest in it."""
+        if dest.exists() and not dest.is_dir():
+            raise TrainyardError(f"{dest} is not a directory: the download unpacks a folder into one")
         dest.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile() as archive:
             with self._stream("GET", path, params=params) as response:

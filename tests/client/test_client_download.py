@@ -4,6 +4,9 @@ corruption at rest."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -88,6 +91,21 @@ def test_download_verifies_and_renames_the_file(api, stored, tmp_path, model_byt
     assert not dest.with_name("model.safetensors.part").exists()
     assert seen[-1] == (len(model_bytes), len(model_bytes))
     assert tap.ranges == [None]
+
+
+def test_a_download_into_a_directory_lands_inside_it_and_onto_a_device_or_pipe_is_refused(api, stored, tmp_path, model_bytes):
+    client, tap, _ = api
+    assert client.download(stored, tmp_path).read_bytes() == model_bytes
+    assert (tmp_path / f"checkpoint-{stored}.safetensors").is_file()
+    # `-o /dev/null` once renamed the verified file over the machine's /dev/null.
+    pipe = tmp_path / "a-pipe"
+    os.mkfifo(pipe)
+    for special in (pipe, Path("/dev/null")):
+        with pytest.raises(TrainyardError, match="is not a regular file"):
+            client.download(stored, special)
+    assert pipe.exists() and not pipe.is_file() and Path("/dev/null").is_char_device()
+    with pytest.raises(TrainyardError, match="is not a directory"):
+        client.download_state(stored, pipe)
 
 
 def test_download_resumes_a_truncated_part_file(api, stored, tmp_path, model_bytes):
