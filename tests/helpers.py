@@ -115,13 +115,13 @@ def write_labelled_jsonl(path: Path, examples: int = 300, seed: int = 0) -> None
             f.write(json.dumps({"text": text, "label": label}) + "\n")
 
 
-def write_poisoned_labels(data: Path, steps: range, batch: int, examples: int = 1200) -> None:
+def write_poisoned_labels(data: Path, steps: range | list[range], batch: int, examples: int = 1200) -> None:
     """`clean.jsonl` (write_labelled_jsonl); `poisoned.jsonl`, the same with the labels of the rows the
-    optimizer steps `steps` read in file order (`batch` rows a step) swapped, so a classifier that has
-    learnt the rest spikes there; `without.jsonl`, the same with those rows removed."""
+    optimizer steps `steps` (a range, or several) read in file order (`batch` rows a step) swapped, so a
+    classifier that has learnt the rest spikes there; `without.jsonl`, the same with those rows removed."""
     write_labelled_jsonl(data / "clean.jsonl", examples=examples)
     rows = (data / "clean.jsonl").read_text().splitlines()
-    window = range((steps.start - 1) * batch, (steps.stop - 1) * batch)
+    window = {row for each in ([steps] if isinstance(steps, range) else steps) for row in range((each.start - 1) * batch, (each.stop - 1) * batch)}
     swap = {"first": "second", "second": "third", "third": "first"}
     poisoned = [json.dumps({**json.loads(row), "label": swap[json.loads(row)["label"]]}) if i in window else row for i, row in enumerate(rows)]
     (data / "poisoned.jsonl").write_text("\n".join(poisoned) + "\n")

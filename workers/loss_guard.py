@@ -8,7 +8,9 @@ extra collective). A step is a spike step when its loss is above `spike_factor` 
 the last `window` steps' losses (a median, so one earlier spike doesn't raise the bar) and at least
 `min_increase` above it (a classifier's loss near zero triples by noise alone); `spike_steps`
 of them in a row make a spike, and a non-finite loss or gradient norm is one at once (its update has
-already poisoned the weights). Before `window` steps no spike is called (the first losses fall fast).
+already poisoned the weights). Before `window` steps no spike is called (the first losses fall fast);
+the built-in loop keeps the window in its checkpoints, so a resumed run (after a rollback, a
+preemption, a lost host) is guarded from its first step on, against the losses before the checkpoint.
 
 On a spike the loop stops without a checkpoint (its state is suspect) and reports the steps
 involved (SpikeEvent); the service resumes the job from its last checkpoint before the spike's
@@ -42,9 +44,10 @@ class Spike:
 
 
 class LossGuard:
-    def __init__(self, config: GuardConfig, metric: str = "train_loss"):
+    def __init__(self, config: GuardConfig, metric: str = "train_loss", recent: list[float] = ()):
+        """`recent`: the losses of the steps before this run's first (a checkpoint's), oldest first."""
         self.config, self.metric = config, metric  # the name the reasons give the loss
-        self.recent: deque[float] = deque(maxlen=config.window)
+        self.recent: deque[float] = deque(recent, maxlen=config.window)
         self.spike_started: int | None = None  # the first step of the spike steps in a row so far
 
     def observe(self, step: int, loss: float, grad_norm: float | None = None) -> Spike | None:

@@ -52,7 +52,10 @@ def test_the_final_checkpoint_holds_weights_state_spec_tokenizer_and_a_manifest_
     on_disk = {str(p.relative_to(final)) for p in final.rglob("*") if p.is_file() and p.name != MANIFEST_FILE}
     assert set(manifest["files"]) == on_disk  # every file, state/ included, is listed
 
-    assert json.loads((final / "trainer_state.json").read_text()) == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS, "processes": 1}
+    state = json.loads((final / "trainer_state.json").read_text())
+    # And the loss guard's window, so a run resumed from it is guarded from its first step.
+    assert state == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS, "processes": 1, "recent_losses": state["recent_losses"]}
+    assert len(state["recent_losses"]) == min(STEPS, spec.training.guard.window)
     model, tokenizer, saved_spec = load_model_from_checkpoint(final)
     assert saved_spec == spec
     assert not spec.model.tie_embeddings and not torch.equal(model.lm_head.weight, model.wte.weight)

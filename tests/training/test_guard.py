@@ -48,6 +48,21 @@ def test_a_poisoned_window_is_rolled_back_skipped_and_ends_as_a_run_without_it(t
     assert [values["train_loss"] for step, values in resumed.metrics_log] == pytest.approx([losses[s] for s in range(first, STEPS + 1)], abs=1e-6)
 
 
+def test_a_spike_soon_after_a_resume_is_caught_against_the_losses_before_the_checkpoint(tmp_path):
+    # A second poisoned window 4 steps after where the first rollback resumes: a guard that started
+    # empty needed 10 steps of median first, and trained through it (found trying it as a new user).
+    data = tmp_path / "data"
+    data.mkdir()
+    write_poisoned_labels(data, [POISONED, range(37, 40)], BATCH)
+    spiked = run_training(spec("poisoned.jsonl"), data, tmp_path / "spiked")
+    [(first, last, _)] = spiked.spikes
+    resumed = run_training(spec("poisoned.jsonl"), data, tmp_path / "resumed", resume_from=spiked.checkpoints[first - 1], skip_steps=last - (first - 1))
+    # Past the 3 skipped steps' batches, steps 34-36 read the rows of 37-39.
+    [(again_first, again_last, reason)] = resumed.spikes
+    assert (again_first, again_last) == (34, 36) and "median of the last 10 steps" in reason, reason
+    assert not resumed.checkpoints  # stopped before its next one (40): none of its suspect state
+
+
 def test_the_guard_calls_a_spike_after_spike_steps_in_a_row_and_a_nan_at_once():
     guard = LossGuard(GuardConfig(window=5, spike_factor=3.0, spike_steps=2))
     assert [guard.observe(step, 1.0) for step in range(1, 6)] == [None] * 5

@@ -7,7 +7,7 @@
                             optimizer, scheduler, RNG of every process; with strategy `fsdp`, the model
                             and optimizer as every process's shards instead (DCP: .metadata, __<rank>_0.distcp)
       trainer_state.json    where the loop was: step, epoch, batch index within the epoch, and the
-                            number of processes that batch index counts for
+                            number of processes that batch index counts for; the loss guard's window
       spec.json, tokenizer.json (none for a custom job), labels.json (classifiers), config.json (`hf` models)
       manifest.json         sha256 and size of every other file
 """

@@ -123,9 +123,11 @@ def train(
     # where the loop was from the explicit trainer state, in this run's count of processes.
     # Loaded before compiling, so no weights go into a compiled module.
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
+    recent_losses = []  # the loss guard's window at the checkpoint: a resumed run is guarded from its first step
     if resume_from is not None:
         load_state(accelerator, resume_from / "state", model, optimizer, sharded_state)
         progress = load_trainer_state(resume_from)
+        recent_losses = progress.pop("recent_losses", [])
         progress["batch_in_epoch"] = batches_on(progress, accelerator.num_processes, spec)
         recount_scheduler(scheduler, progress["step"], accelerator.num_processes)
         accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
@@ -145,7 +147,7 @@ def train(
     preempted = False
     lagged = LaggedMetrics(accelerator.device)
     checkpoints = CheckpointWriter(accelerator, run_dir, spec, reporter, corpus.tokenizer, labels, sharded_state)
-    guard, spike = LossGuard(cfg.guard), None
+    guard, spike = LossGuard(cfg.guard, recent=recent_losses), None
 
     def report(read: tuple[int, dict[str, float]] | None) -> bool:
         """Report a step's metrics from the main process and show them to the loss guard (every
@@ -239,9 +241,10 @@ def train(
                 if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
                     report(lagged.take())
                     if spike is None:
-                        checkpoints.save(
-                            model, {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "processes": accelerator.num_processes}
-                        )
+                        checkpoints.save(model, {
+                            "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "processes": accelerator.num_processes,
+                            "recent_losses": list(guard.recent),
+                        })
                 if last_step or preempted or spike is not None:
                     break
                 window_loss, window_batches = torch.zeros((), device=accelerator.device), 0
