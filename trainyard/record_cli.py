@@ -25,7 +25,9 @@ def rerun_spec(record: RunRecord) -> dict:
     if environment is None:
         raise TrainyardError(f"job {record.job_id} has no run record from a worker (it never started): nothing to rerun it from")
     spec = copy.deepcopy(record.spec)
-    spec["inputs_sha256"] = environment.inputs or None
+    # A job that was itself a rerun keeps its own pins: if it failed because an input changed, its
+    # record holds the changed digest, and pinning that would train on the changed data.
+    spec["inputs_sha256"] = spec.get("inputs_sha256") or environment.inputs or None
     pins = {name: version for name, version in environment.environment_packages.items() if name not in WORKER_OWN_PACKAGES}
     if spec.get("environment") and pins:
         if len(pins) > MAX_PINNED:

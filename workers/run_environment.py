@@ -17,8 +17,10 @@ from api_schemas.run_record import RunEnvironment
 from common.settings import Settings
 from workers.sandbox import plugin_module
 
-# sha256 of a file by (path, size, mtime): a dataset of many GB is read once per worker, not per attempt.
-_digests: dict[tuple[str, int, int], str] = {}
+# sha256 of a file by (path, inode, size, mtime, ctime): a dataset of many GB is read once per worker,
+# not per attempt. The ctime too: `cp -p`, `rsync -t` and `tar x` write new bytes under the old mtime,
+# but no one can set a ctime.
+_digests: dict[tuple[str, int, int, int, int], str] = {}
 
 
 def digest(path: Path) -> str:
@@ -29,7 +31,7 @@ def digest(path: Path) -> str:
             summary.update(f"{file.relative_to(path)}\0{digest(file)}\n".encode())
         return summary.hexdigest()
     status = path.stat()
-    key = (str(path), status.st_size, status.st_mtime_ns)
+    key = (str(path), status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
     if key not in _digests:
         _digests[key] = sha256_file(path)
     return _digests[key]

@@ -4,6 +4,8 @@ worker takes them, a rerun's changed input named, a rerun's spec pinned to what 
 from __future__ import annotations
 
 import hashlib
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,13 @@ def test_inputs_are_digested_by_their_names_in_the_record_a_directory_by_its_fil
     assert digest(data / "model") != before
     (data / "model" / "sub" / "weights.bin").rename(data / "model" / "weights.bin")  # same content, other name
     assert len({before, digest(data / "model")}) == 2
+    # Other bytes under the same size and mtime (`cp -p`, `rsync -t`): not the cached digest.
+    corpus = data / "corpus.txt"
+    first, times = digest(corpus), (corpus.stat().st_atime_ns, corpus.stat().st_mtime_ns)
+    time.sleep(0.05)  # past the filesystem's clock tick (coarse: a jiffy), so the ctime moves
+    corpus.write_text("to be or not to go")
+    os.utime(corpus, ns=times)
+    assert digest(corpus) == hashlib.sha256(b"to be or not to go").hexdigest() != first
 
 
 def test_a_changed_or_missing_input_is_named():
@@ -56,5 +65,8 @@ def test_a_rerun_holds_the_inputs_it_read_and_pins_its_environment_to_what_it_re
     assert JobSpec.model_validate(again).inputs_sha256 == {"corpus.txt": "a" * 64}
     with pytest.raises(TrainyardError, match="never started"):
         rerun_spec(record_of(spec, None))
+    # A rerun of a rerun that failed on a changed input keeps its pin, not the changed digest it found.
+    failed_rerun = record_of({**spec, "inputs_sha256": {"corpus.txt": "a" * 64}}, ran.model_copy(update={"inputs": {"corpus.txt": "b" * 64}}))
+    assert rerun_spec(failed_rerun)["inputs_sha256"] == {"corpus.txt": "a" * 64}
     other = ran.model_copy(update={"packages": {"torch": "2.14.1"}, "inputs": {}})
     assert environment_differences(ran, other) == [("inputs.corpus.txt", "a" * 64, "-"), ("packages.torch", "2.13.0", "2.14.1")]
