@@ -12,6 +12,7 @@ import json
 import shlex
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -117,6 +118,19 @@ def report_outcome(job: JobOut) -> int:
 
 def connect(args: argparse.Namespace) -> Client:
     return Client(server=args.server, token=args.token)
+
+
+T = TypeVar("T")
+
+
+def of_job(get: Callable[[int], T], job_id: int) -> T:
+    """`get(job_id)`, a 404 saying which job: a command given two ids (`diff`, `compare`) names the missing one."""
+    try:
+        return get(job_id)
+    except TrainyardError as exc:
+        if exc.status_code == 404:
+            raise TrainyardError(f"job {job_id} not found (no such job, or not yours)", 404) from None
+        raise
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -242,8 +256,10 @@ def cmd_logs(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     with connect(args) as client:
         job = client.cancel(args.id)
-    if job.status.is_final:
-        print(f"job {job.id} is {job.status.value}")
+    if job.status == JobStatus.cancelled:
+        print(f"job {job.id} is cancelled")
+    elif job.status.is_final:
+        print(f"job {job.id} had already ended ({job.status.value}): nothing to cancel")
     else:
         print(f"cancel requested; job {job.id} is {job.status.value} until its worker stops it")
     return 0

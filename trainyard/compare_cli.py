@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from trainyard.client_cli import connect, guarded, print_table
+from trainyard.client_cli import connect, guarded, of_job, print_table
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -35,7 +35,7 @@ def shown(value: Any) -> str:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        jobs = [client.job(args.first), client.job(args.second)]
+        jobs = [of_job(client.job, job_id) for job_id in (args.first, args.second)]
         finals = [final_values(client.metrics(job.id, max_points=16).series) for job in jobs]
     titles = [f"JOB {job.id} ({job.name})" for job in jobs]
     print(f"job {jobs[0].id}: {jobs[0].status.value} at step {jobs[0].step}; job {jobs[1].id}: {jobs[1].status.value} at step {jobs[1].step}")

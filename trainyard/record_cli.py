@@ -10,7 +10,7 @@ import sys
 from api_schemas.jobs import WORKER_OWN_PACKAGES
 from api_schemas.run_record import RunEnvironment, RunRecord
 from trainyard.client import TrainyardError
-from trainyard.client_cli import EXIT_INTERRUPTED, connect, guarded, print_table, report_outcome
+from trainyard.client_cli import EXIT_INTERRUPTED, connect, guarded, of_job, print_table, report_outcome
 from trainyard.compare_cli import shown, spec_differences
 from trainyard.progress import follow_job
 
@@ -86,7 +86,7 @@ def cmd_rerun(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        records = [client.record(args.first), client.record(args.second)]
+        records = [of_job(client.record, job_id) for job_id in (args.first, args.second)]
     titles = [f"JOB {record.job_id}" for record in records]
     rows = [(f"spec.{path}", shown(a), shown(b)) for path, a, b in spec_differences(*(r.spec for r in records))
             if path.split(".")[0] not in NOT_A_DIFFERENCE]

@@ -221,10 +221,14 @@ def end_attempt(
     if rollback is not None and job.rollbacks >= (allowed := JobSpec.model_validate(job.spec).training.guard.max_rollbacks):
         # No rollback left: the spike ends the job, as a failure no retry mends.
         outcome, retry, rollback = AttemptStatus.failed, False, None
-        reason = (
-            f"{reason}; not rolled back again, after {allowed} rollback{'s' if allowed != 1 else ''} (training.guard.max_rollbacks). "
-            "A spike that comes back after each rollback is the run's own (learning rate, precision), not its data's"
-        )
+        if allowed == 0:
+            reason = f"{reason}; not rolled back (training.guard.max_rollbacks is 0)"
+        else:
+            # A hint only: a spike at the same steps again is the run's own; at other steps, other data.
+            reason = (
+                f"{reason}; not rolled back again, after {allowed} rollback{'s' if allowed != 1 else ''} (training.guard.max_rollbacks). "
+                "If it spiked at the same place each time, the cause is likely the run's own (learning rate, precision), not its data's"
+            )
     if not move_attempt(session, attempt, outcome, reason=reason):
         return False
     gang = [other for other in job.attempts if other.number == attempt.number and other.id != attempt.id]

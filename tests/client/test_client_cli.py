@@ -184,6 +184,13 @@ def test_compare_prints_the_spec_fields_that_differ_and_the_final_metrics_side_b
     assert lines[2].split() == ["optimizer.lr", "0.001", "0.003"] and not lines[3]  # the one field that differs
     assert [line.split() for line in lines[5:]] == [["eval_loss", "2.75", "2"], ["train_loss", "2.5", "1.75"]]
 
+    # Given two ids, a missing one is named; and the first job, ended, has nothing to cancel.
+    for command in ("compare", "diff"):
+        code, _, err = trainyard(command, str(ids[0]), "999")
+        assert code == 1 and "job 999 not found" in err, err
+    code, out, _ = trainyard("cancel", str(ids[0]))
+    assert code == 0 and out.strip() == f"job {ids[0]} had already ended (succeeded): nothing to cancel"
+
 
 def test_download_state_into_a_file_name_is_refused_saying_what_o_names(trainyard, tmp_path):
     # `download --state -o x.tar` made a directory named x.tar.
