@@ -24,6 +24,11 @@ def rerun_spec(record: RunRecord) -> dict:
     environment = record.environment
     if environment is None:
         raise TrainyardError(f"job {record.job_id} has no run record from a worker (it never started): nothing to rerun it from")
+    read = {name: digest for attempt in record.attempts if attempt.environment for name, digest in attempt.environment.inputs.items()
+            if digest != environment.inputs.get(name, digest)}
+    if read and not record.spec.get("inputs_sha256"):
+        print(f"note: job {record.job_id}'s attempts read different contents of {', '.join(sorted(read))} (changed while it ran): "
+              "the rerun is held to what its last attempt read, and can't reproduce what the earlier ones trained on", file=sys.stderr)
     spec = copy.deepcopy(record.spec)
     # A job that was itself a rerun keeps its own pins: if it failed because an input changed, its
     # record holds the changed digest, and pinning that would train on the changed data.

@@ -70,3 +70,12 @@ def test_a_rerun_holds_the_inputs_it_read_and_pins_its_environment_to_what_it_re
     assert rerun_spec(failed_rerun)["inputs_sha256"] == {"corpus.txt": "a" * 64}
     other = ran.model_copy(update={"packages": {"torch": "2.14.1"}, "inputs": {}})
     assert environment_differences(ran, other) == [("inputs.corpus.txt", "a" * 64, "-"), ("packages.torch", "2.13.0", "2.14.1")]
+
+
+def test_a_rerun_of_a_job_whose_input_changed_between_attempts_says_so(capsys):
+    spec = job_spec().model_dump(mode="json")
+    ran = RunEnvironment(python="3.11.7", platform="p", device="cpu: x", packages={}, environment_packages={}, inputs={"corpus.txt": "a" * 64})
+    record = record_of(spec, ran)
+    record.attempts.append(record.attempts[0].model_copy(update={"attempt": 2, "environment": ran.model_copy(update={"inputs": {"corpus.txt": "b" * 64}})}))
+    assert rerun_spec(record)["inputs_sha256"] == {"corpus.txt": "b" * 64}  # the latest, as the record's environment
+    assert "attempts read different contents of corpus.txt" in capsys.readouterr().err
