@@ -45,6 +45,10 @@ from pydantic import AfterValidator, BaseModel, Field
 from api_schemas.run_record import RunEnvironment
 
 HOST_API_PREFIX = "/v1/host"
+# A cluster agent that could not reach the API as its allocation started leaves this file in its
+# try's directory (beside its token): the scheduler then takes the attempt as lost (tried again),
+# not as failed by an agent that can't start.
+UNREACHABLE_FILE = "api-unreachable"
 
 # What one report may carry: a host sends a backlog in batches of at most these (workers/supervisor.py).
 MAX_POINTS_PER_REPORT = 20_000

@@ -136,7 +136,8 @@ def _check_pool(session: Session, resources: ResourcesConfig) -> None:
     pool = pool_named(session, resources.pool)
     if pool is None:
         names = ", ".join(p.name for p in all_pools(session)) or "none"
-        raise bad_field(("resources", "pool"), f"no pool named {resources.pool!r} (pools: {names})")
+        raise bad_field(("resources", "pool"), f"no pool named {resources.pool!r} (pools: {names}; a Slurm pool is listed once "
+                        "the scheduler has described its partition: its log says why not)")
     info = pool.info
     if resources.nodes > info["nodes"]:
         raise bad_field(("resources", "nodes"), f"{resources.nodes} nodes: pool {pool.name!r} (partition {info['partition']}) has {info['nodes']}")
@@ -144,6 +145,9 @@ def _check_pool(session: Session, resources: ResourcesConfig) -> None:
     if resources.processes_per_node > per_node:
         what = "GPUs" if resources.device == "cuda" else "CPUs"
         raise bad_field(("resources", "processes_per_node"), f"{resources.processes_per_node} process{'es' if resources.processes_per_node != 1 else ''}: a node of pool {pool.name!r} has {per_node} {what}")
+    # Slurm would refuse it at sbatch, after the job was accepted ("Memory specification can not be satisfied").
+    if resources.memory_gb is not None and info.get("memory_mb") and resources.memory_gb * 1024 > info["memory_mb"]:
+        raise bad_field(("resources", "memory_gb"), f"{resources.memory_gb:g} GB: a node of pool {pool.name!r} has {info['memory_mb'] / 1024:.3g} GB")
 
 
 def _check_data(session: Session, user: User, spec: JobSpec, settings: Settings) -> None:

@@ -18,7 +18,9 @@ import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
+from api_schemas.host_api import UNREACHABLE_FILE
 from common.settings import Settings
 from workers.host_client import HostClient, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
@@ -71,10 +73,14 @@ def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None, w
             try:
                 runner.run(attempt_ids[node])
                 break
-            except ServiceUnreachable:
+            except ServiceUnreachable as exc:
                 if time.monotonic() > deadline:
+                    # Said where the scheduler looks (the try's directory, beside the token): the attempt is
+                    # then lost and tried again, not failed as a job whose agent can't start would be.
+                    if settings.host_token_file is not None:
+                        (Path(settings.host_token_file).parent / UNREACHABLE_FILE).write_text(f"{settings.api_url}: {exc}\n")
                     raise
-                log.warning("the service is out of reach; trying again")
+                log.warning("the service at %s is out of reach (%s); trying again", settings.api_url, exc)
                 time.sleep(2)
     finally:
         if pool is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -84,6 +85,7 @@ MAX_PENDING_LOG_CHARS = 32 * 2**20
 # How often an attempt's directory is measured against its disk limit: a job writing at 1 GB/s is
 # over it by a few GB at most when stopped.
 DISK_WATCH_SECONDS = 2.0
+OUT_OF_REACH_NOTE_SECONDS = 60.0  # while the service is out of reach, an attempt's log says so this often
 CPU_HELD_BACK_NOTED = 0.2  # the share of its time a job is held to its cores before its logs say so
 
 
@@ -313,6 +315,7 @@ class AttemptRunner:
             settings.environment_find_links, settings.environment_no_index,
         )
         self.shutting_down = threading.Event()
+        self.out_of_reach_noted: dict[int, float] = {}  # attempt id → when its log last said the service is out of reach
         self.gang_networks: dict[int, GangNetwork] = {}  # the running gang attempts' own networks, by attempt id
 
     @property
@@ -575,8 +578,8 @@ class AttemptRunner:
                     return None  # the gang ended meanwhile
                 if answer.rendezvous is not None and (answer.gang is not None or not claimed.net_address):
                     return answer
-            except ServiceUnreachable:
-                log.exception("could not reach the service for job %s; will retry", claimed.job_id)
+            except ServiceUnreachable as exc:
+                self._note_out_of_reach(claimed, exc)
             time.sleep(0.5)
         return None
 
@@ -588,11 +591,20 @@ class AttemptRunner:
         try:
             # The lease first, in a request of its own: however much there is to deliver, it is on time.
             lease = self.service.renew(claimed)
-        except ServiceUnreachable:
-            log.exception("could not reach the service for job %s; will retry", claimed.job_id)
+        except ServiceUnreachable as exc:
+            self._note_out_of_reach(claimed, exc)
             return None
         self._deliver_or_keep(claimed, outbox)
         return lease
+
+    def _note_out_of_reach(self, claimed: ClaimedAttempt, exc: ServiceUnreachable) -> None:
+        """Say so when the service goes out of reach, then once a minute while it stays so: a line per
+        failed request (four a second, with a traceback each heartbeat) flooded the logs in an outage."""
+        now = time.monotonic()
+        if now - self.out_of_reach_noted.get(claimed.attempt_id, -math.inf) >= OUT_OF_REACH_NOTE_SECONDS:
+            self.out_of_reach_noted[claimed.attempt_id] = now
+            log.warning("job %s attempt %s: the service at %s is out of reach (%s); the training goes on, and what it reports is "
+                        "kept and sent once the service answers", claimed.job_id, claimed.number, self.service.http.base_url, exc)
 
     def _forward(self, claimed: ClaimedAttempt, outbox: Outbox) -> float:
         """Deliver what is new without renewing the lease (between heartbeats); how soon the API
@@ -606,9 +618,11 @@ class AttemptRunner:
         Returns how soon the API asked for the next report (0 if it did not answer)."""
         try:
             return self._deliver(claimed, outbox)
+        except ServiceUnreachable as exc:
+            self._note_out_of_reach(claimed, exc)
         except ServiceError as exc:
             log.warning("could not deliver what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
-            return 0.0
+        return 0.0
 
     def _take_in(self, claimed: ClaimedAttempt, outbox: Outbox, timeout: float | None) -> None:
         outbox.checkpoints.take_in(self.ingest, partial(self.store.checkpoint, claimed), CorruptCheckpoint, timeout)

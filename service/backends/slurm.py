@@ -33,6 +33,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import sessionmaker
 
 from api_schemas import AttemptStatus, JobSpec, JobStatus
+from api_schemas.host_api import UNREACHABLE_FILE
 from service.backends.slurm_commands import BatchJob, SlurmCommands, SlurmError, SlurmJob
 from service.backends.slurm_rest import SlurmRest
 from service.db import state
@@ -52,6 +53,7 @@ _LIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEU
 _RAN = {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}
 RESUBMIT_AFTER_SECONDS = 10.0  # a try placed but not handed over (sbatch failed, or the scheduler stopped) is sent again after this
 DESCRIBE_EVERY_SECONDS = 60.0
+DESCRIBE_RETRY_SECONDS = 30  # after a failed description (sinfo refused, the controller down)
 REAP_AFTER_SECONDS = 30.0  # an allocation left running this long after all its attempts ended is cancelled
 
 
@@ -228,6 +230,8 @@ class SlurmBackend:
                     return AttemptStatus.lost, f"{said} while the attempt ran", True
                 if slurm_state in _RAN:
                     output = self.try_directory(job_id, number) / f"slurm-{one.cluster_job_id}.out"
+                    if (unreachable := self.try_directory(job_id, number) / UNREACHABLE_FILE).is_file():
+                        return AttemptStatus.lost, f"{said}: its agent could not reach the API ({unreachable.read_text().strip()})", True
                     return AttemptStatus.failed, f"{said} before its agent took the attempt (see {output})", False
                 return AttemptStatus.lost, f"{said} before the attempt started", True
             self._end(ids, outcome, slurm_state)
@@ -265,7 +269,10 @@ class SlurmBackend:
         try:
             info = self.slurm.partition(self.partition)
         except SlurmError as exc:
-            log.warning("could not describe Slurm partition %s: %s", self.partition, exc)
+            # Tried again in a while, not every pass (a misnamed partition wrote this line every 2 s).
+            log.warning("could not describe Slurm partition %s (TRAINYARD_SLURM_PARTITION): %s; trying again in %d s",
+                        self.partition, exc, DESCRIBE_RETRY_SECONDS)
+            self.described_at = time.monotonic() - DESCRIBE_EVERY_SECONDS + DESCRIBE_RETRY_SECONDS
             return
         with self.sessions() as session:
             record_pool(session, self.pool, "slurm", info)

@@ -97,6 +97,9 @@ def test_the_pool_and_what_it_refuses(slurm_stack):
     assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][-2:] == ["resources", "nodes"], answer.text
     answer = client.post("/v1/jobs", json=tiny_spec(**{**BASE, "resources.pool": "gpu-cluster"}))
     assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][-2:] == ["resources", "pool"], answer.text
+    # More memory than a node has: refused at submit too, not accepted and then refused by sbatch.
+    answer = client.post("/v1/jobs", json=tiny_spec(**{**BASE, "resources.memory_gb": 1000}))
+    assert answer.status_code == 422 and answer.json()["detail"][0]["loc"][-2:] == ["resources", "memory_gb"], answer.text
 
 
 def test_a_two_node_job_in_slurm_trains_like_one_node_with_two_processes(slurm_stack, browser):
