@@ -26,23 +26,23 @@ FINISHED_RETENTION_SECONDS = 600.0  # succeeded, cancelled, preempted: everythin
 class EndedAttempts:
     def __init__(self, failed_retention_hours: float):
         self.failed_retention_s = failed_retention_hours * 3600
-        self._due: list[tuple[float, Path]] = []  # (when, attempt directory)
+        self._due: list[tuple[float, Path, bool]] = []  # (when, attempt directory, kept as failed)
         self._lock = threading.Lock()  # attempts end on several task threads; the heartbeat sweeps
 
     def ended(self, run_dir: Path, outcome: AttemptStatus | None) -> None:
         """`run_dir`'s attempt ended with `outcome` (None: its lease was lost)."""
-        kept = FINISHED_RETENTION_SECONDS
-        if outcome in (None, AttemptStatus.failed, AttemptStatus.lost):
-            kept = self.failed_retention_s
+        failed = outcome in (None, AttemptStatus.failed, AttemptStatus.lost)
+        kept = self.failed_retention_s if failed else FINISHED_RETENTION_SECONDS
         with self._lock:
-            self._due.append((time.monotonic() + kept, run_dir))
+            self._due.append((time.monotonic() + kept, run_dir, failed))
 
-    def sweep(self) -> None:
-        """Remove the directories whose time has come."""
+    def sweep(self, finished_now: bool = False) -> None:
+        """Remove the directories whose time has come; `finished_now`: those of every attempt that
+        didn't fail too (a Slurm agent runs one attempt and exits: no one would sweep them later)."""
         now = time.monotonic()
         with self._lock:
-            due = [path for when, path in self._due if when <= now]
-            self._due = [(when, path) for when, path in self._due if when > now]
+            due = [path for when, path, failed in self._due if when <= now or (finished_now and not failed)]
+            self._due = [entry for entry in self._due if entry[1] not in due]
         for run_dir in due:
             remove_attempt_dir(run_dir)
 

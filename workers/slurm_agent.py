@@ -85,5 +85,8 @@ def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None, w
     finally:
         if pool is not None:
             pool.close()  # one attempt per agent: an interpreter it did not use, or the replacement the runner asked for, goes
+        # Its directory on the shared work root, unless it failed (kept for its owner to look into, the
+        # operator's to remove): no agent lives on to remove it in ten minutes, as a host's worker does.
+        runner.ended_attempts.sweep(finished_now=True)
     service.close()
     return 0

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ from workers.sandbox import (
 log = logging.getLogger("trainyard.worker")
 
 WARM_COPY_LIMIT = 256 * 2**20  # inputs that can't be linked, copied at hand-over; past it a cold start binds them instead
+CLOSE_WAIT_SECONDS = 60.0  # how long closing waits for an interpreter still starting (an import of torch)
 LOADING_NICENESS = 19  # while it loads, a new interpreter takes only the cores running jobs leave idle
 
 
@@ -138,6 +140,11 @@ class WarmPool:
             ready, self.ready = self.ready, []
         for warm in ready:
             warm.discard()
+        # One still starting is discarded by its own thread once started: wait for that, so that a
+        # process exiting now (a Slurm agent, after its one attempt) leaves no slot behind.
+        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+        while self.starting and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _fits(self, spec: JobSpec, bounds: Bounds) -> bool:
         # A limit it can't take on once started (no cgroups: a cold start's rlimit) keeps it cold.

@@ -35,3 +35,20 @@ def test_a_warm_attempts_link_and_its_interpreters_slot_go_together(tmp_path, mo
     ended.ended(link, AttemptStatus.cancelled)
     ended.sweep()
     assert not slot.exists() and not link.is_symlink() and (tmp_path / "work" / "warm").is_dir()
+
+
+def test_an_agent_that_exits_after_its_attempt_removes_its_directory_now_unless_it_failed(tmp_path):
+    # A Slurm agent runs one attempt and exits: no one would sweep its directory in ten minutes
+    # (every try's stayed on the shared work root: found trying the Slurm pool as a new admin).
+    work = tmp_path / "work"
+    done, failed, later = work / "job-1" / "attempt-1", work / "job-2" / "attempt-1", work / "job-3" / "attempt-1"
+    for run_dir in (done, failed, later):
+        run_dir.mkdir(parents=True)
+    ended = EndedAttempts(failed_retention_hours=1)
+    ended.ended(done, AttemptStatus.preempted)
+    ended.ended(failed, AttemptStatus.lost)
+    ended.sweep(finished_now=True)
+    assert not done.exists() and failed.exists()
+    ended.ended(later, AttemptStatus.succeeded)
+    ended.sweep()  # not yet: its ten minutes
+    assert later.exists()
