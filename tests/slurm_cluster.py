@@ -19,6 +19,7 @@ directly (there is no systemd here) and run as the current user.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -196,6 +197,13 @@ PartitionName=urgent Nodes={','.join(NODES)} MaxTime=INFINITE State=UP PriorityT
         return subprocess.run(command, env=self.env, capture_output=True, text=True, check=True).stdout
 
     def stop(self) -> None:
+        # Its jobs first: their steps (slurmstepd, srun) run in sessions of their own, so stopping the
+        # daemons left a job still running behind, for good, after every run of the suite.
+        with contextlib.suppress(subprocess.SubprocessError, OSError):
+            self.run("scancel", "--full", f"--user={os.getuid()}")
+            deadline = time.monotonic() + 15
+            while self.run("squeue", "--noheader").strip() and time.monotonic() < deadline:
+                time.sleep(0.2)
         for process in reversed(self.processes):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)

@@ -182,6 +182,9 @@ def test_accelerates_own_test_scripts_pass_on_two_processes(stack, script):
         "name": f"accelerate-{script.removesuffix('.py').replace('_', '-')}",
         "script": {"entrypoint": script, "code": {"path": "accelerate_scripts"}},
         "resources": {"processes_per_node": 2, "device": "cpu"},
-        "max_restarts": 0,
+        # test_sync.py asserts that two gradients differ beyond allclose's tolerance, on data it draws
+        # unseeded (RegressionDataset(seed=None)): now and then they don't (1 suite run in ~30 here).
+        # One restart, as its user would give it; a real fault fails both attempts.
+        "max_restarts": 1 if script == "test_sync.py" else 0,
     }
     run(client, spec)
