@@ -40,10 +40,13 @@ class EndedAttempts:
         """Remove the directories whose time has come; `finished_now`: those of every attempt that
         didn't fail too (a Slurm agent runs one attempt and exits: no one would sweep them later)."""
         now = time.monotonic()
+        due, kept = [], []
         with self._lock:
-            due = [path for when, path, failed in self._due if when <= now or (finished_now and not failed)]
-            self._due = [entry for entry in self._due if entry[1] not in due]
-        for run_dir in due:
+            for entry in self._due:
+                when, _, failed = entry
+                (due if when <= now or (finished_now and not failed) else kept).append(entry)
+            self._due = kept
+        for _, run_dir, _ in due:
             remove_attempt_dir(run_dir)
 
 

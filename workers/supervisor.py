@@ -339,6 +339,7 @@ class AttemptRunner:
         log.info("running job %s attempt %s (resume from step %s)", claimed.job_id, claimed.number, claimed.resume_step)
         outcome, reason = self._supervise(claimed)
         self._finish(claimed, outcome, reason)
+        self.out_of_reach_noted.pop(claimed.attempt_id, None)
         self.store.release(claimed)
         self.ended_attempts.ended(self._run_dir(claimed), outcome)
         self.ended_attempts.sweep()

@@ -229,10 +229,10 @@ class SlurmBackend:
                 if attempt.status == AttemptStatus.running:
                     return AttemptStatus.lost, f"{said} while the attempt ran", True
                 if slurm_state in _RAN:
-                    output = self.try_directory(job_id, number) / f"slurm-{one.cluster_job_id}.out"
-                    if (unreachable := self.try_directory(job_id, number) / UNREACHABLE_FILE).is_file():
+                    directory = self.try_directory(job_id, number)
+                    if (unreachable := directory / UNREACHABLE_FILE).is_file():
                         return AttemptStatus.lost, f"{said}: its agent could not reach the API ({unreachable.read_text().strip()})", True
-                    return AttemptStatus.failed, f"{said} before its agent took the attempt (see {output})", False
+                    return AttemptStatus.failed, f"{said} before its agent took the attempt (see {directory / f'slurm-{one.cluster_job_id}.out'})", False
                 return AttemptStatus.lost, f"{said} before the attempt started", True
             self._end(ids, outcome, slurm_state)
         else:

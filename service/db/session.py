@@ -25,11 +25,11 @@ PING_AFTER_IDLE_SECONDS = 10.0
 # How long a SQLite writer waits for the write lock before "database is locked".
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 
-_READ_ONLY = "trainyard_read_only"
+_READ_ONLY = "trainyard_read_only"  # an execution option and a Session.info key
 
-# The most connections one process holds to PostgreSQL (bench/agents.py: an API process serving
-# 1,000 worker hosts needs no more).
-POOL_SIZE = 15  # an execution option and a Session.info key
+# The most connections one process holds to PostgreSQL: the cap the pool had before (5 + 10
+# overflow), now kept open once opened (bench/agents.py).
+POOL_SIZE = 15
 
 
 def make_engine(url: str) -> Engine:
