@@ -52,30 +52,34 @@ class PlainGPT(nn.Module):
     """A small GPT from torch's building blocks: learned positions, pre-norm encoder layers run
     causally, a final norm and an output head of its own. Every layer keeps torch's default init."""
 
-    def __init__(self, vocab: int, block: int, width: int, layers: int, heads: int):
+    def __init__(self, vocab: int, block: int, width: int, layers: int, heads: int, dropout: float = 0.0):
         super().__init__()
         self.token, self.position = nn.Embedding(vocab, width), nn.Embedding(block, width)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True)
+            nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=dropout, activation="gelu", batch_first=True, norm_first=True)
             for _ in range(layers)
         )
         self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         length = idx.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(length)
-        x = self.token(idx) + self.position(torch.arange(length))
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=idx.device)
+        x = self.drop(self.token(idx) + self.position(torch.arange(length, device=idx.device)))
         for layer in self.layers:
             x = layer(x, src_mask=mask, is_causal=True)
         return self.head(self.norm(x))
 
 
-def peer_model(recipe: dict, train: torch.Tensor, vocab: int, seed: int) -> nn.Module:
-    """nanoGPT's train.py on the CPU, reduced to what the recipe uses."""
+def peer_model(recipe: dict, train: torch.Tensor, vocab: int, seed: int, on_eval=None) -> nn.Module:
+    """nanoGPT's train.py reduced to what the recipe uses, on the device `train` lies on (in bf16
+    autocast where the recipe says so, on a GPU). `on_eval(step, model)` every `eval_every` steps."""
     m, t, o, s = recipe["model"], recipe["training"], recipe["optimizer"], recipe["schedule"]
     block, batch, steps = m["block_size"], t["micro_batch_size"], t["max_steps"]
+    device = train.device
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=t.get("precision") == "bf16" and device.type == "cuda")
     torch.manual_seed(seed)
-    model = PlainGPT(vocab, block, m["n_embd"], m["n_layer"], m["n_head"]).train()
+    model = PlainGPT(vocab, block, m["n_embd"], m["n_layer"], m["n_head"], m.get("dropout", 0.0)).to(device).train()
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -90,30 +94,36 @@ def peer_model(recipe: dict, train: torch.Tensor, vocab: int, seed: int) -> nn.M
         progress = (step - warmup) / max(1, steps - warmup)
         return low + 0.5 * (1 + math.cos(math.pi * progress)) * (peak - low)
 
+    offsets = torch.arange(block, device=device)
     for step in range(steps):
-        starts = torch.randint(len(train) - block, (batch,))
-        x = torch.stack([train[i : i + block] for i in starts])
-        y = torch.stack([train[i + 1 : i + 1 + block] for i in starts])
+        starts = torch.randint(len(train) - block, (batch, 1), device=device)
+        x, y = train[starts + offsets], train[starts + offsets + 1]
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with autocast:
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip_norm"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if on_eval is not None and ((step + 1) % t["eval_every"] == 0 or step + 1 == steps):
+            on_eval(step + 1, model.eval())
+            model.train()
     return model.eval()
 
 
 @torch.no_grad()
 def full_split_loss(logits_of, val: torch.Tensor, block: int, batch: int = 64) -> float:
-    """Mean cross-entropy per token over every non-overlapping window of `val`."""
+    """Mean cross-entropy per token over every non-overlapping window of `val` (on `val`'s device;
+    in bf16 autocast there when on a GPU, as both sides train)."""
     windows = (len(val) - 1) // block
     total = 0.0
-    for first in range(0, windows, batch):
-        starts = range(first * block, min(windows, first + batch) * block, block)
-        x = torch.stack([val[i : i + block] for i in starts])
-        y = torch.stack([val[i + 1 : i + 1 + block] for i in starts])
-        total += F.cross_entropy(logits_of(x).flatten(0, 1), y.flatten(), reduction="sum").item()
+    with torch.autocast(val.device.type, dtype=torch.bfloat16, enabled=val.device.type == "cuda"):
+        for first in range(0, windows, batch):
+            starts = range(first * block, min(windows, first + batch) * block, block)
+            x = torch.stack([val[i : i + block] for i in starts])
+            y = torch.stack([val[i + 1 : i + 1 + block] for i in starts])
+            total += F.cross_entropy(logits_of(x).float().flatten(0, 1), y.flatten(), reduction="sum").item()
     return total / (windows * block)
 
 
