@@ -136,6 +136,8 @@ class CheckpointOut(BaseModel):
     sha256: str = Field(description="sha256 of model.safetensors (a script's checkpoint without one: of its manifest.json).")
     size_bytes: int = Field(description="Size of model.safetensors (a script's checkpoint without one: of all its files).")
     created_at: datetime
+    eval_loss: float | None = Field(None, description="The job's eval_loss at this checkpoint's step, where it evaluated there.")
+    best: bool = Field(False, description="The job's checkpoint of the lowest eval_loss (kept past keep_last with checkpoint.keep_best).")
 
 
 class OutputOut(BaseModel):

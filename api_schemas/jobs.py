@@ -453,6 +453,13 @@ class ResourcesConfig(_Config):
 class CheckpointConfig(_Config):
     every_steps: int | None = Field(None, ge=1, description="Save every this many steps; the last step is always saved.")
     keep_last: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept per job; older ones are deleted.")
+    keep_best: bool = Field(
+        False,
+        description="Also keep the checkpoint whose step has the lowest `eval_loss`, past `keep_last` (nanoGPT's "
+        "`always_save_checkpoint = False`): on a small dataset the last checkpoint can be far worse than the best. The built-in "
+        "loop then also saves at every evaluation that beats the best so far; a script or custom loop is covered where it logs "
+        "`eval_loss` at the steps it checkpoints. `trainyard checkpoints` marks the best.",
+    )
 
 
 class CodeSource(_Config):

@@ -274,8 +274,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             print(f"job {args.id} has no checkpoints {why}")
             return 0
     print_table(
-        ["ID", "STEP", "SIZE", "SHA256", "CREATED"],
-        [[c.id, c.step, human_bytes(c.size_bytes), c.sha256[:16], local_time(c.created_at)] for c in checkpoints],
+        ["ID", "STEP", "EVAL_LOSS", "SIZE", "SHA256", "CREATED"],
+        [
+            [c.id, c.step, "-" if c.eval_loss is None else f"{c.eval_loss:.4f}" + (" (best)" if c.best else ""),
+             human_bytes(c.size_bytes), c.sha256[:16], local_time(c.created_at)]
+            for c in checkpoints
+        ],
     )
     return 0
 

@@ -72,7 +72,7 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
     )
 
 
-def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
+def checkpoint_out(checkpoint: Checkpoint, eval_loss: float | None = None, best: bool = False) -> CheckpointOut:
     return CheckpointOut(
         id=checkpoint.id,
         job_id=checkpoint.job_id,
@@ -80,6 +80,8 @@ def checkpoint_out(checkpoint: Checkpoint) -> CheckpointOut:
         sha256=checkpoint.sha256,
         size_bytes=checkpoint.size_bytes,
         created_at=checkpoint.created_at,
+        eval_loss=eval_loss,
+        best=best,
     )
 
 

@@ -14,13 +14,17 @@ from api_schemas import JobEventType
 from service.db import state
 from service.db.dialect import dialect_insert
 from service.db.jobs import job_visible_to
-from service.db.models import Checkpoint, DeletedCheckpoint, Job, User, utcnow
+from service.db.models import Checkpoint, DeletedCheckpoint, Job, Metric, User, utcnow
+
+EVAL_LOSS = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by, lowest first
 
 
 def record_checkpoint(
-    session: Session, job_id: int, attempt_id: int, step: int, path: str, sha256: str, size_bytes: int, keep_last: int
+    session: Session, job_id: int, attempt_id: int, step: int, path: str, sha256: str, size_bytes: int, keep_last: int,
+    keep_best: bool = False,
 ) -> list[str]:
-    """Register a complete checkpoint, then drop the oldest saved beyond `keep_last`; returns their paths to delete."""
+    """Register a complete checkpoint, then drop the oldest saved beyond `keep_last` (with `keep_best`,
+    all but the best: see best_checkpoint_id); returns their paths to delete."""
     insert = dialect_insert(session)
     checkpoint_id = session.scalar(
         insert(Checkpoint)
@@ -37,6 +41,9 @@ def record_checkpoint(
             job.rollback_skip = None
     newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc())).all()
     stale = newest_first[keep_last:]
+    if keep_best:
+        best = best_checkpoint_id(session, job_id)
+        stale = [c for c in stale if c.id != best]
     _forget(session, job_id, stale)
     session.commit()
     return [c.path for c in stale if c.path != path]
@@ -74,6 +81,30 @@ def record_refused(session: Session, job_id: int, kind: JobEventType, step: int 
 
 def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
     return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id)))
+
+
+def best_checkpoint_id(session: Session, job_id: int) -> int | None:
+    """The job's checkpoint at the step of its lowest `eval_loss` (the newest, where a step was saved
+    twice); None where no checkpoint's step has one. Read from the metrics, so a checkpoint whose
+    step's metrics are still on their way counts once they arrive: it is the newest until then,
+    which keep_last never drops."""
+    return session.scalar(
+        select(Checkpoint.id)
+        .join(Metric, (Metric.job_id == Checkpoint.job_id) & (Metric.step == Checkpoint.step) & (Metric.name == EVAL_LOSS))
+        .where(Checkpoint.job_id == job_id, Metric.value.is_not(None))
+        .order_by(Metric.value, Checkpoint.id.desc())
+        .limit(1)
+    )
+
+
+def eval_losses_at_checkpoints(session: Session, job_id: int) -> dict[int, float]:
+    """`eval_loss` by step, at the steps of the job's checkpoints."""
+    rows = session.execute(
+        select(Metric.step, Metric.value)
+        .where(Metric.job_id == job_id, Metric.name == EVAL_LOSS, Metric.value.is_not(None))
+        .where(Metric.step.in_(select(Checkpoint.step).where(Checkpoint.job_id == job_id)))
+    )
+    return {step: value for step, value in rows}
 
 
 def checkpoint_visible_to(session: Session, user: User, checkpoint_id: int) -> Checkpoint | None:

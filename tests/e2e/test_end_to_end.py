@@ -164,6 +164,32 @@ def test_a_checkpoint_every_step_is_stored_before_the_loop_moves_on(stack):
 
 
 @ON_ONE_BACKEND
+def test_keep_best_keeps_the_best_evaluations_checkpoint_of_an_overfitting_job_and_it_downloads(stack, capsys):
+    """A model that memorises 1,100 characters: its eval_loss bottoms out, then climbs. The checkpoint
+    of the best evaluation is kept past keep_last 1, marked, and its weights are that step's."""
+    client, info = stack
+    (info.data_dir / "data" / "small.txt").write_text(CORPUS.read_text(encoding="utf-8")[:1200], encoding="utf-8")
+    spec = tiny_spec(**{
+        "dataset.path": "small.txt", "model.n_layer": 2, "model.n_embd": 64, "training.micro_batch_size": 16,
+        "training.max_steps": 240, "training.eval_every": 20, "training.eval_batches": None, "optimizer.lr": 1e-2,
+        "checkpoint.every_steps": None, "checkpoint.keep_last": 1, "checkpoint.keep_best": True,
+    })
+    job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
+    assert job["status"] == "succeeded", job["failure_reason"]
+    losses = dict(zip(*client.get(f"/v1/jobs/{job['id']}/metrics", params={"names": "eval_loss"}).json()["series"]["eval_loss"].values()))
+    best = min(losses, key=losses.get)
+    assert best < 240 and losses[240] > losses[best]
+    listed = client.get(f"/v1/jobs/{job['id']}/checkpoints").json()
+    assert [(c["step"], c["eval_loss"], c["best"]) for c in listed] == [(best, losses[best], True), (240, losses[240], False)]
+
+    assert main(["checkpoints", str(job["id"]), "--server", info.url, "--token", info.token]) == 0
+    assert f"{losses[best]:.4f} (best)" in capsys.readouterr().out
+    weights = safetensors_load(client.get(f"/v1/checkpoints/{listed[0]['id']}/download").content)
+    assert weights.keys() == final_weights(client, job["id"]).keys()
+    assert any(not torch.equal(weights[name], tensor) for name, tensor in final_weights(client, job["id"]).items())
+
+
+@ON_ONE_BACKEND
 def test_a_crashing_job_fails_with_the_reason_and_its_last_output(stack):
     client, info = stack
     # Too short for one step of 4 windows of 16 characters, which only the training can tell: its 80

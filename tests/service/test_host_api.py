@@ -139,6 +139,36 @@ def test_a_host_can_register_only_checkpoints_of_its_own_job_that_are_in_the_sto
         assert answer.status_code == 422 and "path" in answer.json()["detail"], answer.text
 
 
+def test_keep_best_keeps_the_checkpoint_of_the_lowest_eval_loss_past_keep_last_and_the_listing_marks_it(app, sessions, settings):
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    with sessions() as session:
+        user, token = create_user(session, "alice")
+        job_id = create_job(session, user, job_spec(**{"checkpoint.keep_last": 1, "checkpoint.keep_best": True})).id
+        [(attempt_id, _)] = schedule_pass(session, settings)
+    claimed = a.claim(attempt_id, "a", "127.0.0.1:1")
+
+    def save(step: int, eval_loss: float | None) -> str:
+        """The step's metrics reported, then its checkpoint taken into the store and registered, as a worker does."""
+        if eval_loss is not None:
+            a.report(claimed, [(step, "eval_loss", eval_loss)], [])
+        path = f"jobs/{job_id}/checkpoints/step-{step}"
+        (settings.resolved_artifact_root / path).mkdir(parents=True)
+        a.checkpoint_stored(claimed, step, path, "0" * 64, 1)
+        return path
+
+    listed = lambda: [(c["step"], c["eval_loss"], c["best"]) for c in TestClient(app).get(f"/v1/jobs/{job_id}/checkpoints", headers=auth(token)).json()]
+    save(10, 2.0)
+    save(20, 1.5)  # the best so far: the one of step 10 goes (keep_last 1)
+    save(30, 1.7)
+    assert listed() == [(20, 1.5, True), (30, 1.7, False)]
+    save(40, None)  # a scheduled checkpoint between evaluations: the newest, and no eval_loss
+    assert listed() == [(20, 1.5, True), (40, None, False)]
+    save(50, 1.2)  # a better one: the old best is dropped like any other
+    assert listed() == [(50, 1.2, True)]
+    assert not (settings.resolved_artifact_root / f"jobs/{job_id}/checkpoints/step-20").exists()
+
+
 def test_a_revoked_host_token_opens_nothing_and_its_hosts_attempts_are_requeued(app, sessions, settings):
     a = host(app, sessions, "host-a")
     a.register(REGISTRATION)

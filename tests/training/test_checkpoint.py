@@ -11,7 +11,7 @@ import torch
 from accelerate import Accelerator
 from safetensors.torch import load_file
 
-from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, verify_manifest
+from api_schemas.manifest import MANIFEST_FILE, MODEL_FILE, CorruptCheckpoint, checkpoint_name, verify_manifest
 from tests.helpers import job_spec
 from tests.training.support import Collector, run_training, write_corpus
 from workers.training import GPT, CheckpointWriter, eval_dataloader, evaluate, load_model, load_model_from_checkpoint, load_text_corpus
@@ -54,7 +54,10 @@ def test_the_final_checkpoint_holds_weights_state_spec_tokenizer_and_a_manifest_
 
     state = json.loads((final / "trainer_state.json").read_text())
     # And the loss guard's window, so a run resumed from it is guarded from its first step.
-    assert state == {"step": STEPS, "epoch": 0, "batch_in_epoch": STEPS, "processes": 1, "recent_losses": state["recent_losses"]}
+    assert state == {
+        "step": STEPS, "epoch": 0, "batch_in_epoch": STEPS, "processes": 1, "recent_losses": state["recent_losses"],
+        "eval_loss": run.steps[STEPS]["eval_loss"],  # the step's own evaluation (checkpoint.keep_best ranks by it)
+    }
     assert len(state["recent_losses"]) == min(STEPS, spec.training.guard.window)
     model, tokenizer, saved_spec = load_model_from_checkpoint(final)
     assert saved_spec == spec
@@ -80,6 +83,35 @@ def test_a_tied_head_is_saved_once_and_a_checkpoint_from_before_the_option_loads
     (final / "spec.json").write_text(json.dumps(written))
     model, _, spec_read = load_model_from_checkpoint(final)
     assert spec_read.model.tie_embeddings and model.lm_head.weight is model.wte.weight
+
+
+def test_keep_best_saves_each_evaluation_that_beats_the_best_and_keeps_it_past_keep_last_also_after_a_resume(tmp_path):
+    """A model that overfits 1,100 characters (its eval_loss bottoms out, then climbs): nanoGPT's
+    always_save_checkpoint = False. The best is kept beside the last; a run resumed from the best
+    remembers it, so the worse evaluations after it save nothing."""
+    data_root = tmp_path / "data"
+    spec = job_spec(**{
+        "dataset.path": write_corpus(data_root, 1200), "model.n_layer": 2, "model.n_embd": 64, "training.micro_batch_size": 16,
+        "training.max_steps": 240, "training.eval_every": 20, "training.eval_batches": None, "optimizer.lr": 1e-2,
+        "schedule.warmup_steps": 2, "checkpoint.every_steps": None, "checkpoint.keep_last": 1, "checkpoint.keep_best": True,
+    })
+    run = run_training(spec, data_root, tmp_path / "run")
+
+    losses = {step: values["eval_loss"] for step, values in run.metrics_log if "eval_loss" in values}
+    improving, lowest = [], float("inf")
+    for step, loss in sorted(losses.items()):
+        if loss < lowest:
+            improving, lowest = [*improving, step], loss
+    best = improving[-1]
+    assert best < 200 and losses[240] > losses[best] + 0.2  # it did overfit: the last checkpoint is much worse
+    assert sorted(run.checkpoints) == sorted({*improving, 240})
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [checkpoint_name(best), checkpoint_name(240)]
+    state = json.loads((run.checkpoints[best] / "trainer_state.json").read_text())
+    assert state["eval_loss"] == state["best_eval_loss"] == losses[best]
+
+    resumed = run_training(spec, data_root, tmp_path / "resumed", resume_from=run.checkpoints[best])
+    assert sorted(resumed.checkpoints) == [240]
+    assert json.loads((resumed.checkpoints[240] / "trainer_state.json").read_text())["best_eval_loss"] == losses[best]
 
 
 @pytest.mark.parametrize("victim", [MODEL_FILE, "state", "trainer_state.json", "spec.json", "tokenizer.json"])

@@ -7,7 +7,8 @@
                             optimizer, scheduler, RNG of every process; with strategy `fsdp`, the model
                             and optimizer as every process's shards instead (DCP: .metadata, __<rank>_0.distcp)
       trainer_state.json    where the loop was: step, epoch, batch index within the epoch, and the
-                            number of processes that batch index counts for; the loss guard's window
+                            number of processes that batch index counts for; the loss guard's window;
+                            the step's eval_loss if it evaluated, and the best so far (checkpoint.keep_best)
       spec.json, tokenizer.json (none for a custom job), labels.json (classifiers), config.json (`hf` models)
       manifest.json         sha256 and size of every other file
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 import shutil
 import threading
 from collections import OrderedDict
@@ -280,7 +282,7 @@ class CheckpointWriter:
             raise RuntimeError(f"writing the checkpoint of step {step} failed") from self._error
         self.reporter.checkpoint(step, final)
         if not self.reporter.takes_checkpoints:
-            prune_checkpoints(self.run_dir, self.spec.checkpoint.keep_last)
+            prune_checkpoints(self.run_dir, self.spec.checkpoint.keep_last, self.spec.checkpoint.keep_best)
 
     def finish(self) -> None:
         """Wait for the checkpoint in flight, if any, and report it (every process waits for its shards)."""
@@ -310,9 +312,17 @@ def write_accelerate_state(state_dir: Path, state: dict) -> None:
             save(each, state_dir / (f"{name}.bin" if i == 0 else f"{name}_{i}.bin"))
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` local checkpoints (run outside a worker, nobody else cleans up)."""
-    for old in sorted((run_dir / "checkpoints").glob("step-*"))[:-keep_last]:
+def prune_checkpoints(run_dir: Path, keep_last: int, keep_best: bool = False) -> None:
+    """Keep the newest `keep_last` local checkpoints, and with `keep_best` the one of the lowest
+    eval_loss (run outside a worker, nobody else cleans up; a worker's service does the same)."""
+    saved = sorted((run_dir / "checkpoints").glob("step-*"))
+    stale = saved[:-keep_last]
+    if keep_best:
+        losses = {path: load_trainer_state(path).get("eval_loss") for path in saved}
+        if scored := {path: loss for path, loss in losses.items() if loss is not None and math.isfinite(loss)}:
+            best = min(scored, key=scored.get)
+            stale = [path for path in stale if path != best]
+    for old in stale:
         shutil.rmtree(old, ignore_errors=True)
 
 

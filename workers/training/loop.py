@@ -6,6 +6,7 @@ and checkpoints. Run it under a Trainyard worker or a plain `accelerate launch -
 
 from __future__ import annotations
 
+import math
 import resource
 import signal
 import time
@@ -124,10 +125,13 @@ def train(
     # Loaded before compiling, so no weights go into a compiled module.
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     recent_losses = []  # the loss guard's window at the checkpoint: a resumed run is guarded from its first step
+    best_eval = None  # the lowest eval_loss so far: with checkpoint.keep_best, an evaluation that beats it is saved
     if resume_from is not None:
         load_state(accelerator, resume_from / "state", model, optimizer, sharded_state)
         progress = load_trainer_state(resume_from)
         recent_losses = progress.pop("recent_losses", [])
+        best_eval = progress.pop("best_eval_loss", None)
+        progress.pop("eval_loss", None)
         progress["batch_in_epoch"] = batches_on(progress, accelerator.num_processes, spec)
         recount_scheduler(scheduler, progress["step"], accelerator.num_processes)
         accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
@@ -215,9 +219,14 @@ def train(
                     "tokens_per_s": window_batches * tokens_per_micro_batch / step_time,
                     "peak_memory_mb": _peak_memory_mb(accelerator.device),
                 }
-                if step % cfg.eval_every == 0 or last_step:
+                evaluated = step % cfg.eval_every == 0 or last_step
+                if evaluated:
                     values.update(evaluate_metrics(forward, final_eval_dl if last_step else eval_dl, accelerator))
                     last_eval = values["eval_loss"]
+                # Every process evaluated the same gathered samples, so all decide alike.
+                best = evaluated and spec.checkpoint.keep_best and math.isfinite(last_eval) and (best_eval is None or last_eval < best_eval)
+                if best:
+                    best_eval = last_eval
                 previous = lagged.take()
                 lagged.put(
                     step,
@@ -235,15 +244,17 @@ def train(
                 if spike is not None:
                     break
 
-                # Checkpoint on schedule, at the end, and when asked to stop; this step's metrics first.
-                # The loop waits only for the state of this step to be taken; the files are finished
-                # in the background (CheckpointWriter), and a save waits for the previous one.
-                if last_step or preempted or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
+                # Checkpoint on schedule, at the end, when asked to stop and at a best evaluation (keep_best);
+                # this step's metrics first. The loop waits only for the state of this step to be taken; the
+                # files are finished in the background (CheckpointWriter), and a save waits for the previous one.
+                if last_step or preempted or best or (spec.checkpoint.every_steps and step % spec.checkpoint.every_steps == 0):
                     report(lagged.take())
                     if spike is None:
                         checkpoints.save(model, {
                             "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "processes": accelerator.num_processes,
                             "recent_losses": list(guard.recent),
+                            **({"eval_loss": last_eval} if evaluated else {}),
+                            **({"best_eval_loss": best_eval} if spec.checkpoint.keep_best else {}),
                         })
                 if last_step or preempted or spike is not None:
                     break

@@ -174,12 +174,15 @@ def _stored_path(store: ArtifactStore, held: HeldAttempt, path: str, folder: str
 @router.post("/attempts/{attempt_id}/checkpoints", status_code=204)
 def checkpoint_stored(attempt_id: RowId, body: CheckpointStored, host: CurrentHost, session: WriteSessionDep, store: StoreDep) -> Response:
     """A checkpoint the host took into the store (verified against its manifest): listed from now
-    on, and the oldest past the job's `checkpoint.keep_last` deleted."""
+    on, and the oldest past the job's `checkpoint.keep_last` deleted (but the best, with `keep_best`)."""
     held = _own(session, host, attempt_id, body.lease_owner)
     _stored_path(store, held, body.path, "checkpoints")
     spec = session.scalar(select(Job.spec).where(Job.id == held.job_id))
-    keep_last = CheckpointConfig.model_validate(spec.get("checkpoint", {})).keep_last  # its default, where a spec has none
-    for stale in record_checkpoint(session, held.job_id, held.attempt_id, body.step, body.path, body.sha256, body.size, keep_last):
+    policy = CheckpointConfig.model_validate(spec.get("checkpoint", {}))  # its defaults, where a spec has none
+    stale_paths = record_checkpoint(
+        session, held.job_id, held.attempt_id, body.step, body.path, body.sha256, body.size, policy.keep_last, policy.keep_best
+    )
+    for stale in stale_paths:
         store.delete(stale)
     return Response(status_code=204)
 

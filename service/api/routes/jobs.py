@@ -16,7 +16,7 @@ from service.api.deps import (
 from service.api.events import EVENTS, LOG_LINES, EventStreamResponse, Source
 from service.api.limits import TooManyStreams
 from service.api.views import checkpoint_out, job_out, job_outs, log_line_out
-from service.db.checkpoints import list_checkpoints
+from service.db.checkpoints import best_checkpoint_id, eval_losses_at_checkpoints, list_checkpoints
 from service.db.jobs import jobs_visible_to, last_event_seq, request_cancel
 from service.db.log_lines import log_lines_after, log_tail
 from service.db.metrics import metric_series
@@ -138,7 +138,8 @@ def get_record(job: VisibleJob, session: SessionDep) -> RunRecord:
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
 def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]:
-    return [checkpoint_out(c) for c in list_checkpoints(session, job.id)]
+    losses, best = eval_losses_at_checkpoints(session, job.id), best_checkpoint_id(session, job.id)
+    return [checkpoint_out(c, losses.get(c.step), c.id == best) for c in list_checkpoints(session, job.id)]
 
 
 @router.get(
