@@ -6,7 +6,10 @@ From Slurm's environment: which node this is (SLURM_NODEID picks its attempt fro
 node order) and its name (SLURMD_NODENAME), whose address (`scontrol`'s NodeAddr) node 0 gives
 the other nodes to meet at. SIGTERM (a cancel, Slurm preempting the job, its time limit) is a host
 going away: the training checkpoints and stops, and the attempt is reported preempted, so the
-service queues the job again and it resumes from there.
+service queues the job again and it resumes from there. But a Slurm job cancelled by someone else
+(an admin's or its owner's `scancel`: Slurm says CANCELLED) was stopped on purpose: the attempt is
+reported failed, so the job is tried again only while it has restarts left, instead of being
+submitted again each time it is cancelled (a cancel by Trainyard ends the job cancelled either way).
 """
 
 from __future__ import annotations
@@ -44,6 +47,34 @@ def node_address(node_name: str) -> str:
         return "127.0.0.1"
 
 
+def cancelled_in_slurm(slurm_job_id: str | None) -> str | None:
+    """Why this node's Slurm job is stopping, if it was cancelled (`scancel`) rather than preempted
+    or out of time; None otherwise, or if Slurm can't say. Asked while the job's processes still
+    run: a preempted job is RUNNING through its GraceTime, a cancelled or timed-out one already
+    COMPLETING (Slurm 22.05 shows no more), and only a timed-out one has run its whole TimeLimit."""
+    if not slurm_job_id:
+        return None
+    try:
+        out = subprocess.run(["scontrol", "--oneliner", "show", "job", slurm_job_id], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    fields = dict(re.findall(r"\b(JobState|RunTime|TimeLimit)=(\S+)", out))
+    state, ran, limit = fields.get("JobState"), slurm_seconds(fields.get("RunTime")), slurm_seconds(fields.get("TimeLimit"))
+    if state == "CANCELLED" or (state == "COMPLETING" and not (ran is not None and limit is not None and ran >= limit)):
+        return f"Slurm job {slurm_job_id} was cancelled in Slurm (scancel), not by Trainyard"
+    return None
+
+
+def slurm_seconds(text: str | None) -> int | None:
+    """Slurm's `[days-]hours:minutes:seconds` (or fewer parts) in seconds; None for UNLIMITED or other words."""
+    if not text or not (found := re.fullmatch(r"(?:(\d+)-)?(\d+(?::\d+){0,2})", text)):
+        return None
+    parts = [int(part) for part in found.group(2).split(":")]
+    while len(parts) < 3:
+        parts.insert(0, 0)
+    return int(found.group(1) or 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+
+
 def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None, warm: bool = False) -> int:
     """Run this node's attempt to its end; the exit status is 0 however the attempt ended (the
     service knows how), 2 if this node has none of the try's attempts or no token. `warm`: the
@@ -66,6 +97,7 @@ def run_agent(settings: Settings, attempt_ids: list[int], threads: int | None, w
         pool.fill()
     runner = AttemptRunner(settings, service, node_name, node_address(node_name), sandbox, pool, cpu_threads=threads)
     signal.signal(signal.SIGTERM, lambda *_: runner.preempt_all())
+    runner.stopped_for_good = lambda: cancelled_in_slurm(os.environ.get("SLURM_JOB_ID"))
     # The API may be restarting as the allocation starts: wait for it as long as a dispatch lasts.
     deadline = time.monotonic() + settings.dispatch_timeout_seconds
     try:

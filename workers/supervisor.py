@@ -315,6 +315,9 @@ class AttemptRunner:
             settings.environment_find_links, settings.environment_no_index,
         )
         self.shutting_down = threading.Event()
+        # Why the host went away, when not to be preempted for (workers/slurm_agent.py: its Slurm job
+        # cancelled by someone else); None: a preemption, which costs the job no restart.
+        self.stopped_for_good: Callable[[], str | None] = lambda: None
         self.out_of_reach_noted: dict[int, float] = {}  # attempt id → when its log last said the service is out of reach
         self.gang_networks: dict[int, GangNetwork] = {}  # the running gang attempts' own networks, by attempt id
 
@@ -998,6 +1001,8 @@ class RunningAttempt:
         # itself), so what counts is that the stop was asked for, not the code we got back: by us,
         # or by whoever sent SIGTERM to the host's processes, ours and the training's at once (a
         # cluster preempting its job: workers/slurm_agent.py).
+        if not self.preempted_because and self.runner.shutting_down.is_set() and (why := self.runner.stopped_for_good()):
+            return AttemptStatus.failed, f"{why}; stopped at a checkpoint"  # tried again while restarts remain
         if self.preempted_because or self.exit_code == EXIT_PREEMPTED or self.runner.shutting_down.is_set():
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         if self.invalid_spec is not None:

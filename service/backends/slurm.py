@@ -10,7 +10,8 @@ would: the same sandbox, the same supervisor, checkpoints into the same store.
 Both ways, each pass (`sync`):
 - a cancel → `scancel`; the agents also see it in their lease;
 - Slurm ends the try (preemption, `scancel` by an admin, a failed node, a time limit): the agents
-  answer SIGTERM with a checkpoint and report the attempt preempted; what they could not report
+  answer SIGTERM with a checkpoint and report the attempt preempted (failed, using a restart, when
+  it was an `scancel` by someone other than Trainyard); what they could not report
   is ended here (lost: queued again, resuming from the newest checkpoint). Slurm never requeues
   (`--no-requeue`): a second copy of a try never runs;
 - its state and why a pending one waits (`PENDING (Resources)`) go into the attempt for the API.

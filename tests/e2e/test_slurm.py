@@ -158,6 +158,22 @@ def test_cancelling_a_running_slurm_job_ends_its_slurm_job_within_seconds(slurm_
     assert wait_for(client, job_id, FINAL, timeout=30)["status"] == "cancelled"
 
 
+def test_a_slurm_job_cancelled_outside_trainyard_uses_a_restart_and_is_not_resubmitted_past_them(slurm_stack):
+    """An admin's `scancel` is not a preemption: with no restart left the job fails, saying so, where it
+    used to be queued and handed to Slurm again after every cancel."""
+    cluster, client = slurm_stack
+    spec = tiny_spec(**{**BASE, "name": "slurm-scancel", "training.max_steps": 100_000, "checkpoint.every_steps": 100_000, "max_restarts": 0})
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    wait_for_step(client, job_id, 3)
+    [attempt] = client.get(f"/v1/jobs/{job_id}").json()["attempts"]
+    cluster.run("scancel", attempt["cluster_job_id"])
+    job = wait_for(client, job_id, FINAL, timeout=60)
+    assert job["status"] == "failed" and "cancelled in Slurm (scancel)" in job["failure_reason"], job
+    [attempt] = job["attempts"]  # its only one: not handed to Slurm again
+    assert attempt["status"] == "failed" and "cancelled in Slurm (scancel), not by Trainyard" in attempt["failure_reason"], attempt
+    assert client.get(f"/v1/jobs/{job_id}/checkpoints").json()  # it stopped at a checkpoint, to resume from if run again
+
+
 def test_preempted_by_slurm_a_job_checkpoints_and_resumes_to_the_same_weights(slurm_stack, tmp_path):
     cluster, client = slurm_stack
     steps = 2000  # a few seconds: Slurm preempts it within a second of its 10th step
