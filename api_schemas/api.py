@@ -137,7 +137,10 @@ class CheckpointOut(BaseModel):
     size_bytes: int = Field(description="Size of model.safetensors (a script's checkpoint without one: of all its files).")
     created_at: datetime
     eval_loss: float | None = Field(None, description="The job's eval_loss at this checkpoint's step, where it evaluated there.")
-    best: bool = Field(False, description="The job's checkpoint of the lowest eval_loss (kept past keep_last with checkpoint.keep_best).")
+    best: bool = Field(
+        False, description="With checkpoint.keep_best: the job's checkpoint of the lowest eval_loss, kept past keep_last. Always false "
+        "without it (the lowest of the checkpoints kept may be far from the job's best).",
+    )
 
 
 class OutputOut(BaseModel):

@@ -458,7 +458,8 @@ class CheckpointConfig(_Config):
         description="Also keep the checkpoint whose step has the lowest `eval_loss`, past `keep_last` (nanoGPT's "
         "`always_save_checkpoint = False`): on a small dataset the last checkpoint can be far worse than the best. The built-in "
         "loop then also saves at every evaluation that beats the best so far; a script or custom loop is covered where it logs "
-        "`eval_loss` at the steps it checkpoints. `trainyard checkpoints` marks the best.",
+        "`eval_loss` at the steps it checkpoints (another name counts for nothing). Evaluations are compared as reported: with "
+        "`eval_batches` set, a sample spread over the split, the last step's over all of it. `trainyard checkpoints` marks the best.",
     )
 
 

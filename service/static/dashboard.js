@@ -595,8 +595,9 @@ function attemptsTable(job) {
 
 function checkpointsTable(checkpoints) {
   if (!checkpoints.length) return el("p", { class: "muted" }, "No checkpoints yet.");
-  return table(["step", "size", "sha256", "created", ""],
-    checkpoints.map(c => [String(c.step), bytes(c.size_bytes), c.sha256.slice(0, 16) + "…", when(c.created_at),
+  return table(["step", "eval_loss", "size", "sha256", "created", ""],
+    checkpoints.map(c => [String(c.step), c.eval_loss == null ? "–" : c.eval_loss.toFixed(4) + (c.best ? " (best)" : ""),
+      bytes(c.size_bytes), c.sha256.slice(0, 16) + "…", when(c.created_at),
       el("button", { type: "button", onclick: () => download(c) }, "download")]));
 }
 

@@ -87,8 +87,11 @@ def assert_the_loss_chart_reads_well(page, client: httpx.Client, job_id: int) ->
     assert eval_step % 100 == 0 and " @ " not in hovered["train_loss"], hovered
     page.mouse.move(0, 0)
 
-    sizes = [row.locator("td").nth(1).inner_text() for row in page.locator("table tr", has=page.locator("button", has_text="download")).all()]
+    rows = page.locator("table tr", has=page.locator("button", has_text="download")).all()
+    sizes = [row.locator("td").nth(2).inner_text() for row in rows]
     assert sizes and all(size.endswith((" KiB", " MiB")) and not size.startswith("0.0") for size in sizes), sizes
+    losses = [row.locator("td").nth(1).inner_text() for row in rows]  # a checkpoint at an evaluation's step shows its eval_loss
+    assert all(loss == "–" or float(loss) > 0 for loss in losses), losses
     assert page.evaluate("ticks(null, [0, 0.0002, 0.0004], 1, 0, 0.0002)") == ["0", "2e-4", "4e-4"]  # an lr axis's zero is 0, not 0e+0
 
 

@@ -168,6 +168,13 @@ def test_keep_best_keeps_the_checkpoint_of_the_lowest_eval_loss_past_keep_last_a
     assert listed() == [(50, 1.2, True)]
     assert not (settings.resolved_artifact_root / f"jobs/{job_id}/checkpoints/step-20").exists()
 
+    # Without keep_best no checkpoint is called the best: the lowest of those kept may be far from the job's.
+    with sessions() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(spec={**session.get(Job, job_id).spec, "checkpoint": {"keep_last": 1}}))
+        session.commit()
+    save(60, 1.9)
+    assert listed() == [(60, 1.9, False)]
+
 
 def test_a_revoked_host_token_opens_nothing_and_its_hosts_attempts_are_requeued(app, sessions, settings):
     a = host(app, sessions, "host-a")

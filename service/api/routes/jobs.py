@@ -5,7 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
-from api_schemas import CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
+from api_schemas import CheckpointConfig, CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
 from api_schemas.run_record import RunRecord
 from service.admission import admit
 from service.api.audit import describe, note
@@ -138,7 +138,9 @@ def get_record(job: VisibleJob, session: SessionDep) -> RunRecord:
 
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
 def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]:
-    losses, best = eval_losses_at_checkpoints(session, job.id), best_checkpoint_id(session, job.id)
+    # "best" only where the job keeps it: otherwise the lowest of the kept ones may be far from the job's best.
+    keeps_best = CheckpointConfig.model_validate(job.spec.get("checkpoint", {})).keep_best
+    losses, best = eval_losses_at_checkpoints(session, job.id), best_checkpoint_id(session, job.id) if keeps_best else None
     return [checkpoint_out(c, losses.get(c.step), c.id == best) for c in list_checkpoints(session, job.id)]
 
 
