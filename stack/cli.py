@@ -130,6 +130,8 @@ def _run_stack(args: argparse.Namespace) -> int:
         print(f"Trainyard is up at {stack.url}; dashboard: {link}")
         print("  (that link signs a browser in once, within minutes; `trainyard open` makes another)")
         print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
+        if Path(stack.data_dir).name != ".trainyard":  # the CLI finds a `.trainyard/` above its folder by itself, not this one
+            print(f"  in another shell, `export TRAINYARD_DATA_DIR={stack.data_dir}` lets the CLI find its server and token")
         stop = []
         signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
         try:

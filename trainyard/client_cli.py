@@ -218,11 +218,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     if job.attempts:
         # A cluster pool's attempts say which cluster job runs them and what the cluster says of it.
         pooled = any(a.pool for a in job.attempts)
+        # A multi-node job's attempt is one row per node: which node each is.
+        nodes = any(a.node_rank for a in job.attempts)
         print()
         print_table(
-            ["ATTEMPT", "HOST", "PROCESSES", "STATUS", *(["CLUSTER"] if pooled else []), "RESUMED FROM", "STARTED", "FINISHED"],
+            ["ATTEMPT", *(["NODE"] if nodes else []), "HOST", "PROCESSES", "STATUS", *(["CLUSTER"] if pooled else []), "RESUMED FROM", "STARTED", "FINISHED"],
             [
-                [a.number, a.host_name, a.processes, a.status.value, *([cluster_text(a)] if pooled else []),
+                [a.number, *([a.node_rank] if nodes else []), a.host_name, a.processes, a.status.value, *([cluster_text(a)] if pooled else []),
                  "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}", local_time(a.started_at), local_time(a.finished_at)]
                 for a in job.attempts
             ],
@@ -261,7 +263,9 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     elif job.status.is_final:
         print(f"job {job.id} had already ended ({job.status.value}): nothing to cancel")
     else:
-        print(f"cancel requested; job {job.id} is {job.status.value} until its worker stops it")
+        cluster_job = next((a.cluster_job_id for a in reversed(job.attempts) if a.cluster_job_id), None)
+        stops = f"Slurm ends its job {cluster_job}" if cluster_job else "its worker stops it"
+        print(f"cancel requested; job {job.id} is {job.status.value} until {stops}")
     return 0
 
 

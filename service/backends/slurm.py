@@ -214,7 +214,9 @@ class SlurmBackend:
         slurm_job = queue.get(one.cluster_job_id)
         slurm_state = slurm_job.state.split()[0] if slurm_job else "VANISHED"  # gone from Slurm's memory (MinJobAge)
         if slurm_state in _LIVE:
-            if one.cancel_requested or (not one.active and one.ended_before(time.time() - REAP_AFTER_SECONDS)):
+            # COMPLETING: Slurm is ending it already (after our scancel, or its own end); asked again each pass, it only adds load.
+            stop = one.cancel_requested or (not one.active and one.ended_before(time.time() - REAP_AFTER_SECONDS))
+            if stop and slurm_state != "COMPLETING":
                 self.slurm.cancel(one.cluster_job_id)  # its next state, CANCELLED, ends the rest below
                 log.info("cancelled Slurm job %s of job %s", one.cluster_job_id, job_id, extra=job_fields(job_id))
             if slurm_job.shown != one.cluster_state:

@@ -14,6 +14,9 @@ from api_schemas import AttemptStatus, JobSpec
 from tests.client.conftest import run_next_job
 from tests.helpers import EXAMPLE_SPEC, tiny_spec
 from tests.sweep_helpers import run_sweep, sweep_spec
+from service.db.hosts import register_host
+from service.db.session import session_factory
+from service.scheduler import schedule_pass
 from trainyard.cli import main
 from trainyard.client_cli import SpecFileError, load_spec_file
 
@@ -130,6 +133,21 @@ def test_ls_lists_the_newest_jobs(trainyard, tmp_path):
     lines = out.splitlines()
     assert lines[0].split() == ["ID", "NAME", "STATUS", "STEP", "OWNER", "CREATED"]
     assert [int(line.split()[0]) for line in lines[1:]] == submitted[:1:-1]
+
+
+def test_status_of_a_multi_node_job_shows_which_node_each_attempt_row_is(trainyard, settings, tmp_path):
+    (tmp_path / "two.json").write_text(json.dumps(tiny_spec(**{"resources.nodes": 2})))
+    job_id = int(trainyard("submit", str(tmp_path / "two.json"))[1].split()[2])
+    with session_factory(settings.resolved_database_url)() as session:
+        for i in range(2):
+            register_host(session, f"host-{i}", "cpu", 1, {}, address=f"10.0.0.{i}")
+        assert len(schedule_pass(session, settings)) == 2
+    code, out, _ = trainyard("status", str(job_id))
+    assert code == 0
+    table = out.split("\n\n", 1)[1].splitlines()
+    assert table[0].split()[:4] == ["ATTEMPT", "NODE", "HOST", "PROCESSES"]
+    rows = [row.split()[:3] for row in table[1:]]
+    assert sorted(node for _, node, _ in rows) == ["0", "1"] and sorted(host for _, _, host in rows) == ["host-0", "host-1"]
 
 
 def test_a_sweep_submitted_listed_and_shown_prints_its_best_spec_ready_to_submit(trainyard, settings, tmp_path):
