@@ -7,7 +7,7 @@ node order) and its name (SLURMD_NODENAME), whose address (`scontrol`'s NodeAddr
 the other nodes to meet at. SIGTERM (a cancel, Slurm preempting the job, its time limit) is a host
 going away: the training checkpoints and stops, and the attempt is reported preempted, so the
 service queues the job again and it resumes from there. But a Slurm job cancelled by someone else
-(an admin's or its owner's `scancel`: Slurm says CANCELLED) was stopped on purpose: the attempt is
+(an admin's or its owner's `scancel`: see cancelled_in_slurm) was stopped on purpose: the attempt is
 reported failed, so the job is tried again only while it has restarts left, instead of being
 submitted again each time it is cancelled (a cancel by Trainyard ends the job cancelled either way).
 """
