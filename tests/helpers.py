@@ -54,6 +54,15 @@ def tiny_spec(**overrides) -> dict:
     return spec_dict(**{**base, **overrides})
 
 
+def small_spec(**overrides) -> dict:
+    """The README's model at half its depth and width, validated on the last 1% (the last
+    evaluation reads all of it): about 0.02 s a step on a free core against the README model's 0.1,
+    for jobs that must still be mid-run when a test acts on them (a fault, a preemption) for a few
+    seconds after their first checkpoint."""
+    base = {"model.n_layer": 2, "model.n_head": 2, "model.n_embd": 64, "dataset.val_fraction": 0.01, "training.eval_batches": 5}
+    return spec_dict(**{**base, **overrides})
+
+
 def auth(token: str) -> dict[str, str]:
     """The header that presents `token` to the API."""
     return {"Authorization": f"Bearer {token}"}

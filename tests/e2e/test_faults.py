@@ -18,7 +18,7 @@ import torch
 
 from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import final_weights, wait_for, wait_for_checkpoint, wait_for_event
-from tests.helpers import spec_dict, tiny_spec
+from tests.helpers import small_spec, tiny_spec
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
 from workers.supervisor import EventTail, free_port
 
@@ -117,9 +117,9 @@ def killed_and_resumed(job: dict, dead_host: str) -> tuple[dict, dict]:
     return first, last
 
 
-# The README's model (~0.1 s a step on a busy core): a fault lands mid-run, after the first of its checkpoints.
-FAULT_SPEC = spec_dict(
-    **{"training.max_steps": 150, "training.eval_every": 50, "checkpoint.every_steps": 25, "checkpoint.keep_last": 10, "max_restarts": 2}
+# A fault lands mid-run, after the first of the job's checkpoints (7 more follow, ~0.02 s a step on a free core).
+FAULT_SPEC = small_spec(
+    **{"training.max_steps": 200, "training.eval_every": 50, "checkpoint.every_steps": 25, "checkpoint.keep_last": 10, "max_restarts": 2}
 )
 STEPS, EVERY = FAULT_SPEC["training"]["max_steps"], FAULT_SPEC["checkpoint"]["every_steps"]
 
@@ -285,7 +285,7 @@ def test_a_preemptible_job_makes_way_for_a_higher_priority_one_and_resumes_with_
     spot_id = client.post("/v1/jobs", json=spot_spec).json()["id"]
     wait_until_training(client, spot_id)
     reached = step_reached(client, spot_id, tmp_path)
-    urgent_id = client.post("/v1/jobs", json=spec_dict(**{"name": "urgent", "priority": 10, "training.max_steps": 20, "schedule.warmup_steps": 2})).json()["id"]
+    urgent_id = client.post("/v1/jobs", json=small_spec(**{"name": "urgent", "priority": 10, "training.max_steps": 20, "schedule.warmup_steps": 2})).json()["id"]
 
     urgent = wait_for(client, urgent_id, {"succeeded", "failed", "cancelled"}, timeout=240)
     assert urgent["status"] == "succeeded", urgent["failure_reason"]

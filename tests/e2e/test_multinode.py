@@ -23,7 +23,7 @@ from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for, wait_for_step
 from tests.e2e.test_faults import FAULT_SPEC, assert_trained_alike, final_weights, stack_pids_matching, wait_until_training
 from tests.e2e.test_scripts import upload_code
-from tests.helpers import spec_dict, tiny_spec
+from tests.helpers import small_spec, tiny_spec
 from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
@@ -93,7 +93,7 @@ def test_a_preemptible_gang_makes_way_on_one_host_stops_on_both_and_resumes_with
     monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "0.5")  # how often a worker looks at its lease (5 s in production)
     steps = FAULT_SPEC["training"]["max_steps"]  # a checkpoint every 25: preempted after the first, resumed from its own at the stop
     gang_spec = {**FAULT_SPEC, "name": "spot-gang", "preemptible": True, "resources": {"nodes": 2, "processes_per_node": 1}}
-    urgent_spec = spec_dict(**{"name": "urgent", "priority": 10, "training.max_steps": 20, "schedule.warmup_steps": 2})
+    urgent_spec = small_spec(**{"name": "urgent", "priority": 10, "training.max_steps": 20, "schedule.warmup_steps": 2})
     # Two one-slot hosts: the gang holds both, and the urgent job needs one of them.
     with embedded_stack(tmp_path / "yard", free_port(), workers=2, devices="cpu:1") as info:
         with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:

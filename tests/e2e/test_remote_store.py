@@ -21,7 +21,7 @@ from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_faults import assert_same_run, run_reference, training_ranks, wait_until_training
 from tests.e2e.test_scripts import EXAMPLES, TINY_GPT, kill_after_its_first_checkpoint, script_spec
-from tests.helpers import spec_dict
+from tests.helpers import small_spec
 from workers.launch import attempt_dir
 from workers.supervisor import free_port
 
@@ -45,10 +45,10 @@ def stack(tmp_path_factory, module_postgres_url, module_redis_url):
     assert not any(hosts_data.rglob("*")), list(hosts_data.rglob("*"))
 
 
-# test_faults' job, shorter: what is fetched and sent is the same few files whatever the steps.
-SPEC = spec_dict(**{
-    "training.max_steps": 80, "training.eval_every": 40, "training.eval_batches": 5, "schedule.warmup_steps": 10,
-    "checkpoint.every_steps": 20, "checkpoint.keep_last": 10, "max_restarts": 2,
+# test_faults' job, with fewer checkpoints: what is fetched and sent is the same few files whatever the steps.
+SPEC = small_spec(**{
+    "training.max_steps": 200, "training.eval_every": 100, "schedule.warmup_steps": 10,
+    "checkpoint.every_steps": 25, "checkpoint.keep_last": 10, "max_restarts": 2,
 })
 
 

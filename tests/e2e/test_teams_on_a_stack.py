@@ -13,7 +13,7 @@ from common.settings import Settings
 from stack.embedded import ADMIN_NAME, embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_faults import FAULT_SPEC, assert_same_run, final_weights, wait_until_training
-from tests.helpers import spec_dict
+from tests.helpers import small_spec
 from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
@@ -38,7 +38,7 @@ def test_a_team_under_its_quota_takes_back_a_borrowed_slot_and_the_borrower_resu
         assert (vision["in_use"], vision["borrowed"]) == ({"cpu": 2}, {"cpu": 1})
 
         # NLP, under its quota, wants its slot: the borrowed one is given back at a checkpoint.
-        short = spec_dict(**{"name": "nlp-job", "training.max_steps": 20, "schedule.warmup_steps": 2})
+        short = small_spec(**{"name": "nlp-job", "training.max_steps": 20, "schedule.warmup_steps": 2})
         nlp_id = bob.post("/v1/jobs", json=short).json()["id"]
         nlp_job = wait_for(bob, nlp_id, ENDED, timeout=240)
         assert nlp_job["status"] == "succeeded", nlp_job["failure_reason"]
