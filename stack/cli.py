@@ -44,13 +44,19 @@ def db_upgrade(args: argparse.Namespace) -> int:
     return 0
 
 
+# How long the API keeps an idle connection open for its next request. uvicorn's 5 s is the
+# period of a worker's heartbeat and of many a user's polling loop: a request sent as the server
+# closes the connection it reuses fails with "Server disconnected without sending a response".
+KEEP_ALIVE_SECONDS = 75
+
+
 def run_api(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.api.main import create_app
 
     _configure_logging("api")
-    uvicorn.run(create_app(_settings()), host=args.host, port=args.port, log_level="info")
+    uvicorn.run(create_app(_settings()), host=args.host, port=args.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
     return 0
 
 

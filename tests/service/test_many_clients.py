@@ -26,6 +26,7 @@ from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
 from service.db.models import Upload, User
 from service.db.session import read_session_factory, session_factory
+from stack.cli import KEEP_ALIVE_SECONDS
 from tests.helpers import auth, finish_job, start_job, tiny_spec
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,7 +52,8 @@ def server(settings, tmp_path):
     environment = {**os.environ, **{f"TRAINYARD_{name.upper()}": str(value) for name, value in settings.model_dump(exclude_none=True).items() if name in SERVED}}
     with open(tmp_path / "api.log", "w") as log:
         api = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--factory", "service.api.main:create_app", "--port", str(port), "--log-level", "warning"],
+            [sys.executable, "-m", "uvicorn", "--factory", "service.api.main:create_app", "--port", str(port), "--log-level", "warning",
+             "--timeout-keep-alive", str(KEEP_ALIVE_SECONDS)],
             env=environment, stdout=log, stderr=subprocess.STDOUT,
         )
     url = f"http://127.0.0.1:{port}"
