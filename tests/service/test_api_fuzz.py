@@ -19,6 +19,9 @@ from tests.helpers import job_spec
 # methods in Allow. Everything else schemathesis checks stays on.
 EXCLUDED = [positive_data_acceptance, unsupported_method]
 EXAMPLES_PER_ROUTE = 25
+# Without a token a route answers 401 before it reads its input (the token is checked first), so
+# a few examples a route show it; the routes open to all get their 25 in the run with a token.
+EXAMPLES_WITHOUT_TOKEN = 5
 
 
 @pytest.mark.parametrize("authorized", [True, False], ids=["authorized", "unauthorized"])
@@ -33,7 +36,7 @@ def test_no_request_gets_a_5xx_or_an_undocumented_response(settings, authorized)
     assert len(operations) >= 10
     for operation in operations:
 
-        @hypothesis_settings(max_examples=EXAMPLES_PER_ROUTE, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @hypothesis_settings(max_examples=EXAMPLES_PER_ROUTE if authorized else EXAMPLES_WITHOUT_TOKEN, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         @given(case=operation.as_strategy())
         def fuzz(case):
             case.call_and_validate(headers=headers, excluded_checks=EXCLUDED)

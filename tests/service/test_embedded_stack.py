@@ -5,6 +5,7 @@ And where it can: in a user's project whose packages share names with Trainyard'
 
 from __future__ import annotations
 
+import http.client
 import socket
 import subprocess
 import sys
@@ -51,20 +52,25 @@ def test_up_in_a_project_with_packages_named_like_trainyards_runs_a_job(tmp_path
         (project / package / "__init__.py").write_text(f"raise ImportError('the project\\'s own {package}, not Trainyard\\'s')\n")
     monkeypatch.chdir(project)
     with embedded_stack(project / ".trainyard", free_port()) as info:
-        idle = socket.create_connection((info.url.split("//")[1].split(":")[0], int(info.url.rsplit(":", 1)[1])), timeout=30)
+        # One connection, kept alive: idle past uvicorn's default keep-alive (5 s, a heartbeat's
+        # period) it still serves its next request (stack/cli.KEEP_ALIVE_SECONDS). Closed under
+        # it, the request failed: "Server disconnected without sending a response".
+        host, port = info.url.removeprefix("http://").split(":")
+        idle = http.client.HTTPConnection(host, int(port), timeout=30)
         opened = time.monotonic()
-        assert healthz_on(idle).startswith(b"HTTP/1.1 200")
+        assert healthz_on(idle) == 200
+        first_socket = idle.sock
         with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
             job = client.post("/v1/jobs", json=tiny_spec()).json()
             assert wait_for(client, job["id"], {"succeeded", "failed"}, timeout=120)["status"] == "succeeded"
-        # A connection idle past uvicorn's default keep-alive (5 s, a heartbeat's period) still
-        # serves its next request: closed under it, the request failed (stack/cli.KEEP_ALIVE_SECONDS).
         time.sleep(max(0.0, 7 - (time.monotonic() - opened)))
-        assert healthz_on(idle).startswith(b"HTTP/1.1 200")
+        assert healthz_on(idle) == 200 and idle.sock is first_socket
         idle.close()
 
 
-def healthz_on(connection: socket.socket) -> bytes:
-    """GET /healthz on an open connection, kept alive; the answer's bytes (empty if the server had closed it)."""
-    connection.sendall(b"GET /healthz HTTP/1.1\r\nHost: trainyard\r\n\r\n")
-    return connection.recv(65536)
+def healthz_on(connection: http.client.HTTPConnection) -> int:
+    """GET /healthz on `connection` (http.client sends it on the socket it holds, reopening none)."""
+    connection.request("GET", "/healthz")
+    response = connection.getresponse()
+    response.read()
+    return response.status
