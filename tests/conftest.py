@@ -208,3 +208,17 @@ def pytest_runtest_makereport(item, call):
         tail = log.read_text(errors="replace").splitlines()[-80:]
         report.sections.append((f"last lines of {log}", "\n".join(tail)))
     return report
+
+
+# The directories whose files take minutes first: pytest-xdist hands out files in collection order,
+# so the many short ones of the others fill in at the end, not a long file started last that one
+# process runs alone while the other has nothing left.
+LONG_FIRST = ("e2e", "training", "service", "client", "deploy", "unit")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        parts = Path(item.path).relative_to(REPO / "tests").parts
+        return LONG_FIRST.index(parts[0]) if len(parts) > 1 and parts[0] in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)  # stable: each file's tests keep their order
