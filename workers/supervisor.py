@@ -738,6 +738,7 @@ class RunningAttempt:
         self.exit_code: int | None = None  # as of this round's start
         self.output_done = False
         self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
+        self.host_shut_down = f"host {runner.host_name} shut down"  # why, when the host's own stop asked it
         self.next_sync = 0.0
         self.next_forward = 0.0
         self.renewed_at = time.monotonic()  # the lease's last renewal
@@ -759,7 +760,7 @@ class RunningAttempt:
         while True:
             self.exit_code = self.process.poll()
             if self.runner.shutting_down.is_set():
-                self._preempt(f"host {self.runner.host_name} shut down")
+                self._preempt(self.host_shut_down)
             self.output.clear()  # a line from here on wakes the next wait
             self._take_output()
             self._take_events()
@@ -1001,7 +1002,11 @@ class RunningAttempt:
         # itself), so what counts is that the stop was asked for, not the code we got back: by us,
         # or by whoever sent SIGTERM to the host's processes, ours and the training's at once (a
         # cluster preempting its job: workers/slurm_agent.py).
-        if not self.preempted_because and self.runner.shutting_down.is_set() and (why := self.runner.stopped_for_good()):
+        # Asked whether the host's stop was for good (a cluster's cancel) whether or not this loop saw
+        # the stop before the training ended: on a loaded node it sees it first, and asks the training
+        # to stop for the host's reason; only a stop the service asked for (a preemption) is not asked.
+        stopped_by_host = self.runner.shutting_down.is_set() and self.preempted_because in (None, self.host_shut_down)
+        if stopped_by_host and (why := self.runner.stopped_for_good()):
             return AttemptStatus.failed, f"{why}; stopped at a checkpoint"  # tried again while restarts remain
         if self.preempted_because or self.exit_code == EXIT_PREEMPTED or self.runner.shutting_down.is_set():
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
