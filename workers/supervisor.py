@@ -738,7 +738,6 @@ class RunningAttempt:
         self.exit_code: int | None = None  # as of this round's start
         self.output_done = False
         self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
-        self.host_shut_down = f"host {runner.host_name} shut down"  # why, when the host's own stop asked it
         self.next_sync = 0.0
         self.next_forward = 0.0
         self.renewed_at = time.monotonic()  # the lease's last renewal
@@ -959,6 +958,11 @@ class RunningAttempt:
             why = f"stopped to go back to its full size of {full} processes" if self.claimed.slots < full else "preempted for a higher-priority job"
             self._preempt(lease.preempt_reason or why)
         return None
+
+    @property
+    def host_shut_down(self) -> str:
+        """Why the training was asked to stop, when the host's own stop asked it."""
+        return f"host {self.runner.host_name} shut down"
 
     def _preempt(self, reason: str) -> None:
         """Ask the running training to stop: it answers SIGTERM with a checkpoint at the next step, then exits."""
