@@ -6,7 +6,7 @@ on it; no database credential reaches a machine that runs user code. The routes,
 `/v1/host/` (service/api/routes/host_api.py):
 
     POST register             HostRegistration → HostTerms     (start: devices, address; the service's timing back)
-    POST heartbeat            → 204                             (alive; every heartbeat_seconds)
+    POST heartbeat            → 204                             (alive; every idle_heartbeat_seconds with no lease to renew)
     POST deregister           → 204                             (shutting down: no more attempts)
     POST attempts/{id}/claim  ClaimRequest → ClaimedAttempt     (409: not ours to run; a duplicate dispatch)
     POST attempts/{id}/lease  LeaseRequest → Lease              (renew; learn of a cancel or preemption)
@@ -86,7 +86,11 @@ class HostRegistration(BaseModel):
 class HostTerms(BaseModel):
     """The service's timing and limits, which a host follows: one place sets them for every host."""
 
-    heartbeat_seconds: float
+    heartbeat_seconds: float = Field(description="How often a host renews each lease it holds (a renewal is its heartbeat too).")
+    idle_heartbeat_seconds: float | None = Field(
+        None, description="How often a host renewing no lease heartbeats: a third of the host timeout, so three go missing before it is "
+                          "taken for offline (None: every heartbeat_seconds). An idle fleet's heartbeats are most of a large one's requests.",
+    )
     lease_seconds: float
     dispatch_timeout_seconds: float
     max_log_lines_per_attempt: int

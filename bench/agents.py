@@ -8,7 +8,8 @@ Simulated hosts (asyncio, no training) speak the real protocol (api_schemas/host
 worker does (workers/host_client.py, workers/supervisor.py): each registers; half of them have
 claimed an attempt, make a step of 7 metrics 5 times a second, forward what is new every 0.25 s, or
 less often when the API answers slowly (forward_pause) or asks for fewer reports (Reported), and
-renew their lease every 5 s, which is their heartbeat too; the other half heartbeat every 5 s. A
+renew their lease every 5 s, which is their heartbeat too; the other half heartbeat as the
+service's terms say (every 10 s: a third of the 30 s host timeout; the old design's every 5 s). A
 user meanwhile asks for
 /healthz and GET /v1/jobs twice a second. Measured: PostgreSQL connections in use (pg_stat_activity,
 sampled every second), lease renewals later than a third of the lease after the one before
@@ -134,12 +135,14 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
 
     await asyncio.sleep(random.uniform(0, HEARTBEAT_SECONDS))  # hosts start at different times
     await post("/register", {"device": "cpu", "slots": 1, "address": "127.0.0.1", "info": {"sandbox": "bench"}})
+    # Idle, it heartbeats as often as the service's terms say (a third of the host timeout), as a worker does.
+    idle_heartbeat = json.loads(answers.get("/register") or "{}").get("idle_heartbeat_seconds") or HEARTBEAT_SECONDS
     owner = f"{name}:sim"
     if attempt_id is not None:
         await post(f"/attempts/{attempt_id}/claim", {"lease_owner": owner, "rendezvous": "127.0.0.1:1"})
     now = time.monotonic()
     step, pending, renewed_at = 0, [], now
-    next_step, next_report, next_renew, next_heartbeat = now, now, now + HEARTBEAT_SECONDS, now + HEARTBEAT_SECONDS
+    next_step, next_report, next_renew, next_heartbeat = now, now, now + HEARTBEAT_SECONDS, now + idle_heartbeat
     while (now := time.monotonic()) < stop_at:
         if attempt_id is not None:
             while next_step <= now:
@@ -164,9 +167,9 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
                 next_renew += HEARTBEAT_SECONDS
         if attempt_id is None and now >= next_heartbeat:  # a host renewing a lease sends none: the renewal is its heartbeat
             await post("/heartbeat")
-            next_heartbeat += HEARTBEAT_SECONDS
+            next_heartbeat += idle_heartbeat
         upcoming = [next_step, next_renew] if attempt_id is not None else [next_heartbeat]
-        await asyncio.sleep(max(0.0, min(upcoming) - time.monotonic()))
+        await asyncio.sleep(max(0.0, min(*upcoming, stop_at) - time.monotonic()))
 
 
 def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]], seconds: float, out) -> None:
@@ -330,7 +333,7 @@ def trainyard_run(hosts: int, seconds: float, processes: int) -> dict:
         with session_factory(url)() as session:
             _, user_token = create_user(session, "watcher", is_admin=True)
         env = {**os.environ, "TRAINYARD_DATABASE_URL": url, "TRAINYARD_DATA_DIR": str(Path(f"/tmp/{url.rsplit('/', 1)[1]}")),
-               "TRAINYARD_HOST_TIMEOUT_SECONDS": "600", "TRAINYARD_LEASE_SECONDS": str(LEASE_SECONDS)}
+               "TRAINYARD_LEASE_SECONDS": str(LEASE_SECONDS)}
         ports = [free_port() for _ in range(2)]
         log = open(os.devnull, "wb")
         apis = [subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=log, stderr=log) for port in ports]

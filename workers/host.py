@@ -99,11 +99,15 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
 
     stop = threading.Event()
 
+    # Idle, a host says it is alive less often than it renews leases (the service says how often):
+    # 1,000 idle hosts' heartbeats are most of what such a fleet asks of the API.
+    idle_heartbeat = terms.idle_heartbeat_seconds or settings.heartbeat_seconds
+
     def heartbeat() -> None:
-        while not stop.wait(settings.heartbeat_seconds):
+        while not stop.wait(min(settings.heartbeat_seconds, max(0.0, idle_heartbeat - service.silent_for()))):
             runner.ended_attempts.sweep()
-            if service.heard_from_within(settings.heartbeat_seconds):
-                continue  # an attempt's lease was renewed lately, and the service took that as this host's heartbeat
+            if service.silent_for() < idle_heartbeat:
+                continue  # heard lately: a heartbeat, or an attempt's lease renewal, which the service takes for one
             try:
                 if not service.heartbeat():  # taken out of the pool meanwhile (e.g. the service's database restored)
                     service.register(registration)

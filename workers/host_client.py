@@ -57,8 +57,8 @@ class HostClient:
         self.http = http or httpx.Client(timeout=TIMEOUT)
         self.http.base_url = api_url.rstrip("/") + HOST_API_PREFIX
         self.http.headers.update({"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-        # When the service last renewed a lease of this host's: a renewal is the host's heartbeat too.
-        self.renewed_at = float("-inf")
+        # When the service last heard this host: a heartbeat, or a lease renewal, which is its heartbeat too.
+        self.heard_at = float("-inf")
 
     def close(self) -> None:
         self.http.close()
@@ -86,7 +86,9 @@ class HostClient:
     # -- the host ---------------------------------------------------------------------------------
 
     def register(self, registration: HostRegistration) -> HostTerms:
-        return HostTerms.model_validate_json(self._post("/register", registration).content)
+        terms = HostTerms.model_validate_json(self._post("/register", registration).content)
+        self.heard_at = time.monotonic()
+        return terms
 
     def heartbeat(self) -> bool:
         """False if the service no longer has this host registered (it should register again)."""
@@ -96,6 +98,7 @@ class HostClient:
             if exc.status == 404:
                 return False
             raise
+        self.heard_at = time.monotonic()
         return True
 
     def deregister(self) -> None:
@@ -118,12 +121,12 @@ class HostClient:
             return LOST
         lease = Lease.model_validate_json(answer.content)
         if lease.held:
-            self.renewed_at = time.monotonic()
+            self.heard_at = time.monotonic()
         return lease
 
-    def heard_from_within(self, seconds: float) -> bool:
-        """Whether a lease renewal, which the service counts as this host's heartbeat, was answered that recently."""
-        return time.monotonic() - self.renewed_at < seconds
+    def silent_for(self) -> float:
+        """Seconds since a heartbeat or a lease renewal (which the service counts as this host's heartbeat) was answered."""
+        return time.monotonic() - self.heard_at
 
     def rendezvous(self, claimed: ClaimedAttempt) -> Rendezvous:
         try:

@@ -91,6 +91,7 @@ def _closing_sessions(endpoint: Callable) -> Callable:
 
 
 _bearer = HTTPBearer(auto_error=False)
+BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
 def _token_owner(request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None, lookup: Callable):
@@ -120,7 +121,7 @@ def refuse_a_guesser(request: Request) -> str:
 
 
 def get_current_user(
-    request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request, settings: SettingsDep, credentials: BearerCredentials
 ) -> User:
     """The token's user (detached, its columns loaded)."""
     user = _token_owner(request, settings, credentials, _user_by_token)
@@ -145,7 +146,7 @@ CurrentUser = Annotated[User, Depends(get_current_user)]
 
 
 def get_current_host(
-    request: Request, settings: SettingsDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request, settings: SettingsDep, credentials: BearerCredentials
 ) -> str:
     """The name of the worker host whose token this is (the worker protocol's routes take no user's
     token, and a host's token opens no user route)."""

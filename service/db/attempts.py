@@ -15,6 +15,7 @@ from service.db import state
 from service.db.checkpoints import drop_checkpoints_at, drop_checkpoints_from
 from service.db.models import Attempt, Checkpoint, Job, WorkerHost, utcnow
 from service.db.gang_addresses import free_address, host_subnet
+from service.db.hosts import heartbeat_by_token
 
 
 @dataclass(frozen=True)
@@ -150,15 +151,39 @@ def renew_lease(session: Session, attempt: HeldAttempt, lease_seconds: float) ->
         .where(Attempt.id == attempt.attempt_id, Attempt.lease_owner == attempt.lease_owner, Attempt.status == AttemptStatus.running)
         .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
     )
-    cancel = bool(session.scalar(select(Job.cancel_requested).where(Job.id == attempt.job_id)))
+    lease = _lease(session, attempt.job_id, attempt.number, held=result.rowcount == 1)
+    session.commit()
+    return lease
+
+
+def renew_lease_by_token(session: Session, token: str, attempt_id: int, lease_owner: str, lease_seconds: float) -> Lease | None:
+    """The commonest renewal (a host's own running attempt, its lease held) in one transaction that
+    checks the host's token too and is the host's heartbeat; None for anything else (a wrong token,
+    another host's attempt, a lease no longer held), which the caller then tells apart."""
+    host = heartbeat_by_token(session, token)  # the host's row first, in the order a claim locks them
+    renewed = host and session.execute(
+        update(Attempt)
+        .where(Attempt.id == attempt_id, Attempt.host_name == host, Attempt.lease_owner == lease_owner, Attempt.status == AttemptStatus.running)
+        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+        .returning(Attempt.job_id, Attempt.number),
+        execution_options={"synchronize_session": False},
+    ).first()
+    if not renewed:
+        session.rollback()
+        return None
+    lease = _lease(session, renewed.job_id, renewed.number, held=True)
+    session.commit()
+    return lease
+
+
+def _lease(session: Session, job_id: int, number: int, held: bool) -> Lease:
+    """The lease as its host hears it: whether the job is to be cancelled or the attempt preempted."""
+    cancel = bool(session.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
     # Any node of a gang asked to stop stops the whole gang (its training processes vote together).
     asked = session.execute(select(Attempt.preempt_reason).where(
-        Attempt.job_id == attempt.job_id, Attempt.number == attempt.number, Attempt.preempt_requested.is_(True)
+        Attempt.job_id == job_id, Attempt.number == number, Attempt.preempt_requested.is_(True)
     ).limit(1)).first()
-    session.commit()
-    return Lease(
-        held=result.rowcount == 1, cancel_requested=cancel, preempt_requested=asked is not None, preempt_reason=asked[0] if asked else None
-    )
+    return Lease(held=held, cancel_requested=cancel, preempt_requested=asked is not None, preempt_reason=asked[0] if asked else None)
 
 
 def record_environment(session: Session, attempt_id: int, environment: dict) -> None:

@@ -8,9 +8,10 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from service.db.accounts import hash_token
 from service.db.dialect import dialect_insert
 from service.db.doorbell import ring
-from service.db.models import WorkerHost, utcnow
+from service.db.models import HostToken, WorkerHost, utcnow
 from service.db.gang_addresses import lowest_free_index
 
 
@@ -52,6 +53,14 @@ def record_heartbeat(session: Session, host_name: str) -> bool:
     found = note_seen(session, host_name)
     session.commit()
     return found
+
+
+def heartbeat_by_token(session: Session, token: str) -> str | None:
+    """A heartbeat in one statement that checks the host's token too: the host's name; None if the
+    token is no live host token's, or its host is not registered (the caller asks which)."""
+    live = select(HostToken.host_name).where(HostToken.token_hash == hash_token(token), HostToken.revoked_at.is_(None)).scalar_subquery()
+    seen = update(WorkerHost).where(WorkerHost.name == live).values(last_heartbeat=utcnow()).returning(WorkerHost.name)
+    return session.execute(seen, execution_options={"synchronize_session": False}).scalar()
 
 
 def note_seen(session: Session, host_name: str) -> bool:

@@ -98,7 +98,7 @@ def test_a_worker_whose_token_is_revoked_stops_saying_why(tmp_path):
     prepare_embedded(settings)
     [token_file] = host_token_files(settings, ["node-1"])
     port = free_port()
-    env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path), "TRAINYARD_HEARTBEAT_SECONDS": "0.5"}
+    env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path), "TRAINYARD_HEARTBEAT_SECONDS": "0.5", "TRAINYARD_HOST_TIMEOUT_SECONDS": "1.5"}
     api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(tmp_path / "worker.log", "wb") as log:
         worker = subprocess.Popen(

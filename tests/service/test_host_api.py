@@ -74,6 +74,9 @@ def test_a_host_token_acts_on_its_own_attempts_only_and_on_no_user_route(app, se
     assert a.claim(attempts["host-b"], "a", "127.0.0.1:1") is None
     claimed = b.claim(attempts["host-b"], "b", "127.0.0.1:2")
     assert claimed is not None and claimed.job_id
+    # Running now, and its lease owner known: still not host-a's to renew (the renewal's one-statement path checks the host too).
+    assert raw.post(f"/v1/host/attempts/{claimed.attempt_id}/lease", json={"lease_owner": "b"}, headers=headers).status_code == 404
+    assert b.renew(claimed).held
     with sessions() as session:
         assert session.get(Attempt, attempts["host-b"]).status == AttemptStatus.running
         assert log_lines_after(session, claimed.job_id, 0, 10) == []
@@ -121,8 +124,7 @@ def test_reports_are_paced_by_the_running_attempts_and_a_lease_renewal_is_the_ho
     with sessions() as session:
         session.execute(update(WorkerHost).where(WorkerHost.name == "host-a").values(last_heartbeat=utcnow() - timedelta(minutes=5)))
         session.commit()
-    assert not a.heard_from_within(60)
-    assert a.renew(claimed).held and a.heard_from_within(60)
+    assert a.renew(claimed).held and a.silent_for() < 60  # and the host knows it: no heartbeat due
     with sessions() as session:
         assert session.scalar(select(WorkerHost.last_heartbeat).where(WorkerHost.name == "host-a")) > utcnow() - timedelta(minutes=1)
 
@@ -191,11 +193,13 @@ def test_a_revoked_host_token_opens_nothing_and_its_hosts_attempts_are_requeued(
         assert session.get(Job, claimed.job_id).status == JobStatus.queued  # to run elsewhere
 
 
-def test_a_host_taken_out_of_the_pool_is_told_to_register_again(app, sessions):
+def test_a_host_taken_out_of_the_pool_is_told_to_register_again(app, sessions, settings):
     a = host(app, sessions, "host-a")
     assert not a.heartbeat()  # never registered
-    a.register(REGISTRATION)
+    terms = a.register(REGISTRATION)
     assert a.heartbeat()
+    # Idle, it heartbeats three times within the host timeout, less often than it would renew a lease.
+    assert terms.idle_heartbeat_seconds == settings.host_timeout_seconds / 3 > terms.heartbeat_seconds
 
 
 def test_a_registration_the_api_refuses_is_reported_refused_not_retried_for_ever(app, sessions, settings):
