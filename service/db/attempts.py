@@ -13,7 +13,8 @@ from api_schemas import AttemptStatus, JobStatus
 from api_schemas.host_api import ClaimedAttempt, GangNode, Lease, Rollback
 from service.db import state
 from service.db.checkpoints import drop_checkpoints_at, drop_checkpoints_from
-from service.db.models import Attempt, Checkpoint, Job, WorkerHost, utcnow
+from service.db.accounts import hash_token
+from service.db.models import Attempt, Checkpoint, HostToken, Job, WorkerHost, utcnow
 from service.db.gang_addresses import free_address, host_subnet
 from service.db.hosts import heartbeat_by_token
 
@@ -37,6 +38,17 @@ def attempt_on_host(session: Session, attempt_id: int, host_name: str, lease_own
     if row is None or row.host_name != host_name:
         return None
     return HeldAttempt(row.id, row.job_id, row.number, lease_owner)
+
+
+def attempt_of_token(session: Session, token: str, attempt_id: int, lease_owner: str) -> HeldAttempt | None:
+    """`attempt_on_host` with the host's token checked in the same read; None for a wrong token too."""
+    row = session.execute(
+        select(Attempt.id, Attempt.job_id, Attempt.number)
+        .join(HostToken, HostToken.host_name == Attempt.host_name)
+        .where(Attempt.id == attempt_id, HostToken.token_hash == hash_token(token), HostToken.revoked_at.is_(None))
+    ).first()
+    session.commit()
+    return None if row is None else HeldAttempt(row.id, row.job_id, row.number, lease_owner)
 
 
 def ended_attempts(session: Session, attempt_ids: list[int]) -> list[int]:

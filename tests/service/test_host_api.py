@@ -74,8 +74,9 @@ def test_a_host_token_acts_on_its_own_attempts_only_and_on_no_user_route(app, se
     assert a.claim(attempts["host-b"], "a", "127.0.0.1:1") is None
     claimed = b.claim(attempts["host-b"], "b", "127.0.0.1:2")
     assert claimed is not None and claimed.job_id
-    # Running now, and its lease owner known: still not host-a's to renew (the renewal's one-statement path checks the host too).
-    assert raw.post(f"/v1/host/attempts/{claimed.attempt_id}/lease", json={"lease_owner": "b"}, headers=headers).status_code == 404
+    # Running now, and its lease owner known: still not host-a's (the hot routes' one-statement path checks the host too).
+    for path in ("lease", "report"):
+        assert raw.post(f"/v1/host/attempts/{claimed.attempt_id}/{path}", json={"lease_owner": "b"}, headers=headers).status_code == 404
     assert b.renew(claimed).held
     with sessions() as session:
         assert session.get(Attempt, attempts["host-b"]).status == AttemptStatus.running

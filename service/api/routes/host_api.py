@@ -1,6 +1,11 @@
 """The worker protocol's routes (api_schemas/host_api.py): what worker hosts do through the API,
 each with its own host token, instead of holding a database connection. Each route acts as the
-token's host, on the attempts placed on it only (any other is a 404, as a missing one)."""
+token's host, on the attempts placed on it only (any other is a 404, as a missing one).
+
+The three requests every host sends every few seconds (a heartbeat, a lease renewal, a report)
+check the token inside their own first statement rather than in a transaction of its own (a
+fleet's API spends most of its time on them); when that finds nothing, the usual path runs and
+tells a wrong token (401) from another host's attempt (404)."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from service.api.deps import (
 )
 from common.artifacts import ArtifactStore, directory_mark
 from service.db.attempts import (
-    HeldAttempt, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
+    HeldAttempt, attempt_of_token, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
     renew_lease_by_token,
 )
 from service.db.checkpoints import record_checkpoint, record_refused
@@ -171,10 +176,15 @@ def environment(attempt_id: RowId, body: EnvironmentReport, host: CurrentHost, s
 
 
 @router.post("/attempts/{attempt_id}/report", response_model=Reported)
-def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep, request: Request) -> Reported:
+def report(
+    attempt_id: RowId, body: Report, session: WriteSessionDep, request: Request, settings: SettingsDep, credentials: BearerCredentials
+) -> Reported:
     """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again
     whole if its answer was lost. The answer says when to send the next (service/api/report_pacing.py)."""
-    held = _own(session, host, attempt_id, body.lease_owner)
+    # Every running attempt reports every few seconds: its token is checked in the attempt's own read.
+    refuse_a_guesser(request)
+    if credentials is None or not (held := attempt_of_token(session, credentials.credentials, attempt_id, body.lease_owner)):
+        held = _own(session, get_current_host(request, settings, credentials), attempt_id, body.lease_owner)
     points = [(step, name, math.nan if value is None else value) for step, name, value in body.metrics]
     if body.resent:
         points = not_stored_yet(session, held.job_id, points)
