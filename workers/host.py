@@ -104,9 +104,12 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     idle_heartbeat = terms.idle_heartbeat_seconds or settings.heartbeat_seconds
 
     def heartbeat() -> None:
-        while not stop.wait(min(settings.heartbeat_seconds, max(0.0, idle_heartbeat - service.silent_for()))):
+        wait = settings.heartbeat_seconds
+        while not stop.wait(wait):
             runner.ended_attempts.sweep()
-            if service.silent_for() < idle_heartbeat:
+            wait = settings.heartbeat_seconds  # also after a heartbeat that failed: tried again, not at once
+            if (due_in := idle_heartbeat - service.silent_for()) > 0:
+                wait = min(wait, due_in)
                 continue  # heard lately: a heartbeat, or an attempt's lease renewal, which the service takes for one
             try:
                 if not service.heartbeat():  # taken out of the pool meanwhile (e.g. the service's database restored)

@@ -17,7 +17,7 @@ import time
 from common.settings import Settings
 from service.db.host_tokens import revoke_host_token
 from service.db.session import session_factory
-from stack.embedded import host_token_files, prepare_embedded, stop_children
+from stack.embedded import host_token_files, prepare_embedded, stop_children, wait_healthy
 from workers.supervisor import free_port
 
 
@@ -93,13 +93,15 @@ def test_a_worker_set_up_apart_from_the_service_says_what_it_lacks(tmp_path):
         stop_children([api])
 
 
-def test_a_worker_whose_token_is_revoked_stops_saying_why(tmp_path):
+def test_an_idle_worker_retries_an_api_that_is_down_at_its_pace_and_stops_saying_why_once_its_token_is_revoked(tmp_path):
     settings = Settings(data_dir=tmp_path)
     prepare_embedded(settings)
     [token_file] = host_token_files(settings, ["node-1"])
     port = free_port()
+    # An idle host heartbeats every third of the host timeout: 0.5 s here.
     env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path), "TRAINYARD_HEARTBEAT_SECONDS": "0.5", "TRAINYARD_HOST_TIMEOUT_SECONDS": "1.5"}
-    api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    api_command = [sys.executable, "-m", "trainyard", "api", "--port", str(port)]
+    api = subprocess.Popen(api_command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(tmp_path / "worker.log", "wb") as log:
         worker = subprocess.Popen(
             [sys.executable, "-m", "trainyard", "worker", "--host-name", "node-1", "--devices", "cpu:1"],
@@ -111,6 +113,14 @@ def test_a_worker_whose_token_is_revoked_stops_saying_why(tmp_path):
         while "host node-1 registered with" not in (tmp_path / "worker.log").read_text():
             assert worker.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.log").read_text()
             time.sleep(0.05)
+        # The API down for 3 s: the worker tries again each heartbeat, not in a loop as fast as the
+        # refusals come (a heartbeat overdue must not make the next one due at once).
+        stop_children([api])
+        time.sleep(3)
+        api = subprocess.Popen(api_command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_healthy(f"http://127.0.0.1:{port}", [api])
+        failed = (tmp_path / "worker.log").read_text().count("heartbeat failed")
+        assert 2 <= failed <= 20, failed
         with session_factory(settings.resolved_database_url)() as session:
             assert revoke_host_token(session, "node-1")
         # Not a traceback every heartbeat for ever: it stops, and says why and what to do.
