@@ -13,10 +13,8 @@ from api_schemas import AttemptStatus, JobStatus
 from api_schemas.host_api import ClaimedAttempt, GangNode, Lease, Rollback
 from service.db import state
 from service.db.checkpoints import drop_checkpoints_at, drop_checkpoints_from
-from service.db.accounts import hash_token
-from service.db.models import Attempt, Checkpoint, HostToken, Job, WorkerHost, utcnow
+from service.db.models import Attempt, Checkpoint, Job, WorkerHost, utcnow
 from service.db.gang_addresses import free_address, host_subnet
-from service.db.hosts import heartbeat_by_token
 
 
 @dataclass(frozen=True)
@@ -38,17 +36,6 @@ def attempt_on_host(session: Session, attempt_id: int, host_name: str, lease_own
     if row is None or row.host_name != host_name:
         return None
     return HeldAttempt(row.id, row.job_id, row.number, lease_owner)
-
-
-def attempt_of_token(session: Session, token: str, attempt_id: int, lease_owner: str) -> HeldAttempt | None:
-    """`attempt_on_host` with the host's token checked in the same read; None for a wrong token too."""
-    row = session.execute(
-        select(Attempt.id, Attempt.job_id, Attempt.number)
-        .join(HostToken, HostToken.host_name == Attempt.host_name)
-        .where(Attempt.id == attempt_id, HostToken.token_hash == hash_token(token), HostToken.revoked_at.is_(None))
-    ).first()
-    session.commit()
-    return None if row is None else HeldAttempt(row.id, row.job_id, row.number, lease_owner)
 
 
 def ended_attempts(session: Session, attempt_ids: list[int]) -> list[int]:
@@ -168,19 +155,18 @@ def renew_lease(session: Session, attempt: HeldAttempt, lease_seconds: float) ->
     return lease
 
 
-def renew_lease_by_token(session: Session, token: str, attempt_id: int, lease_owner: str, lease_seconds: float) -> Lease | None:
-    """The commonest renewal (a host's own running attempt, its lease held) in one transaction that
-    checks the host's token too and is the host's heartbeat; None for anything else (a wrong token,
-    another host's attempt, a lease no longer held), which the caller then tells apart."""
-    host = heartbeat_by_token(session, token)  # the host's row first, in the order a claim locks them
-    renewed = host and session.execute(
+def renew_own_lease(session: Session, host_name: str, attempt_id: int, lease_owner: str, lease_seconds: float) -> Lease | None:
+    """`renew_lease` of the host's own running attempt, its lease held, in one statement and the
+    lease's read; None for anything else (another host's attempt, a lease no longer held), which
+    the caller then tells apart."""
+    renewed = session.execute(
         update(Attempt)
-        .where(Attempt.id == attempt_id, Attempt.host_name == host, Attempt.lease_owner == lease_owner, Attempt.status == AttemptStatus.running)
+        .where(Attempt.id == attempt_id, Attempt.host_name == host_name, Attempt.lease_owner == lease_owner, Attempt.status == AttemptStatus.running)
         .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
         .returning(Attempt.job_id, Attempt.number),
         execution_options={"synchronize_session": False},
     ).first()
-    if not renewed:
+    if renewed is None:
         session.rollback()
         return None
     lease = _lease(session, renewed.job_id, renewed.number, held=True)

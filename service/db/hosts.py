@@ -50,7 +50,7 @@ def deregister_host(session: Session, host_name: str) -> None:
 
 def record_heartbeat(session: Session, host_name: str) -> bool:
     """False if the host is not registered (it deregistered, or was taken out of the pool): it should register again."""
-    found = note_seen(session, host_name)
+    found = bool(session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount)
     session.commit()
     return found
 
@@ -61,11 +61,6 @@ def heartbeat_by_token(session: Session, token: str) -> str | None:
     live = select(HostToken.host_name).where(HostToken.token_hash == hash_token(token), HostToken.revoked_at.is_(None)).scalar_subquery()
     seen = update(WorkerHost).where(WorkerHost.name == live).values(last_heartbeat=utcnow()).returning(WorkerHost.name)
     return session.execute(seen, execution_options={"synchronize_session": False}).scalar()
-
-
-def note_seen(session: Session, host_name: str) -> bool:
-    """The host's heartbeat, in the caller's transaction (a lease renewal is one); False if it is not registered."""
-    return bool(session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount)
 
 
 def online_hosts(session: Session, now: datetime, host_timeout: float) -> list[WorkerHost]:

@@ -2,17 +2,21 @@
 each with its own host token, instead of holding a database connection. Each route acts as the
 token's host, on the attempts placed on it only (any other is a 404, as a missing one).
 
-The three requests every host sends every few seconds (a heartbeat, a lease renewal, a report)
-check the token inside their own first statement rather than in a transaction of its own (a
-fleet's API spends most of its time on them); when that finds nothing, the usual path runs and
-tells a wrong token (401) from another host's attempt (404)."""
+The two requests every host sends every few seconds when all goes well (a heartbeat, a lease
+renewal) note the heartbeat in the statement that checks the token, rather than checking it in a
+transaction of its own first (a large fleet's API spends most of its time on them); when that
+finds nothing, the usual path runs and tells a wrong token (401) from a host not registered (404).
+The token is still checked before a request's body is read."""
 
 from __future__ import annotations
 
 import math
 from urllib.parse import urlsplit
 
-from fastapi import APIRouter, HTTPException, Request, Response, status
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
+from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobEventType
@@ -27,11 +31,11 @@ from service.api.deps import (
 )
 from common.artifacts import ArtifactStore, directory_mark
 from service.db.attempts import (
-    HeldAttempt, attempt_of_token, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
-    renew_lease_by_token,
+    HeldAttempt, attempt_on_host, claim_attempt, ended_attempts, finish_attempt, gang_rendezvous, record_environment, renew_lease,
+    renew_own_lease,
 )
 from service.db.checkpoints import record_checkpoint, record_refused
-from service.db.hosts import deregister_host, heartbeat_by_token, note_seen, register_host
+from service.db.hosts import deregister_host, heartbeat_by_token, register_host
 from service.db.log_lines import record_logs
 from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job, WorkerHost, utcnow
@@ -87,19 +91,30 @@ def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep
     )
 
 
+def _heard(settings: Settings, credentials: HTTPAuthorizationCredentials | None) -> str | None:
+    """The host whose live token this is, its heartbeat noted in the statement that checks the token;
+    None for a wrong token, or a host not registered (taken out of the pool)."""
+    if credentials is None:
+        return None
+    with session_factory(settings.resolved_database_url)() as session:
+        host = heartbeat_by_token(session, credentials.credentials)
+        session.commit()
+    return host
+
+
+def get_seen_host(request: Request, settings: SettingsDep, credentials: BearerCredentials) -> str:
+    """The token's host, its heartbeat noted (a lease renewal is its host's heartbeat: a host renewing
+    leases sends none of its own); a host not registered is still itself, its attempts its own."""
+    refuse_a_guesser(request)
+    return _heard(settings, credentials) or get_current_host(request, settings, credentials)
+
+
 @router.post("/heartbeat", status_code=204, responses={404: {"description": "Not registered (deregistered, or never): register again."}})
 def heartbeat(request: Request, settings: SettingsDep, credentials: BearerCredentials) -> Response:
-    """A large fleet's commonest request (1,000 idle hosts: 100 a second), so one statement that
-    checks the token too, in place of the token's own transaction and then the heartbeat's. Only
-    when it finds nothing is it asked why: 401 (429) for a wrong token, 404 for a host not registered."""
     refuse_a_guesser(request)
-    if credentials is not None:
-        with session_factory(settings.resolved_database_url)() as session:
-            seen = heartbeat_by_token(session, credentials.credentials)
-            session.commit()
-        if seen:
-            return Response(status_code=204)
-    get_current_host(request, settings, credentials)
+    if _heard(settings, credentials):
+        return Response(status_code=204)
+    get_current_host(request, settings, credentials)  # 401 (429) for a wrong token
     raise not_found("host registration")
 
 
@@ -139,23 +154,15 @@ def claim(
 
 
 @router.post("/attempts/{attempt_id}/lease", response_model=Lease)
-def lease(attempt_id: RowId, body: LeaseRequest, request: Request, settings: SettingsDep, credentials: BearerCredentials) -> Lease:
-    """Renew the lease; it says whether the attempt is still this host's, and if it is to stop. It
-    is the host's heartbeat too (a host renewing leases sends none of its own: one request fewer a
-    round). Every running attempt's host sends one each heartbeat, so the usual case (its own
-    attempt, its lease held) is one transaction that checks the token too; any other is told
-    apart after it, as every route does (401, 404, or a lease no longer held)."""
-    refuse_a_guesser(request)
-    sessions = session_factory(settings.resolved_database_url)
-    if credentials is not None:
-        with sessions() as session:
-            if (renewed := renew_lease_by_token(session, credentials.credentials, attempt_id, body.lease_owner, settings.lease_seconds)):
-                return renewed
-    host = get_current_host(request, settings, credentials)
-    with sessions() as session:
-        held = _own(session, host, attempt_id, body.lease_owner)
-        note_seen(session, host)  # the host's row first, in the order a claim locks them
-        return renew_lease(session, held, settings.lease_seconds)
+def lease(
+    attempt_id: RowId, body: LeaseRequest, host: Annotated[str, Depends(get_seen_host)], session: WriteSessionDep, settings: SettingsDep
+) -> Lease:
+    """Renew the lease; it says whether the attempt is still this host's, and if it is to stop. Every
+    running attempt's host sends one each heartbeat: the usual case (its own attempt, the lease held)
+    is one statement after the token's; any other is told apart after it (404, or no longer held)."""
+    if renewed := renew_own_lease(session, host, attempt_id, body.lease_owner, settings.lease_seconds):
+        return renewed
+    return renew_lease(session, _own(session, host, attempt_id, body.lease_owner), settings.lease_seconds)
 
 
 @router.post("/attempts/{attempt_id}/rendezvous", response_model=Rendezvous)
@@ -176,15 +183,10 @@ def environment(attempt_id: RowId, body: EnvironmentReport, host: CurrentHost, s
 
 
 @router.post("/attempts/{attempt_id}/report", response_model=Reported)
-def report(
-    attempt_id: RowId, body: Report, session: WriteSessionDep, request: Request, settings: SettingsDep, credentials: BearerCredentials
-) -> Reported:
+def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep, request: Request) -> Reported:
     """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again
     whole if its answer was lost. The answer says when to send the next (service/api/report_pacing.py)."""
-    # Every running attempt reports every few seconds: its token is checked in the attempt's own read.
-    refuse_a_guesser(request)
-    if credentials is None or not (held := attempt_of_token(session, credentials.credentials, attempt_id, body.lease_owner)):
-        held = _own(session, get_current_host(request, settings, credentials), attempt_id, body.lease_owner)
+    held = _own(session, host, attempt_id, body.lease_owner)
     points = [(step, name, math.nan if value is None else value) for step, name, value in body.metrics]
     if body.resent:
         points = not_stored_yet(session, held.job_id, points)
