@@ -173,7 +173,10 @@ class WorkerSettings(_FromEnvironment):
     host_token: str | None = Field(None, description="Workers: this host's own token (`trainyard host token NAME`); or host_token_file.")
     host_token_file: Path | None = Field(None, description="Workers: a file holding this host's token (kept off the environment of its processes).")
 
-    heartbeat_seconds: float = Field(5.0, gt=0, description="How often workers heartbeat and renew attempt leases.")
+    heartbeat_seconds: float = Field(
+        5.0, gt=0, description="How often workers renew attempt leases (a renewal is its host's heartbeat); an idle host heartbeats "
+                               "every third of host_timeout_seconds, or this often if that is shorter.",
+    )
     lease_seconds: float = Field(30.0, gt=0, description="A running attempt whose lease is not renewed for this long is lost.")
     control_plane_ports: list[int] = Field(
         [8000], description="Ports of the service's own (its API's; the database's and broker's are read from their URLs) "
