@@ -100,8 +100,11 @@ def overview_clone_and_cancel(page, client: httpx.Client, job_id: int) -> None:
     field, submitted, and the new job cancelled from its page."""
     page.click(f"a[href='#/jobs/{job_id}']")
     page.locator("details.spec summary").click()
-    spec_table = page.inner_text("details.spec table")
-    assert "optimizer.lr" in spec_table and "0.003" in spec_table
+    # The page redraws its overview as the job's events come (the spec unfolded stays so): its table
+    # is read once drawn with the spec's fields (a full run once read it empty).
+    spec_table = page.locator("details.spec table", has_text="optimizer.lr")
+    spec_table.wait_for(timeout=15_000)
+    assert "0.003" in spec_table.inner_text()
     facts = page.inner_text(".overview .toolbar")
     assert "run time" in facts and "eval_loss" in facts and "train_loss" in facts, facts
 
