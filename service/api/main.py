@@ -144,7 +144,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _invalid_request(_request: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI's own 422, with each location as the user knows the field (`body.dataset.path`).
         errors = [{**error, "loc": field_location(error["loc"])} for error in exc.errors()]
-        return JSONResponse({"detail": finite(jsonable_encoder(errors))}, status_code=422)
+        # A body that isn't UTF-8 is echoed as its bytes: decoded with replacements, not left to fail (a 500).
+        echoed = jsonable_encoder(errors, custom_encoder={bytes: lambda data: data.decode(errors="replace")})
+        return JSONResponse({"detail": finite(echoed)}, status_code=422)
 
     @app.exception_handler(Refused)
     async def _refused(_request: Request, exc: Refused) -> JSONResponse:

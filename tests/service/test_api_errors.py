@@ -111,3 +111,13 @@ def test_a_nan_in_a_spec_is_a_422_naming_the_field_not_a_500(api, token):
     assert response.status_code == 422, response.text
     locations = {".".join(map(str, error["loc"])) for error in response.json()["detail"]}
     assert {"body.training.max_steps", "body.training.guard.min_increase"} <= locations
+
+
+def test_a_body_that_is_not_utf8_is_a_422_not_a_500(api, token, settings):
+    # Found trying the worker protocol as a hostile client: the 422 echoed the undecodable bytes (a 500).
+    with session_factory(settings.resolved_database_url)() as session:
+        host_token = issue_host_token(session, "host-a")
+    for path, who in (("/v1/jobs", token), ("/v1/host/attempts/1/lease", host_token), ("/v1/host/register", host_token)):
+        for content_type in ({}, {"Content-Type": "application/octet-stream"}):  # JSON's own type: a 400, "error parsing the body"
+            response = api.post(path, content=b"\xff{{", headers={**auth(who), **content_type})
+            assert response.status_code == 422, (path, content_type, response.text)
