@@ -12,7 +12,7 @@ on it; no database credential reaches a machine that runs user code. The routes,
     POST attempts/{id}/lease  LeaseRequest → Lease              (renew; learn of a cancel or preemption)
     POST attempts/{id}/rendezvous  LeaseRequest → Rendezvous    (a gang's node 0's host:port, lease renewed)
     POST attempts/{id}/environment EnvironmentReport → 204      (what it runs with: inputs' digests, packages, device)
-    POST attempts/{id}/report      Report → 204                 (metrics, log lines, refused transfers)
+    POST attempts/{id}/report      Report → Reported            (metrics, log lines, refused transfers; the lease renewed, when asked)
     POST attempts/{id}/checkpoints CheckpointStored → 204       (a checkpoint taken into the store)
     POST attempts/{id}/outputs     OutputStored → 204           (a script's output folder taken into the store)
     POST attempts/{id}/finish      AttemptEnd → Finished        (how it ended)
@@ -178,16 +178,21 @@ class Report(BaseModel):
         False, description="The host sent some of this before and lost the answer: points stored already with the "
         "same value are not announced again (no step twice in the job's events)."
     )
+    renew_lease: bool = Field(
+        False, description="Renew the lease too, as `attempts/{id}/lease` would (the answer's `lease`): a host with "
+        "something to report when its heartbeat is due sends the renewal with it, not in a request of its own."
+    )
 
 
 class Reported(BaseModel):
-    """The answer to a report: when to send the next one."""
+    """The answer to a report: when to send the next one, and the lease when the report renewed it."""
 
     next_report_seconds: float = Field(
         0.0, ge=0, description="Send this attempt's next report no sooner than this (what is new meanwhile waits, batched): "
         "0 while the API takes every report at once; more as more hosts report, so that each sends fewer, larger reports "
         "and none waits in a queue at the API (settings: api_reports_per_second)."
     )
+    lease: Lease | None = Field(None, description="The renewed lease, when the report asked for it (`renew_lease`).")
 
 
 class RefusedTransfer(BaseModel):

@@ -137,13 +137,17 @@ class HostClient:
 
     def report(
         self, claimed: ClaimedAttempt, metrics: list[tuple[int, str, float]], logs: list[tuple[int, int | None, str]],
-        refused: list[RefusedTransfer] = (), resent: bool = False,
-    ) -> float:
-        """`resent`: an earlier report's answer was lost, so some of this may be stored already. Returns
-        how soon to send the next (the API spreads many hosts' reports out: Reported)."""
+        refused: list[RefusedTransfer] = (), resent: bool = False, renew: bool = False,
+    ) -> Reported:
+        """`resent`: an earlier report's answer was lost, so some of this may be stored already. `renew`:
+        the lease too (the answer's `lease`, as `renew` would answer). The answer says how soon to send
+        the next (the API spreads many hosts' reports out)."""
         points = [(step, name, value if math.isfinite(value) else None) for step, name, value in metrics]
-        body = Report(lease_owner=claimed.lease_owner, metrics=points, logs=logs, refused=list(refused), resent=resent)
-        return Reported.model_validate_json(self._post(f"/attempts/{claimed.attempt_id}/report", body).content).next_report_seconds
+        body = Report(lease_owner=claimed.lease_owner, metrics=points, logs=logs, refused=list(refused), resent=resent, renew_lease=renew)
+        reported = Reported.model_validate_json(self._post(f"/attempts/{claimed.attempt_id}/report", body).content)
+        if reported.lease is not None and reported.lease.held:
+            self.heard_at = time.monotonic()
+        return reported
 
     def environment(self, claimed: ClaimedAttempt, environment: RunEnvironment) -> None:
         self._post(f"/attempts/{claimed.attempt_id}/environment", EnvironmentReport(lease_owner=claimed.lease_owner, environment=environment))

@@ -32,20 +32,20 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait as wait_for
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec
 from api_schemas.host_api import (
     INT32_MAX, INT32_MIN, MAX_LINE_CHARS, MAX_LINES_PER_REPORT, MAX_METRIC_NAME_CHARS, MAX_POINTS_PER_REPORT, MAX_REFUSED_PER_REPORT,
-    MAX_WHAT_CHARS, ClaimedAttempt, Lease, RefusedTransfer,
+    MAX_WHAT_CHARS, ClaimedAttempt, Lease, RefusedTransfer, Rendezvous, Reported, Rollback,
 )
 from api_schemas.manifest import CorruptCheckpoint, checkpoint_name
 from api_schemas.requirements import unmet
-from api_schemas.host_api import Rendezvous, Rollback
 from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, InvalidSpecEvent, MetricsEvent, SpikeEvent, decode_events
 from common.settings import Settings
 from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
-from workers.host_client import HostClient, ServiceError, ServiceRefused, ServiceUnreachable
+from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable
 from workers.launch import (
     EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
 )
@@ -111,6 +111,13 @@ class RollbackReason(str):
 
 # What an attempt came to: the status to record, and why. No status: nothing to record (lease lost).
 Outcome = tuple[AttemptStatus | None, str | None]
+
+
+class Synced(NamedTuple):
+    """What a sync heard: the lease (None: the service out of reach), and how soon the API asked for the next report."""
+
+    lease: Lease | None
+    next_report_seconds: float
 
 
 def free_port() -> int:
@@ -452,7 +459,7 @@ class AttemptRunner:
             done = wait_for([running], timeout=self.settings.heartbeat_seconds).done
             while lines is not None and not lines.empty():
                 outbox.add_line(None, lines.get())
-            lease = self._sync(claimed, outbox)
+            lease = self._sync(claimed, outbox).lease
             if done:
                 return running
             if lease is not None and (not lease.held or lease.cancel_requested):
@@ -587,19 +594,36 @@ class AttemptRunner:
             time.sleep(0.5)
         return None
 
-    def _sync(self, claimed: ClaimedAttempt, outbox: Outbox, wait: bool = False) -> Lease | None:
-        """Deliver the outbox and renew the lease; None if the service is out of reach (everything is
+    def _sync(self, claimed: ClaimedAttempt, outbox: Outbox, wait: bool = False, report: bool = True) -> Synced:
+        """Renew the lease and deliver the outbox; no lease if the service is out of reach (everything is
         kept for next time). Checkpoints and outputs are taken into the store first; one still being
-        taken in after INGEST_WAIT_SECONDS is registered by a later sync, unless this one `wait`s for it."""
+        taken in after INGEST_WAIT_SECONDS is registered by a later sync, unless this one `wait`s for it.
+        `report` False: the API asked for the next report later than now (it is busy): the lease is
+        renewed alone and metrics and lines wait for that report; checkpoints are registered all the same."""
         self._take_in(claimed, outbox, timeout=None if wait else INGEST_WAIT_SECONDS)
+        # The steps a checkpoint covers are reported before it is listed: a resume starts after it.
+        report = report or bool(outbox.checkpoints.taken or outbox.outputs.taken)
         try:
-            # The lease first, in a request of its own: however much there is to deliver, it is on time.
-            lease = self.service.renew(claimed)
+            # The lease first: however much there is to deliver, it is on time.
+            lease, asked = self._renew(claimed, outbox, report)
         except ServiceUnreachable as exc:
             self._note_out_of_reach(claimed, exc)
-            return None
-        self._deliver_or_keep(claimed, outbox)
-        return lease
+            return Synced(None, 0.0)
+        return Synced(lease, max(asked, self._deliver_or_keep(claimed, outbox, report)))
+
+    def _renew(self, claimed: ClaimedAttempt, outbox: Outbox, report: bool) -> tuple[Lease, float]:
+        """Renew the lease with the outbox's first report (its answer carries the lease), or in a
+        request of its own when there is nothing to report, no report is due, or the report was
+        refused; with how soon the API asked for the next report. A running job's host thus sends one
+        request a heartbeat, not two, and a busy API still hears every renewal on time."""
+        self._take_refused(outbox)
+        if report and outbox.backlog():
+            try:
+                reported = self._report_batch(claimed, outbox, renew=True)
+                return reported.lease, reported.next_report_seconds
+            except (NotOurs, ServiceRefused) as exc:
+                log.warning("could not deliver what job %s attempt %s reported (%s); will retry", claimed.job_id, claimed.number, exc)
+        return self.service.renew(claimed), 0.0
 
     def _note_out_of_reach(self, claimed: ClaimedAttempt, exc: ServiceUnreachable) -> None:
         """Say so when the service goes out of reach, then once a minute while it stays so: a line per
@@ -616,12 +640,12 @@ class AttemptRunner:
         self._take_in(claimed, outbox, timeout=0)
         return self._deliver_or_keep(claimed, outbox)
 
-    def _deliver_or_keep(self, claimed: ClaimedAttempt, outbox: Outbox) -> float:
+    def _deliver_or_keep(self, claimed: ClaimedAttempt, outbox: Outbox, report: bool = True) -> float:
         """Deliver the outbox; what the service did not take (out of reach, or refused: logged each
         time) stays in it for the next round, and the lease decides whether the attempt goes on.
         Returns how soon the API asked for the next report (0 if it did not answer)."""
         try:
-            return self._deliver(claimed, outbox)
+            return self._deliver(claimed, outbox, report)
         except ServiceUnreachable as exc:
             self._note_out_of_reach(claimed, exc)
         except ServiceError as exc:
@@ -632,28 +656,33 @@ class AttemptRunner:
         outbox.checkpoints.take_in(self.ingest, partial(self.store.checkpoint, claimed), CorruptCheckpoint, timeout)
         outbox.outputs.take_in(self.ingest, partial(self.store.output, claimed), (OSError, CorruptCheckpoint), timeout)
 
-    def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox) -> float:
+    def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox, report: bool = True) -> float:
         """Send the outbox's metrics and lines in bounded reports for up to DELIVERY_SECONDS (what a
         report carried is taken out of it once answered; the rest waits for the next sync), then
         register its checkpoints and outputs taken into the store, and say what the store refused.
-        Returns how soon the API asked for the next report."""
+        `report` False: the checkpoints and outputs only. Returns how soon the API asked for the next report."""
         deadline = time.monotonic() + DELIVERY_SECONDS
         pause = 0.0
         self._take_refused(outbox)
         while True:
-            points, lines, refused = outbox.metrics[:POINTS_PER_BATCH], outbox.next_lines(LINES_PER_BATCH), outbox.refused[:MAX_REFUSED_PER_REPORT]
-            if points or lines or refused:
-                # Idempotent: sent again whole if its answer is lost (`resent` then, so no step is announced twice).
-                resent, outbox.resending = outbox.resending, True
-                pause = self.service.report(claimed, points, lines, refused, resent=resent)
-                outbox.resending = False
-                del outbox.metrics[:len(points)]
-                outbox.drop_lines(len(lines))
-                del outbox.refused[:len(refused)]
+            if report and outbox.backlog():
+                pause = self._report_batch(claimed, outbox).next_report_seconds
             self._register_checkpoints(claimed, outbox)
             self._register_outputs(claimed, outbox)
-            if not outbox.backlog() or time.monotonic() >= deadline:
+            if not (report and outbox.backlog()) or time.monotonic() >= deadline:
                 return pause
+
+    def _report_batch(self, claimed: ClaimedAttempt, outbox: Outbox, renew: bool = False) -> Reported:
+        """Report the outbox's next batch of metrics, lines and refusals, taken out of it once answered."""
+        points, lines, refused = outbox.metrics[:POINTS_PER_BATCH], outbox.next_lines(LINES_PER_BATCH), outbox.refused[:MAX_REFUSED_PER_REPORT]
+        # Idempotent: sent again whole if its answer is lost (`resent` then, so no step is announced twice).
+        resent, outbox.resending = outbox.resending, True
+        reported = self.service.report(claimed, points, lines, refused, resent=resent, renew=renew)
+        outbox.resending = False
+        del outbox.metrics[:len(points)]
+        outbox.drop_lines(len(lines))
+        del outbox.refused[:len(refused)]
+        return reported
 
     def _register_checkpoints(self, claimed: ClaimedAttempt, outbox: Outbox) -> None:
         """Register the checkpoints taken into the store (the service drops the oldest past `keep_last`)."""
@@ -739,7 +768,7 @@ class RunningAttempt:
         self.output_done = False
         self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
         self.next_sync = 0.0
-        self.next_forward = 0.0
+        self.next_forward = self.forwarded_at = 0.0
         self.renewed_at = time.monotonic()  # the lease's last renewal
         self.step = claimed.resume_step or 0  # the last step the training reported: where system samples are put
         self.system = SystemSampler(process.pid, claimed.device_ids)
@@ -921,20 +950,25 @@ class RunningAttempt:
             _stop(self.process)
 
     def _sync_if_due(self) -> Outcome | None:
-        """Every heartbeat, and every round once the processes are done: deliver the outbox and
-        renew the lease. An outcome if the lease says the attempt ends now. Between heartbeats,
-        forward what is new (at most every FORWARD_SECONDS, less often if the API is slow: forward_pause)."""
-        if not (self.finished or time.monotonic() >= self.next_sync):
-            if not self.outbox.empty() and time.monotonic() >= self.next_forward:
-                started = time.monotonic()
+        """Every heartbeat, and every round once the processes are done: renew the lease and deliver
+        the outbox. An outcome if the lease says the attempt ends now. Between heartbeats, forward
+        what is new (at most every FORWARD_SECONDS, less often if the API is slow: forward_pause, or
+        asks for fewer reports); a sync's report counts as a forward."""
+        started, heartbeat = time.monotonic(), self.runner.settings.heartbeat_seconds
+        report = self.finished or started >= self.next_forward
+        if not (self.finished or started >= self.next_sync):
+            # Paced to a heartbeat or more: reports go with the heartbeats, each renewing the lease.
+            if report and not self.outbox.empty() and self.next_forward - self.forwarded_at < heartbeat:
                 asked = self.runner._forward(self.claimed, self.outbox)
-                self.next_forward = time.monotonic() + max(asked, forward_pause(time.monotonic() - started))
+                self._note_forward(started, asked)
             return None
-        self.next_sync = time.monotonic() + self.runner.settings.heartbeat_seconds
+        self.next_sync = started + heartbeat
         if self.exit_code is None:
             self.outbox.metrics += self.system.sample(self.step)
-        lease = self.runner._sync(self.claimed, self.outbox)
-        if lease is not None and self.outbox.backlog():
+        lease, asked = self.runner._sync(self.claimed, self.outbox, report=report)
+        if report:
+            self._note_forward(started, asked)
+        if report and lease is not None and self.outbox.backlog():
             self.next_sync = 0.0  # what is left of a burst goes on at the next round
         if lease is None:  # the database is out of reach: all is kept for the next sync
             return None
@@ -958,6 +992,10 @@ class RunningAttempt:
             why = f"stopped to go back to its full size of {full} processes" if self.claimed.slots < full else "preempted for a higher-priority job"
             self._preempt(lease.preempt_reason or why)
         return None
+
+    def _note_forward(self, started: float, asked: float) -> None:
+        """When the next report is due: as the API asked, or later if it was slow to answer (forward_pause)."""
+        self.forwarded_at, self.next_forward = started, started + max(asked, forward_pause(time.monotonic() - started))
 
     @property
     def host_shut_down(self) -> str:

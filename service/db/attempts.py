@@ -155,7 +155,9 @@ def renew_lease(session: Session, attempt: HeldAttempt, lease_seconds: float) ->
     return lease
 
 
-def renew_own_lease(session: Session, host_name: str, attempt_id: int, lease_owner: str, lease_seconds: float) -> Lease | None:
+def renew_own_lease(
+    session: Session, host_name: str, attempt_id: int, lease_owner: str, lease_seconds: float,
+) -> tuple[HeldAttempt, Lease] | None:
     """`renew_lease` of the host's own running attempt, its lease held, in one statement and the
     lease's read; None for anything else (another host's attempt, a lease no longer held), which
     the caller then tells apart."""
@@ -171,7 +173,7 @@ def renew_own_lease(session: Session, host_name: str, attempt_id: int, lease_own
         return None
     lease = _lease(session, renewed.job_id, renewed.number, held=True)
     session.commit()
-    return lease
+    return HeldAttempt(attempt_id, renewed.job_id, renewed.number, lease_owner), lease
 
 
 def _lease(session: Session, job_id: int, number: int, held: bool) -> Lease:

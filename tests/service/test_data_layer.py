@@ -765,6 +765,31 @@ def test_log_lines_of_concurrent_writers_get_ids_in_commit_order(sessions, setti
         assert [line.line for line in log_lines_after(session, job_id, 0, 10)] == ["node 0", "node 1"]
 
 
+def test_a_checkpoint_is_listed_only_after_the_steps_it_covers_are_reported_even_between_reports(sessions, settings, tmp_path):
+    # A resume starts after its checkpoint: a step reported only after it is listed would be lost with
+    # a host killed in between. A heartbeat with no report due (the API paces reports) reports them all the same.
+    queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    client = host_client(settings, sessions, "host-a")
+    sent: list[str] = []
+    client.http.event_hooks["request"].append(lambda request: sent.append(request.url.path.rsplit("/", 1)[-1]))
+    runner = AttemptRunner(settings, client, "host-a")
+    source = tmp_path / "step-10"
+    (source / "state").mkdir(parents=True)
+    (source / MODEL_FILE).write_bytes(b"weights")
+    write_manifest(source, 10)
+    outbox = supervisor.Outbox(metrics=[(step, "train_loss", 1.0 / step) for step in range(1, 11)], checkpoints=supervisor.Transfers([(source, 10, "step-00000010")]))
+
+    assert runner._sync(claimed, outbox, report=False).lease.held
+    assert sent == ["report", "checkpoints"] and outbox.empty()
+    with sessions() as session:
+        assert metric_series(session, claimed.job_id, ["train_loss"], None, 100)["train_loss"][0] == list(range(1, 11))
+        assert [c.step for c in list_checkpoints(session, claimed.job_id)] == [10]
+    # With nothing to list, a heartbeat with no report due renews the lease alone; what is new waits.
+    outbox.metrics.append((11, "train_loss", 0.09))
+    assert runner._sync(claimed, outbox, report=False).lease.held and sent[2:] == ["lease"] and outbox.metrics
+
+
 def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_store(sessions, settings, tmp_path, monkeypatch):
     # A checkpoint on another filesystem is copied into the store and hashed: for a large one that
     # takes longer than a lease lasts, and the attempt must not be reaped as lost meanwhile.
@@ -782,7 +807,7 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
             renewed_before = session.get(Attempt, claimed.attempt_id).lease_expires_at
         time.sleep(0.01)
 
-        assert runner._sync(claimed, outbox).held
+        assert runner._sync(claimed, outbox).lease.held
         assert outbox.checkpoints.items == [(source, 10, "step-00000010")] and outbox.checkpoints.taking is not None  # still being copied in
         with sessions() as session:
             assert session.get(Attempt, claimed.attempt_id).lease_expires_at > renewed_before

@@ -68,15 +68,15 @@ def test_a_host_token_acts_on_its_own_attempts_only_and_on_no_user_route(app, se
     raw = TestClient(app)
     headers = auth(a.token)
     for path, body in (("claim", {"lease_owner": "a"}), ("lease", {"lease_owner": "a"}), ("report", {"lease_owner": "a", "logs": [[0, 0, "x"]]}),
-                       ("finish", {"lease_owner": "a", "outcome": "succeeded"})):
+                       ("report", {"lease_owner": "a", "renew_lease": True}), ("finish", {"lease_owner": "a", "outcome": "succeeded"})):
         answer = raw.post(f"/v1/host/attempts/{attempts['host-b']}/{path}", json=body, headers=headers)
         assert answer.status_code == 404, (path, answer.text)
     assert a.claim(attempts["host-b"], "a", "127.0.0.1:1") is None
     claimed = b.claim(attempts["host-b"], "b", "127.0.0.1:2")
     assert claimed is not None and claimed.job_id
     # Running now, and its lease owner known: still not host-a's (the hot routes' one-statement path checks the host too).
-    for path in ("lease", "report"):
-        assert raw.post(f"/v1/host/attempts/{claimed.attempt_id}/{path}", json={"lease_owner": "b"}, headers=headers).status_code == 404
+    for path, body in (("lease", {}), ("report", {}), ("report", {"renew_lease": True})):
+        assert raw.post(f"/v1/host/attempts/{claimed.attempt_id}/{path}", json={"lease_owner": "b", **body}, headers=headers).status_code == 404
     assert b.renew(claimed).held
     with sessions() as session:
         assert session.get(Attempt, attempts["host-b"]).status == AttemptStatus.running
@@ -119,7 +119,7 @@ def test_reports_are_paced_by_the_running_attempts_and_a_lease_renewal_is_the_ho
     attempts = placed_on(sessions, settings, ["host-a", "host-b"])
     claimed = a.claim(attempts["host-a"], "a", "127.0.0.1:1")
     assert b.claim(attempts["host-b"], "b", "127.0.0.1:1") is not None
-    assert a.report(claimed, [(1, "train_loss", 2.5)], []) == 0.5
+    assert a.report(claimed, [(1, "train_loss", 2.5)], []).next_report_seconds == 0.5
 
     # A host renewing a lease sends no heartbeat of its own: the renewal moves its last heartbeat on.
     with sessions() as session:
@@ -128,6 +128,39 @@ def test_reports_are_paced_by_the_running_attempts_and_a_lease_renewal_is_the_ho
     assert a.renew(claimed).held and a.silent_for() < 60  # and the host knows it: no heartbeat due
     with sessions() as session:
         assert session.scalar(select(WorkerHost.last_heartbeat).where(WorkerHost.name == "host-a")) > utcnow() - timedelta(minutes=1)
+
+
+def test_a_sync_with_something_to_report_renews_the_lease_in_the_report_one_request_not_two(app, sessions, settings):
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
+    sent: list[str] = []
+    a.http.event_hooks["request"].append(lambda request: sent.append(request.url.path.rsplit("/", 1)[-1]))
+    runner = AttemptRunner(settings, a, "host-a")
+
+    def lease_expires_at():
+        with sessions() as session:
+            return session.get(Attempt, claimed.attempt_id).lease_expires_at
+
+    outbox = Outbox(metrics=[(1, "train_loss", 2.5)])
+    outbox.add_line(0, "step 1")
+    before = lease_expires_at()
+    synced = runner._sync(claimed, outbox)
+    assert synced.lease.held and sent == ["report"] and outbox.empty()  # the report carried the renewal
+    assert lease_expires_at() > before
+    with sessions() as session:
+        assert metric_series(session, claimed.job_id, ["train_loss"], None, 10)["train_loss"] == ([1], [2.5])
+    # Nothing to report: the lease alone.
+    assert runner._sync(claimed, Outbox()).lease.held and sent == ["report", "lease"]
+
+    # A renewing report says what a lease request would: a cancel, then a lease that is no longer held.
+    with sessions() as session:
+        session.execute(update(Job).where(Job.id == claimed.job_id).values(cancel_requested=True))
+        session.commit()
+    assert a.report(claimed, [(2, "train_loss", 2.4)], [], renew=True).lease.cancel_requested
+    lost = claimed.model_copy(update={"lease_owner": "a-before-a-restart"})
+    assert a.report(lost, [], [(1, 0, "late")], renew=True).lease.held is False
+    assert a.report(claimed, [], [(2, 0, "step 2")]).lease is None  # not asked: not renewed
 
 
 def test_a_host_can_register_only_checkpoints_of_its_own_job_that_are_in_the_store(app, sessions, settings):
@@ -213,8 +246,8 @@ def test_a_registration_the_api_refuses_is_reported_refused_not_retried_for_ever
     runner = AttemptRunner(settings, a, "host-a")
     outbox = Outbox()
     outbox.checkpoints.taken.append(((settings.data_dir / "gone", 1, "step-1"), (missing, "0" * 64, 1)))
-    assert runner._sync(claimed, outbox).held  # the attempt goes on, its lease held
-    assert runner._sync(claimed, outbox).held and outbox.empty()  # nothing left that would hold its end back for ever
+    assert runner._sync(claimed, outbox).lease.held  # the attempt goes on, its lease held
+    assert runner._sync(claimed, outbox).lease.held and outbox.empty()  # nothing left that would hold its end back for ever
     with sessions() as session:
         [event] = session.scalars(select(JobEvent).where(JobEvent.job_id == claimed.job_id, JobEvent.type == JobEventType.checkpoint_refused))
         assert event.data["what"] == "step-1" and "the service refused to list it" in event.data["reason"]
