@@ -8,7 +8,8 @@ Simulated hosts (asyncio, no training) speak the real protocol (api_schemas/host
 worker does (workers/host_client.py, workers/supervisor.py): each registers; half of them have
 claimed an attempt, make a step of 7 metrics 5 times a second, forward what is new every 0.25 s, or
 less often when the API answers slowly (forward_pause) or asks for fewer reports (Reported), and
-renew their lease every 5 s, which is their heartbeat too; the other half heartbeat as the
+renew their lease every 5 s, which is their heartbeat too (in that heartbeat's report, or alone when
+there is nothing to report, as a worker's sync does); the other half heartbeat as the
 service's terms say (every 10 s: a third of the 30 s host timeout; the old design's every 5 s). A
 user meanwhile asks for
 /healthz and GET /v1/jobs twice a second. Measured: PostgreSQL connections in use (pg_stat_activity,
@@ -141,7 +142,7 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
     if attempt_id is not None:
         await post(f"/attempts/{attempt_id}/claim", {"lease_owner": owner, "rendezvous": "127.0.0.1:1"})
     now = time.monotonic()
-    step, pending, renewed_at = 0, [], now
+    step, pending, renewed_at, paced = 0, [], now, False
     next_step, next_report, next_renew, next_heartbeat = now, now, now + HEARTBEAT_SECONDS, now + idle_heartbeat
     while (now := time.monotonic()) < stop_at:
         if attempt_id is not None:
@@ -149,21 +150,28 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
                 step += 1
                 pending += [[step, metric, random.random()] for metric in METRICS]
                 next_step += STEP_SECONDS
-            if pending and now >= next_report:
+            # The heartbeat is due: renewed with the report if one is due too (as a worker's sync), else
+            # alone. Paced to a heartbeat or more, reports go with the heartbeats only.
+            renew = now >= next_renew
+            renewed = False
+            if pending and now >= next_report and (renew or not paced):
                 started = time.monotonic()
                 path = f"/attempts/{attempt_id}/report"
-                took = await post(path, {"lease_owner": owner, "metrics": pending})
+                took = await post(path, {"lease_owner": owner, "metrics": pending, "renew_lease": renew})
                 if took is not None:  # else kept, and sent again with what comes next
                     stats["ingest"].append(took)
                     stats["points"] += len(pending)
-                    pending = []
+                    pending, renewed = [], renew
                 asked = json.loads(answers[path])["next_report_seconds"] if took is not None else 0.0
-                next_report = time.monotonic() + max(asked, forward_pause(time.monotonic() - started))
-            if now >= next_renew:
-                if await post(f"/attempts/{attempt_id}/lease", {"lease_owner": owner}) is not None:
-                    done = time.monotonic()
-                    stats["renewal_gaps"].append(done - renewed_at)
-                    renewed_at = done
+                pause = max(asked, forward_pause(time.monotonic() - started))
+                next_report, paced = started + pause, pause >= HEARTBEAT_SECONDS
+            elif renew:
+                renewed = await post(f"/attempts/{attempt_id}/lease", {"lease_owner": owner}) is not None
+            if renewed:
+                done = time.monotonic()
+                stats["renewal_gaps"].append(done - renewed_at)
+                renewed_at = done
+            if renew:
                 next_renew += HEARTBEAT_SECONDS
         if attempt_id is None and now >= next_heartbeat:  # a host renewing a lease sends none: the renewal is its heartbeat
             await post("/heartbeat")
@@ -362,6 +370,60 @@ def trainyard_run(hosts: int, seconds: float, processes: int) -> dict:
         drop_database(url)
 
 
+def serial_costs(rounds: int) -> dict:
+    """The API's own CPU per request, one request at a time (no queue, nothing else on the API): what
+    one host costs it, whatever the machine. Two hosts, one of them running an attempt; 35 points a
+    report (a heartbeat's worth of 7 metrics at 1 step/s)."""
+    url = fresh_database()
+    api = None
+    try:
+        from service.db.migrate import upgrade
+
+        upgrade(url)
+        tokens, placed = seed(url, 2, "s")
+        (running, attempt), idle = next(iter(placed.items())), next(name for name in tokens if name not in placed)
+        port = free_port()
+        env = {**os.environ, "TRAINYARD_DATABASE_URL": url, "TRAINYARD_DATA_DIR": f"/tmp/{url.rsplit('/', 1)[1]}"}
+        api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_healthy(f"http://127.0.0.1:{port}", [api])
+        process = psutil.Process(api.pid)
+        clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{port}{HOST_API_PREFIX}", headers={"Authorization": f"Bearer {token}"})
+                   for name, token in tokens.items()}
+        for name, client in clients.items():
+            client.post("/register", json={"device": "cpu", "slots": 1, "address": "127.0.0.1"}).raise_for_status()
+        owner = f"{running}:serial"
+        clients[running].post(f"/attempts/{attempt}/claim", json={"lease_owner": owner, "rendezvous": "127.0.0.1:1"}).raise_for_status()
+        step = 0
+
+        def report(renew: bool) -> list[tuple[str, str, dict]]:
+            nonlocal step
+            step += 5
+            points = [[step - back, metric, 0.5] for back in range(5) for metric in METRICS]
+            return [(running, f"/attempts/{attempt}/report", {"lease_owner": owner, "metrics": points, "renew_lease": renew})]
+
+        kinds = {
+            "idle_heartbeat": lambda: [(idle, "/heartbeat", None)],
+            "lease_renewal": lambda: [(running, f"/attempts/{attempt}/lease", {"lease_owner": owner})],
+            "report": lambda: report(False),
+            "running_heartbeat_lease_then_report": lambda: [*kinds["lease_renewal"](), *report(False)],
+            "running_heartbeat_report_renewing": lambda: report(True),
+        }
+        costs = {}
+        for kind, requests in kinds.items():
+            for round_ in range(rounds + rounds // 10):
+                if round_ == rounds // 10:  # the first tenth warms up
+                    cpu = sum(process.cpu_times()[:2])
+                for name, path, body in requests():
+                    clients[name].post(path, json=body).raise_for_status()
+            costs[kind] = round((sum(process.cpu_times()[:2]) - cpu) * 1000 / rounds, 2)
+        costs["report_renewing_over_lease_then_report"] = round(costs["running_heartbeat_report_renewing"] / costs["running_heartbeat_lease_then_report"], 2)
+        return {"api_cpu_ms": costs, "rounds": rounds}
+    finally:
+        if api is not None:
+            stop_children([api])
+        drop_database(url)
+
+
 def peer_run(hosts: int, seconds: float) -> dict:
     url = fresh_database()
     try:
@@ -382,7 +444,11 @@ def main() -> None:
     parser.add_argument("--peer-hosts", type=int, default=90)
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--processes", type=int, default=2, help="processes the simulated hosts are spread over")
+    parser.add_argument("--serial", type=int, metavar="ROUNDS", help="only the API's CPU per request, ROUNDS of each kind one at a time")
     args = parser.parse_args()
+    if args.serial:
+        print(json.dumps({"benchmark": "agents_serial", **serial_costs(args.serial)}))
+        return
     peer = peer_run(args.peer_hosts, args.seconds)
     same_load = trainyard_run(args.peer_hosts, args.seconds, args.processes)
     full = trainyard_run(args.hosts, args.seconds, args.processes)
