@@ -56,7 +56,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "dropout": 0.0}
+# GPT-2 small as nanoGPT builds it: the head tied to the token embedding (124M parameters), no biases.
+# The built-in GPT's own defaults (untied, biases: chosen for the small CPU model) would make it 162M,
+# and the MFU's FLOPs count the untied input embedding as matmul work.
+GPT2_SMALL = {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "dropout": 0.0, "tie_embeddings": True, "bias": False}
 VOCAB_SIZE = 50304  # GPT-2's 50257 padded to a multiple of 64, as nanoGPT trains it
 TOKENIZER_FILE = "words-50304.json"
 PEAK_BF16_FLOPS = 989e12  # dense bf16, H100/H200 SXM datasheet
