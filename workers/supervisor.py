@@ -188,6 +188,10 @@ class Transfers:
     def pending(self) -> bool:
         return bool(self.items or self.taken or self.refused)
 
+    def ready(self) -> bool:
+        """One to start taking in, or one taken in and not recorded yet (not one still being taken)."""
+        return bool(self.taken or (self.items and (self.taking is None or self.taking.done())))
+
     def record(self, record: Callable) -> None:
         """`record` each item taken, oldest first. One the service refuses outright (ServiceRefused:
         sent again, refused again) is reported as refused, not retried while the attempt waits on
@@ -957,8 +961,10 @@ class RunningAttempt:
         started, heartbeat = time.monotonic(), self.runner.settings.heartbeat_seconds
         report = self.finished or started >= self.next_forward
         if not (self.finished or started >= self.next_sync):
-            # Paced to a heartbeat or more: reports go with the heartbeats, each renewing the lease.
-            if report and not self.outbox.empty() and self.next_forward - self.forwarded_at < heartbeat:
+            # Paced to a heartbeat or more, reports go with the heartbeats, each renewing the lease;
+            # a checkpoint goes at once all the same (a resume can start only from one listed).
+            checkpoint = self.outbox.checkpoints.ready() or self.outbox.outputs.ready()
+            if checkpoint or (report and not self.outbox.empty() and self.next_forward - self.forwarded_at < heartbeat):
                 asked = self.runner._forward(self.claimed, self.outbox)
                 self._note_forward(started, asked)
             return None

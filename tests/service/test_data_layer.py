@@ -790,6 +790,23 @@ def test_a_checkpoint_is_listed_only_after_the_steps_it_covers_are_reported_even
     assert runner._sync(claimed, outbox, report=False).lease.held and sent[2:] == ["lease"] and outbox.metrics
 
 
+def test_a_checkpoint_asks_for_a_forward_at_once_to_start_its_take_and_to_be_listed_not_while_it_is_copied():
+    # Between heartbeats a paced host forwards nothing but a checkpoint: at once, whatever the pacing,
+    # yet not on every round of a copy that takes minutes (each forward would be a report).
+    copying, transfers = threading.Event(), supervisor.Transfers([("step-10", 10, "step-00000010")])
+    assert transfers.ready()  # its take is to be started
+    with ThreadPoolExecutor(1) as pool:
+        transfers.take_in(pool, lambda *_: copying.wait(30) and ("path", "sha", 1), OSError, timeout=0)
+        assert transfers.taking is not None and not transfers.ready()  # being copied: nothing to do yet
+        copying.set()
+        transfers.taking.result(timeout=30)
+        assert transfers.ready()  # copied: to be taken in and listed
+        transfers.take_in(pool, lambda *_: None, OSError, timeout=0)
+    listed = []
+    transfers.record(lambda *item: listed.append(item))
+    assert listed == [("step-10", 10, "step-00000010", ("path", "sha", 1))] and not transfers.ready()
+
+
 def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_store(sessions, settings, tmp_path, monkeypatch):
     # A checkpoint on another filesystem is copied into the store and hashed: for a large one that
     # takes longer than a lease lasts, and the attempt must not be reaped as lost meanwhile.

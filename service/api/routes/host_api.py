@@ -2,12 +2,12 @@
 each with its own host token, instead of holding a database connection. Each route acts as the
 token's host, on the attempts placed on it only (any other is a 404, as a missing one).
 
-The requests every host sends every few seconds when all goes well (a heartbeat; for a running
-attempt, a report that renews its lease, or a lease renewal alone) note the heartbeat in the
-statement that checks the token, rather than checking it in a transaction of its own first (a large
-fleet's API spends most of its time on them); when that finds nothing, the usual path runs and
-tells a wrong token (401) from a host not registered (404). The token is still checked before a
-request's body is read."""
+The two requests every host sends every few seconds when all goes well (a heartbeat, a lease
+renewal) note the heartbeat in the statement that checks the token, rather than checking it in a
+transaction of its own first (a large fleet's API spends most of its time on them); when that finds
+nothing, the usual path runs and tells a wrong token (401) from a host not registered (404). A
+running attempt's host renews with its report when one is due (`renew_lease`). The token is still
+checked before a request's body is read."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from service.db.attempts import (
     renew_own_lease,
 )
 from service.db.checkpoints import record_checkpoint, record_refused
-from service.db.hosts import deregister_host, heartbeat_by_token, register_host
+from service.db.hosts import deregister_host, heartbeat_by_token, record_heartbeat, register_host
 from service.db.log_lines import record_logs
 from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job, WorkerHost, utcnow
@@ -190,12 +190,13 @@ def environment(attempt_id: RowId, body: EnvironmentReport, host: CurrentHost, s
 
 
 @router.post("/attempts/{attempt_id}/report", response_model=Reported)
-def report(attempt_id: RowId, body: Report, host: SeenHost, session: WriteSessionDep, settings: SettingsDep, request: Request) -> Reported:
+def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep, request: Request) -> Reported:
     """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again
     whole if its answer was lost. The answer says when to send the next (service/api/report_pacing.py),
     and, when asked, renews the lease before anything is stored: a host reporting each heartbeat sends
     no lease request (at 500 running attempts, those were 100 of the API's 250 requests a second)."""
-    if body.renew_lease:
+    if body.renew_lease:  # the host's heartbeat, as a lease renewal is (a report that renews none writes nothing of it)
+        record_heartbeat(session, host)
         held, lease = _renewed(session, host, attempt_id, body.lease_owner, settings)
     else:
         held, lease = _own(session, host, attempt_id, body.lease_owner), None
