@@ -87,6 +87,7 @@ def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_
     gang = wait_for(client, gang_id, {"succeeded", "failed", "cancelled"})
     assert gang["status"] == "succeeded", gang["failure_reason"]
     assert sorted(a["host_name"] for a in gang["attempts"]) == ["ns-0", "ns-1"]
+    assert {a["status"] for a in gang["attempts"]} == {"succeeded"} and gang["effective_batch_size"] == 8
     # The ranks met at node 0's own address in its gang network (workers/gang_network.py): from the
     # other host, only the route through node 0's host leads there.
     with session_factory(f"sqlite:///{data_dir}/trainyard.db")() as session:
@@ -94,11 +95,20 @@ def test_a_two_node_job_across_network_namespaces_trains_like_one_node_with_two_
         assert node_0.rendezvous.rpartition(":")[0] == node_0.net_address
         assert ipaddress.ip_address(node_0.net_address) in ipaddress.ip_network(Settings().gang_network)
 
+    # Each line is attributed to the process that printed it (global rank), launcher lines to none.
+    logs = client.get(f"/v1/jobs/{gang_id}/logs", params={"tail": 1000}).json()["lines"]
+    assert {line["rank"] for line in logs} <= {0, 1, None} and any(line["rank"] == 0 for line in logs)
+    assert not any(line["line"].startswith("[default") for line in logs)
+
     single_id = client.post("/v1/jobs", json=one_node).json()["id"]
     single = wait_for(client, single_id, {"succeeded", "failed", "cancelled"})
     assert single["status"] == "succeeded", single["failure_reason"]
+    # Its two processes meet in its sandbox's loopback with nothing in their logs that reads like an error.
+    single_logs = client.get(f"/v1/jobs/{single_id}/logs", params={"tail": 1000}).json()["lines"]
+    assert not [line["line"] for line in single_logs if "hostname of the client socket" in line["line"]]
 
-    assert_trained_alike(client, gang_id, single_id, STEPS)
+    # Same samples, same world size: the same losses and the same weights.
+    assert_trained_alike(client, gang_id, single_id, STEPS, names=("train_loss", "eval_loss", "lr"))
 
     # Its processes reach each other, and nothing else: not the API where the hosts reach it, not
     # a port of the other host (tests/e2e/test_multinode.py tries another gang's and the services').
