@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import bindparam, exists, func, select, update
 from sqlalchemy.orm import Session, aliased, joinedload, lazyload
 
 from api_schemas import AttemptStatus, JobStatus
@@ -178,12 +178,13 @@ def renew_own_lease(
 
 def _lease(session: Session, job_id: int, number: int, held: bool) -> Lease:
     """The lease as its host hears it: whether the job is to be cancelled or the attempt preempted."""
-    cancel = bool(session.scalar(select(Job.cancel_requested).where(Job.id == job_id)))
     # Any node of a gang asked to stop stops the whole gang (its training processes vote together).
-    asked = session.execute(select(Attempt.preempt_reason).where(
-        Attempt.job_id == job_id, Attempt.number == number, Attempt.preempt_requested.is_(True)
-    ).limit(1)).first()
-    return Lease(held=held, cancel_requested=cancel, preempt_requested=asked is not None, preempt_reason=asked[0] if asked else None)
+    # One statement: this is read on every heartbeat of every running attempt.
+    asked = (Attempt.job_id == job_id, Attempt.number == number, Attempt.preempt_requested.is_(True))
+    cancel, preempt, reason = session.execute(select(
+        Job.cancel_requested, exists().where(*asked), select(Attempt.preempt_reason).where(*asked).limit(1).scalar_subquery(),
+    ).where(Job.id == job_id)).one()
+    return Lease(held=held, cancel_requested=bool(cancel), preempt_requested=preempt, preempt_reason=reason)
 
 
 def record_environment(session: Session, attempt_id: int, environment: dict) -> None:

@@ -35,7 +35,7 @@ from service.db.attempts import (
     renew_own_lease,
 )
 from service.db.checkpoints import record_checkpoint, record_refused
-from service.db.hosts import deregister_host, heartbeat_by_token, record_heartbeat, register_host
+from service.db.hosts import deregister_host, heartbeat_by_token, register_host
 from service.db.log_lines import record_logs
 from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job, WorkerHost, utcnow
@@ -190,15 +190,21 @@ def environment(attempt_id: RowId, body: EnvironmentReport, host: CurrentHost, s
 
 
 @router.post("/attempts/{attempt_id}/report", response_model=Reported)
-def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep, request: Request) -> Reported:
+def report(
+    attempt_id: RowId, body: Report, credentials: BearerCredentials, session: WriteSessionDep, settings: SettingsDep, request: Request
+) -> Reported:
     """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again
     whole if its answer was lost. The answer says when to send the next (service/api/report_pacing.py),
     and, when asked, renews the lease before anything is stored: a host reporting each heartbeat sends
     no lease request (at 500 running attempts, those were 100 of the API's 250 requests a second)."""
-    if body.renew_lease:  # the host's heartbeat, as a lease renewal is (a report that renews none writes nothing of it)
-        record_heartbeat(session, host)
+    # The token is checked here, not by a dependency, as only the body says which way: a renewing
+    # report is its host's heartbeat, noted in the statement that checks the token (as a lease
+    # request's is); a plain one only reads it.
+    if body.renew_lease:
+        host = get_seen_host(request, settings, credentials)
         held, lease = _renewed(session, host, attempt_id, body.lease_owner, settings)
     else:
+        host = get_current_host(request, settings, credentials)
         held, lease = _own(session, host, attempt_id, body.lease_owner), None
     points = [(step, name, math.nan if value is None else value) for step, name, value in body.metrics]
     if body.resent:
