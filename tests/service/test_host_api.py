@@ -162,6 +162,18 @@ def test_a_sync_with_something_to_report_renews_the_lease_in_the_report_one_requ
     assert a.report(lost, [], [(1, 0, "late")], renew=True).lease.held is False
     assert a.report(claimed, [], [(2, 0, "step 2")]).lease is None  # not asked: not renewed
 
+    # A renewing report is its host's heartbeat; a plain one is not. A wrong token renews nothing.
+    def heard_at():
+        with sessions() as session:
+            return session.scalar(select(WorkerHost.last_heartbeat).where(WorkerHost.name == "host-a"))
+    quiet = heard_at()
+    a.report(claimed, [], [(3, 0, "step 3")])
+    assert heard_at() == quiet
+    a.report(claimed, [], [(4, 0, "step 4")], renew=True)
+    assert heard_at() > quiet
+    body = {"lease_owner": "a", "renew_lease": True, "logs": [[5, 0, "step 5"]]}
+    assert TestClient(app).post(f"/v1/host/attempts/{claimed.attempt_id}/report", json=body, headers=auth("not-a-token")).status_code == 401
+
 
 def test_a_host_can_register_only_checkpoints_of_its_own_job_that_are_in_the_store(app, sessions, settings):
     a = host(app, sessions, "host-a")
