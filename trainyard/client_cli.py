@@ -69,6 +69,11 @@ def load_spec_file(path: Path) -> dict:
 
 # -- output helpers ------------------------------------------------------------------------------
 
+def print_json(value: object) -> None:
+    """What a command shows, as JSON for scripts (`--json`): the API's own fields, one document."""
+    sys.stdout.write(json.dumps(value, indent=2) + "\n")
+
+
 def print_table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> None:
     """A table drawn by rich: ruled under a bold header on a terminal; in a pipe or a file, plain
     columns two spaces apart with no colour, no wrapping and no trailing blanks, for scripts to read."""
@@ -193,6 +198,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     with connect(args) as client:
         # The newest `limit` jobs: one page when it fits in the server's page size (200 at most).
         jobs = list(itertools.islice(client.jobs(status=args.status, limit=min(args.limit, 200)), args.limit))
+    if args.json:
+        print_json([job.model_dump(mode="json") for job in jobs])
+        return 0
     print_table(
         ["ID", "NAME", "STATUS", "STEP", "OWNER", "CREATED"],
         [[j.id, j.name, j.status.value, steps_text(j.step, j.max_steps), j.owner, local_time(j.created_at)] for j in jobs],
@@ -203,6 +211,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     with connect(args) as client:
         job = client.job(args.id)
+    if args.json:
+        print_json(job.model_dump(mode="json"))
+        return 0
     team = f", team {job.spec.team}" if job.spec.team else ""
     print(f"job {job.id}: {job.name} (owner {job.owner}{team}, priority {job.priority})")
     print(f"  status    {job.status.value}")
@@ -292,7 +303,10 @@ def cmd_spec(args: argparse.Namespace) -> int:
     """The job's spec as stored, as YAML (or JSON): what to edit and submit again."""
     with connect(args) as client:
         spec = client.job(args.id).spec.model_dump(mode="json", exclude_none=True)
-    sys.stdout.write(json.dumps(spec, indent=2) + "\n" if args.json else yaml.safe_dump(spec, sort_keys=False))
+    if args.json:
+        print_json(spec)
+    else:
+        sys.stdout.write(yaml.safe_dump(spec, sort_keys=False))
     return 0
 
 
@@ -449,8 +463,11 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
     ls = command("ls", cmd_ls, "list jobs, newest first")
     ls.add_argument("--status", choices=[s.value for s in JobStatus])
     ls.add_argument("--limit", type=positive, default=50, help="show at most this many (default 50)")
+    ls.add_argument("--json", action="store_true", help="the jobs as a JSON list, as the API gives them (for scripts)")
 
-    command("status", cmd_status, "show a job and its attempts").add_argument("id", type=int)
+    status = command("status", cmd_status, "show a job and its attempts")
+    status.add_argument("id", type=int)
+    status.add_argument("--json", action="store_true", help="the job as JSON, as the API gives it (for scripts)")
 
     logs = command("logs", cmd_logs, "print a job's latest log lines")
     logs.add_argument("id", type=int)

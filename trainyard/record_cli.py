@@ -10,7 +10,7 @@ import sys
 from api_schemas.jobs import WORKER_OWN_PACKAGES
 from api_schemas.run_record import RunEnvironment, RunRecord
 from trainyard.client import TrainyardError
-from trainyard.client_cli import EXIT_INTERRUPTED, connect, guarded, of_job, print_table, report_outcome
+from trainyard.client_cli import EXIT_INTERRUPTED, connect, guarded, of_job, print_json, print_table, report_outcome
 from trainyard.compare_cli import shown, spec_differences
 from trainyard.progress import follow_job
 
@@ -98,6 +98,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if records[0].code_sha256 != records[1].code_sha256:
         rows.append(("code bundle", records[0].code_sha256 or "-", records[1].code_sha256 or "-"))
     rows += environment_differences(records[0].environment, records[1].environment)
+    if args.json:  # each difference: what, and the first job's and the second's value as `diff` shows them
+        print_json([{"what": what, "first": first, "second": second} for what, first, second in rows])
+        return 0
     if not rows:
         print(f"jobs {args.first} and {args.second} ran the same spec on the same inputs, packages and kind of device")
         return 0
@@ -122,4 +125,5 @@ def add_record_commands(subparsers, connection: argparse.ArgumentParser) -> None
     diff = subparsers.add_parser("diff", help="where two jobs' run records differ: spec, code, inputs, packages, device", parents=[connection])
     diff.add_argument("first", type=int, help="a job id")
     diff.add_argument("second", type=int, help="another job id")
+    diff.add_argument("--json", action="store_true", help="the differences as a JSON list of {what, first, second} (empty: none)")
     diff.set_defaults(func=guarded(cmd_diff))

@@ -148,6 +148,13 @@ def test_status_of_a_multi_node_job_shows_which_node_each_attempt_row_is(trainya
     assert table[0].split()[:4] == ["ATTEMPT", "NODE", "HOST", "PROCESSES"]
     rows = [row.split()[:3] for row in table[1:]]
     assert sorted(node for _, node, _ in rows) == ["0", "1"] and sorted(host for _, _, host in rows) == ["host-0", "host-1"]
+    # For scripts: the job as the API gives it, and the list.
+    code, out, _ = trainyard("status", str(job_id), "--json")
+    job = json.loads(out)
+    assert code == 0 and job["id"] == job_id and sorted(a["host_name"] for a in job["attempts"]) == ["host-0", "host-1"]
+    assert sorted(a["node_rank"] for a in job["attempts"]) == [0, 1]
+    code, out, _ = trainyard("ls", "--json")
+    assert code == 0 and [(j["id"], j["status"]) for j in json.loads(out)] == [(job_id, job["status"])]
 
 
 def test_a_sweep_submitted_listed_and_shown_prints_its_best_spec_ready_to_submit(trainyard, settings, tmp_path):

@@ -332,3 +332,6 @@ def test_a_rerun_from_the_run_record_trains_the_same_weights_and_refuses_a_chang
     assert f"input {corpus.name} changed since the job it reruns" in failed["failure_reason"], failed["failure_reason"]
     assert main(["diff", str(first["id"]), str(failed["id"]), *cli]) == 0
     assert f"inputs.{corpus.name}" in capsys.readouterr().out  # its attempt reported what it found
+    assert main(["diff", str(first["id"]), str(failed["id"]), "--json", *cli]) == 0
+    differences = {row["what"]: (row["first"], row["second"]) for row in json.loads(capsys.readouterr().out)}
+    assert differences[f"inputs.{corpus.name}"][0] == environment["inputs"][corpus.name]
