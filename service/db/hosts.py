@@ -50,9 +50,14 @@ def deregister_host(session: Session, host_name: str) -> None:
 
 def record_heartbeat(session: Session, host_name: str) -> bool:
     """False if the host is not registered (it deregistered, or was taken out of the pool): it should register again."""
-    found = bool(session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount)
+    found = note_heartbeat(session, host_name)
     session.commit()
     return found
+
+
+def note_heartbeat(session: Session, host_name: str) -> bool:
+    """record_heartbeat in the caller's transaction, for the caller to commit."""
+    return bool(session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount)
 
 
 def heartbeat_by_token(session: Session, token: str) -> str | None:

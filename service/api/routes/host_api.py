@@ -35,7 +35,7 @@ from service.db.attempts import (
     renew_own_lease,
 )
 from service.db.checkpoints import record_checkpoint, record_refused
-from service.db.hosts import deregister_host, heartbeat_by_token, register_host
+from service.db.hosts import deregister_host, heartbeat_by_token, note_heartbeat, register_host
 from service.db.log_lines import record_logs
 from service.db.metrics import not_stored_yet, record_metrics
 from service.db.models import Job, WorkerHost, utcnow
@@ -190,21 +190,17 @@ def environment(attempt_id: RowId, body: EnvironmentReport, host: CurrentHost, s
 
 
 @router.post("/attempts/{attempt_id}/report", response_model=Reported)
-def report(
-    attempt_id: RowId, body: Report, credentials: BearerCredentials, session: WriteSessionDep, settings: SettingsDep, request: Request
-) -> Reported:
+def report(attempt_id: RowId, body: Report, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep, request: Request) -> Reported:
     """Store metrics, log lines and refused transfers; all of it idempotent, so a report is sent again
     whole if its answer was lost. The answer says when to send the next (service/api/report_pacing.py),
     and, when asked, renews the lease before anything is stored: a host reporting each heartbeat sends
     no lease request (at 500 running attempts, those were 100 of the API's 250 requests a second)."""
-    # The token is checked here, not by a dependency, as only the body says which way: a renewing
-    # report is its host's heartbeat, noted in the statement that checks the token (as a lease
-    # request's is); a plain one only reads it.
     if body.renew_lease:
-        host = get_seen_host(request, settings, credentials)
         held, lease = _renewed(session, host, attempt_id, body.lease_owner, settings)
+        # The host's heartbeat, as a lease request's is: written with what the report stores, in its
+        # transaction (a plain report writes nothing of it).
+        note_heartbeat(session, host)
     else:
-        host = get_current_host(request, settings, credentials)
         held, lease = _own(session, host, attempt_id, body.lease_owner), None
     points = [(step, name, math.nan if value is None else value) for step, name, value in body.metrics]
     if body.resent:
@@ -213,6 +209,7 @@ def report(
     record_logs(session, held.job_id, held, body.logs)
     for refused in body.refused:
         record_refused(session, held.job_id, JobEventType(refused.kind), refused.step, refused.what, refused.reason)
+    session.commit()  # the heartbeat, where nothing was stored
     return Reported(next_report_seconds=request.app.state.report_pacing.next_report_seconds(), lease=lease)
 
 
@@ -230,13 +227,13 @@ def _stored_path(store: ArtifactStore, held: HeldAttempt, path: str, folder: str
 @router.post("/attempts/{attempt_id}/checkpoints", status_code=204)
 def checkpoint_stored(attempt_id: RowId, body: CheckpointStored, host: CurrentHost, session: WriteSessionDep, store: StoreDep) -> Response:
     """A checkpoint the host took into the store (verified against its manifest): listed from now
-    on, and the oldest past the job's `checkpoint.keep_last` deleted (but the best, with `keep_best`)."""
+    on, and the oldest past the job's `checkpoint.keep_last` deleted (but the best, with `keep_best`: by its `best_metric`)."""
     held = _own(session, host, attempt_id, body.lease_owner)
     _stored_path(store, held, body.path, "checkpoints")
     spec = session.scalar(select(Job.spec).where(Job.id == held.job_id))
     policy = CheckpointConfig.model_validate(spec.get("checkpoint", {}))  # its defaults, where a spec has none
     stale_paths = record_checkpoint(
-        session, held.job_id, held.attempt_id, body.step, body.path, body.sha256, body.size, policy.keep_last, policy.keep_best
+        session, held.job_id, held.attempt_id, body.step, body.path, body.sha256, body.size, policy.keep_last, best=policy
     )
     for stale in stale_paths:
         store.delete(stale)
