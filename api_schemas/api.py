@@ -138,7 +138,8 @@ class CheckpointOut(BaseModel):
     created_at: datetime
     eval_loss: float | None = Field(None, description="The job's eval_loss at this checkpoint's step, where it evaluated there.")
     best: bool = Field(
-        False, description="With checkpoint.keep_best: the job's checkpoint of the lowest eval_loss, kept past keep_last. Always false "
+        False, description="With checkpoint.keep_best: the job's checkpoint of the best checkpoint.best_metric (by default the lowest "
+        "eval_loss), kept past keep_last. Always false "
         "without it (the lowest of the checkpoints kept may be far from the job's best).",
     )
 

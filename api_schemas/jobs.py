@@ -455,12 +455,29 @@ class CheckpointConfig(_Config):
     keep_last: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept per job; older ones are deleted.")
     keep_best: bool = Field(
         False,
-        description="Also keep the checkpoint whose step has the lowest `eval_loss`, past `keep_last` (nanoGPT's "
-        "`always_save_checkpoint = False`): on a small dataset the last checkpoint can be far worse than the best. The built-in "
-        "loop then also saves at every evaluation that beats the best so far; a script or custom loop is covered where it logs "
-        "`eval_loss` at the steps it checkpoints (another name counts for nothing). Evaluations are compared as reported: with "
-        "`eval_batches` set, a sample spread over the split, the last step's over all of it. `trainyard checkpoints` marks the best.",
+        description="Also keep the checkpoint whose step has the best `best_metric` (the lowest `eval_loss` unless said), past "
+        "`keep_last` (nanoGPT's `always_save_checkpoint = False`): on a small dataset the last checkpoint can be far worse than the "
+        "best. The built-in loop then also saves at every evaluation that beats the best so far; a script or custom loop is covered "
+        "where it logs `best_metric` at the steps it checkpoints (another name counts for nothing). Evaluations are compared as "
+        "reported: with `eval_batches` set, a sample spread over the split, the last step's over all of it. `trainyard checkpoints` "
+        "marks the best.",
     )
+    best_metric: str = Field(
+        "eval_loss", min_length=1, max_length=64,
+        description="The metric `keep_best` ranks checkpoints by, as logged at their steps (Hugging Face's `metric_for_best_model`, "
+        "Lightning's `monitor`). The built-in loop evaluates `eval_loss`, and `eval_accuracy` for a classifier.",
+    )
+    best_mode: Literal["min", "max"] = Field("min", description="`min`: the lowest `best_metric` is best (a loss); `max`: the highest (an accuracy).")
+
+    @model_validator(mode="after")
+    def _best_needs_keep_best(self) -> CheckpointConfig:
+        if not self.keep_best and (self.best_metric, self.best_mode) != ("eval_loss", "min"):
+            raise ValueError("checkpoint.best_metric and best_mode rank checkpoints for keep_best: set keep_best: true, or leave them out")
+        return self
+
+    def better(self, value: float, best: float | None) -> bool:
+        """Whether `value` of `best_metric` beats the best so far (None: there is none yet)."""
+        return best is None or (value < best if self.best_mode == "min" else value > best)
 
 
 class CodeSource(_Config):
@@ -705,6 +722,11 @@ class JobSpec(_Config):
             )
         self._strategy_fits()
         self._elastic_fits()
+        if self.checkpoint.keep_best and self.model.kind != "custom" and self.checkpoint.best_metric not in self.evaluated_metrics():
+            raise ValueError(
+                f"checkpoint.best_metric: the built-in loop evaluates {' and '.join(self.evaluated_metrics())} for this model, "
+                f"not {self.checkpoint.best_metric!r}"
+            )
         if self.training.grad_clip_norm and self.training.grad_clip_value:
             raise ValueError("training: set grad_clip_norm or grad_clip_value, not both")
         if self.schedule.warmup_steps is not None and self.schedule.warmup_steps >= self.training.max_steps:
@@ -750,6 +772,10 @@ class JobSpec(_Config):
                 f"{self.training.micro_batch_size} × gradient_accumulation_steps {self.training.gradient_accumulation_steps} × "
                 f"{self.world_size} processes) cannot be split into whole micro-batches on {elastic.min_processes} processes"
             )
+
+    def evaluated_metrics(self) -> tuple[str, ...]:
+        """What the built-in loop's evaluation reports for this job's model (workers/training/evaluate.py)."""
+        return ("eval_loss", "eval_accuracy") if self.model.task == "classify" else ("eval_loss",)
 
     def elastic_sizes(self) -> list[int]:
         """The process counts this job may run on, largest first: its own, and with `resources.elastic`

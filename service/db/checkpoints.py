@@ -10,21 +10,22 @@ from __future__ import annotations
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from api_schemas import JobEventType
+from api_schemas import CheckpointConfig, JobEventType
 from service.db import state
 from service.db.dialect import dialect_insert
 from service.db.jobs import job_visible_to
 from service.db.models import Checkpoint, DeletedCheckpoint, Job, Metric, User, utcnow
 
-EVAL_LOSS = "eval_loss"  # what checkpoint.keep_best ranks checkpoints by, lowest first
+EVAL_LOSS = "eval_loss"  # shown beside each checkpoint
 
 
 def record_checkpoint(
     session: Session, job_id: int, attempt_id: int, step: int, path: str, sha256: str, size_bytes: int, keep_last: int,
-    keep_best: bool = False,
+    best: CheckpointConfig | None = None,
 ) -> list[str]:
-    """Register a complete checkpoint, then drop the oldest saved beyond `keep_last` (with `keep_best`,
-    all but the best: see best_checkpoint_id); returns their paths to delete."""
+    """Register a complete checkpoint, then drop the oldest saved beyond `keep_last` (given the job's
+    checkpoint policy `best` where it keeps its best, all but the best: see best_checkpoint_id);
+    returns their paths to delete."""
     insert = dialect_insert(session)
     checkpoint_id = session.scalar(
         insert(Checkpoint)
@@ -41,9 +42,9 @@ def record_checkpoint(
             job.rollback_skip = None
     newest_first = session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id.desc())).all()
     stale = newest_first[keep_last:]
-    if keep_best:
-        best = best_checkpoint_id(session, job_id)
-        stale = [c for c in stale if c.id != best]
+    if best is not None and best.keep_best:
+        best_id = best_checkpoint_id(session, job_id, best)
+        stale = [c for c in stale if c.id != best_id]
     _forget(session, job_id, stale)
     session.commit()
     return [c.path for c in stale if c.path != path]
@@ -83,16 +84,17 @@ def list_checkpoints(session: Session, job_id: int) -> list[Checkpoint]:
     return list(session.scalars(select(Checkpoint).where(Checkpoint.job_id == job_id).order_by(Checkpoint.id)))
 
 
-def best_checkpoint_id(session: Session, job_id: int) -> int | None:
-    """The job's checkpoint at the step of its lowest `eval_loss` (the newest, where a step was saved
+def best_checkpoint_id(session: Session, job_id: int, policy: CheckpointConfig) -> int | None:
+    """The job's checkpoint at the step of its best `best_metric` (the newest, where a step was saved
     twice); None where no checkpoint's step has one. Read from the metrics, so a checkpoint whose
     step's metrics are still on their way counts once they arrive: it is the newest until then,
     which keep_last never drops."""
+    ranked = (Metric.job_id == Checkpoint.job_id) & (Metric.step == Checkpoint.step) & (Metric.name == policy.best_metric)
     return session.scalar(
         select(Checkpoint.id)
-        .join(Metric, (Metric.job_id == Checkpoint.job_id) & (Metric.step == Checkpoint.step) & (Metric.name == EVAL_LOSS))
+        .join(Metric, ranked)
         .where(Checkpoint.job_id == job_id, Metric.value.is_not(None))
-        .order_by(Metric.value, Checkpoint.id.desc())
+        .order_by(Metric.value if policy.best_mode == "min" else Metric.value.desc(), Checkpoint.id.desc())
         .limit(1)
     )
 

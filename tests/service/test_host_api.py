@@ -256,6 +256,16 @@ def test_keep_best_keeps_the_checkpoint_of_the_lowest_eval_loss_past_keep_last_a
     save(60, 1.9)
     assert listed() == [(60, 1.9, False)]
 
+    # Ranked by another metric, the highest best (a script that logs its accuracy: checkpoint.best_metric, best_mode).
+    with sessions() as session:
+        policy = {"keep_last": 1, "keep_best": True, "best_metric": "accuracy", "best_mode": "max"}
+        session.execute(update(Job).where(Job.id == job_id).values(spec={**session.get(Job, job_id).spec, "checkpoint": policy}))
+        session.commit()
+    for step, accuracy in ((70, 0.8), (80, 0.6), (90, 0.7)):
+        a.report(claimed, [(step, "accuracy", accuracy)], [])
+        save(step, None)
+    assert [(step, best) for step, _, best in listed()] == [(70, True), (90, False)]
+
 
 def test_a_revoked_host_token_opens_nothing_and_its_hosts_attempts_are_requeued(app, sessions, settings):
     a = host(app, sessions, "host-a")

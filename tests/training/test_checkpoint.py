@@ -107,11 +107,11 @@ def test_keep_best_saves_each_evaluation_that_beats_the_best_and_keeps_it_past_k
     assert sorted(run.checkpoints) == sorted({*improving, 240})
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [checkpoint_name(best), checkpoint_name(240)]
     state = json.loads((run.checkpoints[best] / "trainer_state.json").read_text())
-    assert state["eval_loss"] == state["best_eval_loss"] == losses[best]
+    assert state["eval_loss"] == state["best_value"] == losses[best]
 
     resumed = run_training(spec, data_root, tmp_path / "resumed", resume_from=run.checkpoints[best])
     assert sorted(resumed.checkpoints) == [240]
-    assert json.loads((resumed.checkpoints[240] / "trainer_state.json").read_text())["best_eval_loss"] == losses[best]
+    assert json.loads((resumed.checkpoints[240] / "trainer_state.json").read_text())["best_value"] == losses[best]
 
 
 @pytest.mark.parametrize("victim", [MODEL_FILE, "state", "trainer_state.json", "spec.json", "tokenizer.json"])

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from api_schemas.manifest import MODEL_FILE
+from api_schemas.manifest import MODEL_FILE, checkpoint_name
 from tests.helpers import classifier_spec, job_spec
 from tests.training.support import REPO, read_events, run_training, subprocess_env
 from workers.launch import launch_command
@@ -19,11 +19,19 @@ STEPS = 60
 
 
 def test_a_classifier_learns_and_its_checkpoint_scores_the_same_when_reloaded(labelled_root, tmp_path):
-    overrides = {"training.max_steps": STEPS, "training.eval_every": 20, "checkpoint.every_steps": STEPS, "optimizer.lr": 0.01}
+    overrides = {"training.max_steps": STEPS, "training.eval_every": 20, "checkpoint.every_steps": STEPS, "optimizer.lr": 0.01,
+                 "checkpoint.keep_last": 1, "checkpoint.keep_best": True, "checkpoint.best_metric": "eval_accuracy", "checkpoint.best_mode": "max"}
     spec = job_spec(**classifier_spec(**overrides))
     run = run_training(spec, labelled_root, tmp_path / "run")
     accuracy = run.series("eval_accuracy")
     assert len(accuracy) == 3 and accuracy[-1] >= 0.9 and run.series("eval_loss")[-1] < run.series("eval_loss")[0]
+
+    # keep_best by the highest eval_accuracy: saved at each evaluation that beat it, kept past keep_last.
+    improving = [step for i, step in enumerate((20, 40, 60)) if accuracy[i] > max(accuracy[:i], default=-1)]
+    assert sorted(run.checkpoints) == sorted({*improving, STEPS})
+    best = improving[-1]
+    assert json.loads((run.checkpoints[best] / "trainer_state.json").read_text())["best_value"] == max(accuracy)
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == sorted({checkpoint_name(best), checkpoint_name(STEPS)})
 
     checkpoint = run.checkpoints[STEPS]
     assert json.loads((checkpoint / "labels.json").read_text()) == ["first", "second", "third"]

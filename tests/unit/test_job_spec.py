@@ -2,7 +2,7 @@ import pytest
 from pydantic import ValidationError
 
 from api_schemas import JobSpec, field_location
-from tests.helpers import EXAMPLE_SPEC, spec_dict
+from tests.helpers import EXAMPLE_SPEC, classifier_spec, spec_dict
 
 
 def errors_of(spec: dict) -> list[tuple[tuple, str]]:
@@ -51,6 +51,10 @@ def test_default_warmup_is_ten_percent_of_steps():
         ({"training.strategy": "fsdp", "training.precision": "bf16"}, (), "training.precision: with strategy `fsdp`"),
         ({"training.strategy": "fsdp", "resources.nodes": 2}, (), "resources.nodes: strategy `fsdp`"),
         ({"training.strategy": "fsdp", "training.fsdp": {"cpu_offload": True}}, (), "training.fsdp.cpu_offload: needs device 'cuda'"),
+        ({"checkpoint.best_mode": "max"}, ("checkpoint",), "rank checkpoints for keep_best: set keep_best: true"),
+        ({"checkpoint.keep_best": True, "checkpoint.best_metric": "eval_accuracy"}, (),
+         "checkpoint.best_metric: the built-in loop evaluates eval_loss for this model, not 'eval_accuracy'"),
+        ({"checkpoint.keep_best": True, "checkpoint.best_mode": "highest"}, ("checkpoint", "best_mode"), "'min' or 'max'"),
     ],
 )
 def test_invalid_specs_name_the_field_and_the_reason(overrides, field, reason):
@@ -92,3 +96,14 @@ def test_a_script_jobs_spec_is_shown_without_the_settings_its_script_decides():
     assert JobSpec.model_validate(spec.model_dump(mode="json")) == spec  # read back (stored, fetched): the same spec
     built_in = JobSpec.model_validate(spec_dict())
     assert "schedule" in built_in.model_dump() and "seed" in built_in.model_dump()["training"]
+
+
+def test_keep_best_ranks_by_a_metric_the_job_reports():
+    # A classifier's built-in evaluation reports its accuracy; a script may rank by anything it logs.
+    best = {"checkpoint.keep_best": True, "checkpoint.best_metric": "eval_accuracy", "checkpoint.best_mode": "max"}
+    policy = JobSpec.model_validate(classifier_spec(**best)).checkpoint
+    assert policy.better(0.9, 0.8) and not policy.better(0.7, 0.8) and policy.better(0.1, None)
+    assert JobSpec.model_validate(spec_dict(**{"checkpoint.keep_best": True})).checkpoint.better(1.2, 1.5)  # eval_loss, lowest best
+    script = {"name": "s", "script": {"entrypoint": "train.py", "code": {"path": "proj"}},
+              "checkpoint": {"keep_best": True, "best_metric": "val/acc", "best_mode": "max"}}
+    assert JobSpec.model_validate(script).checkpoint.best_metric == "val/acc"

@@ -8,7 +8,8 @@
                             and optimizer as every process's shards instead (DCP: .metadata, __<rank>_0.distcp)
       trainer_state.json    where the loop was: step, epoch, batch index within the epoch, and the
                             number of processes that batch index counts for; the loss guard's window;
-                            the step's eval_loss if it evaluated, and the best so far (checkpoint.keep_best)
+                            the step's evaluation (eval_loss, eval_accuracy) if it evaluated, and the best
+                            checkpoint.best_metric so far (checkpoint.keep_best)
       spec.json, tokenizer.json (none for a custom job), labels.json (classifiers), config.json (`hf` models)
       manifest.json         sha256 and size of every other file
 """
@@ -33,6 +34,7 @@ from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, 
 from safetensors.torch import load_file, save_file
 
 from api_schemas import JobSpec
+from api_schemas.jobs import CheckpointConfig
 from api_schemas.manifest import MODEL_FILE, checkpoint_name, write_manifest
 from workers.training.data import Tokenizer
 from workers.training.model import build_model
@@ -282,7 +284,7 @@ class CheckpointWriter:
             raise RuntimeError(f"writing the checkpoint of step {step} failed") from self._error
         self.reporter.checkpoint(step, final)
         if not self.reporter.takes_checkpoints:
-            prune_checkpoints(self.run_dir, self.spec.checkpoint.keep_last, self.spec.checkpoint.keep_best)
+            prune_checkpoints(self.run_dir, self.spec.checkpoint)
 
     def finish(self) -> None:
         """Wait for the checkpoint in flight, if any, and report it (every process waits for its shards)."""
@@ -312,16 +314,18 @@ def write_accelerate_state(state_dir: Path, state: dict) -> None:
             save(each, state_dir / (f"{name}.bin" if i == 0 else f"{name}_{i}.bin"))
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int, keep_best: bool = False) -> None:
-    """Keep the newest `keep_last` local checkpoints, and with `keep_best` the one of the lowest
-    eval_loss (run outside a worker, nobody else cleans up; a worker's service does the same)."""
+def prune_checkpoints(run_dir: Path, policy: CheckpointConfig) -> None:
+    """Keep the newest `keep_last` local checkpoints, and with `keep_best` the one of the best
+    `best_metric` (run outside a worker, nobody else cleans up; a worker's service does the same)."""
     saved = sorted((run_dir / "checkpoints").glob("step-*"))
-    stale = saved[:-keep_last]
-    if keep_best:
-        losses = {path: load_trainer_state(path).get("eval_loss") for path in saved}
-        if scored := {path: loss for path, loss in losses.items() if loss is not None and math.isfinite(loss)}:
-            best = min(scored, key=scored.get)
-            stale = [path for path in stale if path != best]
+    stale = saved[:-policy.keep_last]
+    if policy.keep_best:
+        values = {path: load_trainer_state(path).get(policy.best_metric) for path in saved}
+        best = None
+        for path, value in values.items():
+            if value is not None and math.isfinite(value) and policy.better(value, values.get(best)):
+                best = path
+        stale = [path for path in stale if path != best]
     for old in stale:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -125,13 +125,14 @@ def train(
     # Loaded before compiling, so no weights go into a compiled module.
     progress = {"step": 0, "epoch": 0, "batch_in_epoch": 0}
     recent_losses = []  # the loss guard's window at the checkpoint: a resumed run is guarded from its first step
-    best_eval = None  # the lowest eval_loss so far: with checkpoint.keep_best, an evaluation that beats it is saved
+    best_value = None  # the best checkpoint.best_metric so far: with checkpoint.keep_best, an evaluation that beats it is saved
     if resume_from is not None:
         load_state(accelerator, resume_from / "state", model, optimizer, sharded_state)
         progress = load_trainer_state(resume_from)
         recent_losses = progress.pop("recent_losses", [])
-        best_eval = progress.pop("best_eval_loss", None)
-        progress.pop("eval_loss", None)
+        best_value = progress.pop("best_value", progress.pop("best_eval_loss", None))  # best_eval_loss: a checkpoint from before best_metric
+        for name in spec.evaluated_metrics():  # the step's evaluation, not where the loop was
+            progress.pop(name, None)
         progress["batch_in_epoch"] = batches_on(progress, accelerator.num_processes, spec)
         recount_scheduler(scheduler, progress["step"], accelerator.num_processes)
         accelerator.print(f"resumed from {resume_from} at step {progress['step']}")
@@ -148,6 +149,7 @@ def train(
     step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
     tokens_per_micro_batch = cfg.micro_batch_size * tokens_per_sample * accelerator.num_processes
     last_eval = None
+    evaluation: dict[str, float] = {}  # the last evaluation's metrics
     preempted = False
     lagged = LaggedMetrics(accelerator.device)
     checkpoints = CheckpointWriter(accelerator, run_dir, spec, reporter, corpus.tokenizer, labels, sharded_state)
@@ -221,12 +223,14 @@ def train(
                 }
                 evaluated = step % cfg.eval_every == 0 or last_step
                 if evaluated:
-                    values.update(evaluate_metrics(forward, final_eval_dl if last_step else eval_dl, accelerator))
-                    last_eval = values["eval_loss"]
+                    evaluation = evaluate_metrics(forward, final_eval_dl if last_step else eval_dl, accelerator)
+                    values.update(evaluation)
+                    last_eval = evaluation["eval_loss"]
                 # Every process evaluated the same gathered samples, so all decide alike.
-                best = evaluated and spec.checkpoint.keep_best and math.isfinite(last_eval) and (best_eval is None or last_eval < best_eval)
+                ranked = evaluation.get(spec.checkpoint.best_metric, math.nan)
+                best = evaluated and spec.checkpoint.keep_best and math.isfinite(ranked) and spec.checkpoint.better(ranked, best_value)
                 if best:
-                    best_eval = last_eval
+                    best_value = ranked
                 previous = lagged.take()
                 lagged.put(
                     step,
@@ -253,8 +257,8 @@ def train(
                         checkpoints.save(model, {
                             "step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch, "processes": accelerator.num_processes,
                             "recent_losses": list(guard.recent),
-                            **({"eval_loss": last_eval} if evaluated else {}),
-                            **({"best_eval_loss": best_eval} if spec.checkpoint.keep_best else {}),
+                            **(evaluation if evaluated else {}),  # the step's own: eval_loss, eval_accuracy (a classifier)
+                            **({"best_value": best_value} if spec.checkpoint.keep_best else {}),
                         })
                 if last_step or preempted or spike is not None:
                     break

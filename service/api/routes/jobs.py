@@ -139,8 +139,8 @@ def get_record(job: VisibleJob, session: SessionDep) -> RunRecord:
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
 def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]:
     # "best" only where the job keeps it: otherwise the lowest of the kept ones may be far from the job's best.
-    keeps_best = CheckpointConfig.model_validate(job.spec.get("checkpoint", {})).keep_best
-    losses, best = eval_losses_at_checkpoints(session, job.id), best_checkpoint_id(session, job.id) if keeps_best else None
+    policy = CheckpointConfig.model_validate(job.spec.get("checkpoint", {}))
+    losses, best = eval_losses_at_checkpoints(session, job.id), best_checkpoint_id(session, job.id, policy) if policy.keep_best else None
     return [checkpoint_out(c, losses.get(c.step), c.id == best) for c in list_checkpoints(session, job.id)]
 
 
