@@ -142,6 +142,10 @@ class CheckpointOut(BaseModel):
         "eval_loss), kept past keep_last. Always false "
         "without it (the lowest of the checkpoints kept may be far from the job's best).",
     )
+    best_value: float | None = Field(
+        None, description="With checkpoint.keep_best: the job's checkpoint.best_metric at this checkpoint's step, where it was reported "
+        "(what `best` ranks by; eval_loss above is shown whatever the ranking).",
+    )
 
 
 class OutputOut(BaseModel):

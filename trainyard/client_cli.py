@@ -283,16 +283,22 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     with connect(args) as client:
         checkpoints = client.checkpoints(args.id)
+        if args.json:
+            print_json([c.model_dump(mode="json") for c in checkpoints])
+            return 0
         if not checkpoints:
             job = client.job(args.id)
             why = "yet" if not job.status.is_final else f"(it ended {job.status.value} without one)"
             print(f"job {args.id} has no checkpoints {why}")
             return 0
+        # A job keeping its best by another metric than eval_loss (checkpoint.best_metric): that metric's column too.
+        ranked_by = client.job(args.id).spec.checkpoint.best_metric if any(c.best for c in checkpoints) else "eval_loss"
+    ranked = [] if ranked_by == "eval_loss" else [ranked_by.upper()]
     print_table(
-        ["ID", "STEP", "EVAL_LOSS", "SIZE", "SHA256", "CREATED"],
+        ["ID", "STEP", "EVAL_LOSS", *ranked, "BEST", "SIZE", "SHA256", "CREATED"],
         [
-            [c.id, c.step, "-" if c.eval_loss is None else f"{c.eval_loss:.4f}" + (" (best)" if c.best else ""),
-             human_bytes(c.size_bytes), c.sha256[:16], local_time(c.created_at)]
+            [c.id, c.step, "-" if c.eval_loss is None else f"{c.eval_loss:.4f}", *(["-" if c.best_value is None else f"{c.best_value:.4g}"] if ranked else []),
+             "best" if c.best else "", human_bytes(c.size_bytes), c.sha256[:16], local_time(c.created_at)]
             for c in checkpoints
         ],
     )
@@ -476,7 +482,9 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
     logs.add_argument("--rank", type=int, help="only what this process (global rank) printed")
 
     command("cancel", cmd_cancel, "cancel a job").add_argument("id", type=int)
-    command("checkpoints", cmd_checkpoints, "list a job's checkpoints").add_argument("id", type=int)
+    checkpoints = command("checkpoints", cmd_checkpoints, "list a job's checkpoints")
+    checkpoints.add_argument("id", type=int)
+    checkpoints.add_argument("--json", action="store_true", help="the checkpoints as a JSON list, as the API gives them (for scripts)")
 
     spec = command("spec", cmd_spec, "print a job's spec, to edit and submit again")
     spec.add_argument("id", type=int)

@@ -16,10 +16,14 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: tree}
 
 
+ABSENT = object()  # a field, package or input only the other job has: `-` in a table, left out of JSON
+
+
 def spec_differences(first: dict, second: dict) -> list[tuple[str, Any, Any]]:
-    """(path, first's value, second's) for each field that differs; a field only one has shows `-` for the other."""
+    """(path, first's value, second's) for each field that differs; ABSENT where only the other has it."""
     a, b = (flatten(spec) for spec in (first, second))
-    return [(path, a.get(path, "-"), b.get(path, "-")) for path in sorted(a.keys() | b.keys()) if a.get(path, "-") != b.get(path, "-")]
+    return [(path, a.get(path, ABSENT), b.get(path, ABSENT)) for path in sorted(a.keys() | b.keys())
+            if a.get(path, ABSENT) != b.get(path, ABSENT)]
 
 
 def final_values(series: dict) -> dict[str, float | None]:
@@ -28,9 +32,14 @@ def final_values(series: dict) -> dict[str, float | None]:
 
 
 def shown(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
+    """A spec's value as written (every digit: two learning rates may differ past the fourth)."""
+    if value is ABSENT:
+        return "-"
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def shown_metric(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -46,7 +55,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         print("the specs are the same")
     print()
     names = sorted(finals[0].keys() | finals[1].keys())
-    print_table(["FINAL METRIC", *titles], [[name, *(shown(final.get(name, "-")) for final in finals)] for name in names])
+    print_table(["FINAL METRIC", *titles], [[name, *(shown_metric(final.get(name)) for final in finals)] for name in names])
     return 0
 
 

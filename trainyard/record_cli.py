@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+from typing import Any
 
 from api_schemas.jobs import WORKER_OWN_PACKAGES
 from api_schemas.run_record import RunEnvironment, RunRecord
 from trainyard.client import TrainyardError
 from trainyard.client_cli import EXIT_INTERRUPTED, connect, guarded, of_job, print_json, print_table, report_outcome
-from trainyard.compare_cli import shown, spec_differences
+from trainyard.compare_cli import ABSENT, shown, spec_differences
 from trainyard.progress import follow_job
 
 MAX_PINNED = 64  # JobSpec's environment.pip holds at most this many requirements
@@ -42,15 +43,15 @@ def rerun_spec(record: RunRecord) -> dict:
     return spec
 
 
-def environment_differences(first: RunEnvironment | None, second: RunEnvironment | None) -> list[tuple[str, str, str]]:
-    """(what, first's, second's) for each part of two attempts' environments that differs."""
+def environment_differences(first: RunEnvironment | None, second: RunEnvironment | None) -> list[tuple[str, Any, Any]]:
+    """(what, first's, second's) for each part of two attempts' environments that differs (ABSENT where only one has it)."""
     if first is None or second is None:
-        return [] if first is second else [("environment", "-" if first is None else "reported", "-" if second is None else "reported")]
+        return [] if first is second else [("environment", ABSENT if first is None else "reported", ABSENT if second is None else "reported")]
     rows = [(field, getattr(first, field), getattr(second, field)) for field in ("python", "platform", "device")]
     for kind in ("inputs", "packages", "environment_packages"):
         a, b = getattr(first, kind), getattr(second, kind)
-        rows += [(f"{kind}.{name}", a.get(name, "-"), b.get(name, "-")) for name in sorted(a.keys() | b.keys())]
-    return [(what, str(a), str(b)) for what, a, b in rows if a != b]
+        rows += [(f"{kind}.{name}", a.get(name, ABSENT), b.get(name, ABSENT)) for name in sorted(a.keys() | b.keys())]
+    return [(what, a, b) for what, a, b in rows if a != b]
 
 
 def cmd_record(args: argparse.Namespace) -> int:
@@ -93,18 +94,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
     with connect(args) as client:
         records = [of_job(client.record, job_id) for job_id in (args.first, args.second)]
     titles = [f"JOB {record.job_id}" for record in records]
-    rows = [(f"spec.{path}", shown(a), shown(b)) for path, a, b in spec_differences(*(r.spec for r in records))
-            if path.split(".")[0] not in NOT_A_DIFFERENCE]
+    rows = [(f"spec.{path}", a, b) for path, a, b in spec_differences(*(r.spec for r in records)) if path.split(".")[0] not in NOT_A_DIFFERENCE]
     if records[0].code_sha256 != records[1].code_sha256:
-        rows.append(("code bundle", records[0].code_sha256 or "-", records[1].code_sha256 or "-"))
+        rows.append(("code bundle", records[0].code_sha256 or ABSENT, records[1].code_sha256 or ABSENT))
     rows += environment_differences(records[0].environment, records[1].environment)
-    if args.json:  # each difference: what, and the first job's and the second's value as `diff` shows them
-        print_json([{"what": what, "first": first, "second": second} for what, first, second in rows])
+    if args.json:  # each difference: what, and each job's value as stored (a key left out: that job has none)
+        print_json([{"what": what, **{key: value for key, value in (("first", a), ("second", b)) if value is not ABSENT}} for what, a, b in rows])
         return 0
     if not rows:
         print(f"jobs {args.first} and {args.second} ran the same spec on the same inputs, packages and kind of device")
         return 0
-    print_table(["WHAT", *titles], rows)
+    print_table(["WHAT", *titles], [(what, shown(a), shown(b)) for what, a, b in rows])
     return 0
 
 
@@ -125,5 +125,5 @@ def add_record_commands(subparsers, connection: argparse.ArgumentParser) -> None
     diff = subparsers.add_parser("diff", help="where two jobs' run records differ: spec, code, inputs, packages, device", parents=[connection])
     diff.add_argument("first", type=int, help="a job id")
     diff.add_argument("second", type=int, help="another job id")
-    diff.add_argument("--json", action="store_true", help="the differences as a JSON list of {what, first, second} (empty: none)")
+    diff.add_argument("--json", action="store_true", help="the differences as a JSON list of {what, first, second}, values as stored (a key left out: that job has none)")
     diff.set_defaults(func=guarded(cmd_diff))

@@ -72,7 +72,7 @@ def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
     )
 
 
-def checkpoint_out(checkpoint: Checkpoint, eval_loss: float | None = None, best: bool = False) -> CheckpointOut:
+def checkpoint_out(checkpoint: Checkpoint, eval_loss: float | None = None, best: bool = False, best_value: float | None = None) -> CheckpointOut:
     return CheckpointOut(
         id=checkpoint.id,
         job_id=checkpoint.job_id,
@@ -82,6 +82,7 @@ def checkpoint_out(checkpoint: Checkpoint, eval_loss: float | None = None, best:
         created_at=checkpoint.created_at,
         eval_loss=eval_loss,
         best=best,
+        best_value=best_value,
     )
 
 

@@ -99,11 +99,11 @@ def best_checkpoint_id(session: Session, job_id: int, policy: CheckpointConfig) 
     )
 
 
-def eval_losses_at_checkpoints(session: Session, job_id: int) -> dict[int, float]:
-    """`eval_loss` by step, at the steps of the job's checkpoints."""
+def metric_at_checkpoints(session: Session, job_id: int, name: str = EVAL_LOSS) -> dict[int, float]:
+    """The metric `name` by step, at the steps of the job's checkpoints."""
     rows = session.execute(
         select(Metric.step, Metric.value)
-        .where(Metric.job_id == job_id, Metric.name == EVAL_LOSS, Metric.value.is_not(None))
+        .where(Metric.job_id == job_id, Metric.name == name, Metric.value.is_not(None))
         .where(Metric.step.in_(select(Checkpoint.step).where(Checkpoint.job_id == job_id)))
     )
     return {step: value for step, value in rows}

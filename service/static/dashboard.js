@@ -593,10 +593,15 @@ function attemptsTable(job) {
       a.resumed_from_step == null ? "–" : String(a.resumed_from_step), when(a.started_at), when(a.finished_at), el("td", { class: "reason" }, a.failure_reason || "")]));
 }
 
-function checkpointsTable(checkpoints) {
+function checkpointsTable(checkpoints, policy) {
   if (!checkpoints.length) return el("p", { class: "muted" }, "No checkpoints yet.");
-  return table(["step", "eval_loss", "size", "sha256", "created", ""],
-    checkpoints.map(c => [String(c.step), c.eval_loss == null ? "–" : c.eval_loss.toFixed(4) + (c.best ? " (best)" : ""),
+  // A job keeping its best by another metric (checkpoint.best_metric) shows that metric too; "(best)" marks the one kept.
+  const ranked = policy && policy.keep_best && policy.best_metric !== "eval_loss" ? [policy.best_metric] : [];
+  const marked = (text, c) => text + (c.best ? " (best)" : "");
+  const loss = c => c.eval_loss == null ? "–" : c.eval_loss.toFixed(4);
+  const value = c => c.best_value == null ? "–" : String(+c.best_value.toPrecision(4));
+  return table(["step", "eval_loss", ...ranked, "size", "sha256", "created", ""],
+    checkpoints.map(c => [String(c.step), ...(ranked.length ? [loss(c), marked(value(c), c)] : [marked(loss(c), c)]),
       bytes(c.size_bytes), c.sha256.slice(0, 16) + "…", when(c.created_at),
       el("button", { type: "button", onclick: () => download(c) }, "download")]));
 }
@@ -609,7 +614,7 @@ async function jobPage(id, signal) {
   const run = { label: "", series: Object.fromEntries(Object.entries(metrics.series).map(([n, s]) => [n, { steps: s.steps, values: s.values }])),
     rollbacks: job.rollback_marks };
   const summary = el("div", {}, jobSummary(job), overview(job, run, outputs));
-  const attempts = el("div", {}, attemptsTable(job)), stored = el("div", {}, checkpointsTable(checkpoints));
+  const attempts = el("div", {}, attemptsTable(job)), stored = el("div", {}, checkpointsTable(checkpoints, job.spec.checkpoint));
   const charts = el("section", { class: "board" });
   const page = el("div", {}, summary, charts, el("h3", {}, "Attempts"), attempts, el("h3", {}, "Checkpoints"), stored);
   return { page, start: () => {
@@ -626,7 +631,7 @@ async function jobPage(id, signal) {
       summary.replaceChildren(jobSummary(job), overview(job, run, outputs));
       if (editing) summary.querySelector("#resubmit").replaceChildren(editing);
       summary.querySelector("details.spec").open = Boolean(unfolded);
-      attempts.replaceChildren(attemptsTable(fresh)); stored.replaceChildren(checkpointsTable(checkpoints));
+      attempts.replaceChildren(attemptsTable(fresh)); stored.replaceChildren(checkpointsTable(checkpoints, fresh.spec.checkpoint));
     };
     follow("/v1/jobs/" + id + "/events", metrics.last_event_id, batch => {
       for (const { type, data } of batch) {

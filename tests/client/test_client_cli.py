@@ -194,7 +194,7 @@ def test_compare_prints_the_spec_fields_that_differ_and_the_final_metrics_side_b
     from tests.helpers import start_job
 
     ids = []
-    for lr, loss in ((0.001, 2.5), (0.003, 1.75)):
+    for lr, loss in ((0.001, 2.5), (0.00100004, 1.75)):  # learning rates apart past the fourth digit
         (tmp_path / "spec.json").write_text(json.dumps(tiny_spec(**{"optimizer.lr": lr})))
         ids.append(int(trainyard("submit", str(tmp_path / "spec.json"))[1].split()[2]))
         claimed = start_job(settings, ids[-1])
@@ -206,7 +206,7 @@ def test_compare_prints_the_spec_fields_that_differ_and_the_final_metrics_side_b
     lines = out.splitlines()
     first, second = f"JOB {ids[0]} (shakespeare-char)", f"JOB {ids[1]} (shakespeare-char)"
     assert lines[1].split("  ")[0] == "SPEC FIELD" and first in lines[1] and second in lines[1]
-    assert lines[2].split() == ["optimizer.lr", "0.001", "0.003"] and not lines[3]  # the one field that differs
+    assert lines[2].split() == ["optimizer.lr", "0.001", "0.00100004"] and not lines[3]  # the one field that differs, every digit
     assert [line.split() for line in lines[5:]] == [["eval_loss", "2.75", "2"], ["train_loss", "2.5", "1.75"]]
 
     # Given two ids, a missing one is named; and the first job, ended, has nothing to cancel.
@@ -232,5 +232,6 @@ def test_spec_prints_a_jobs_spec_that_submits_again_and_checkpoints_says_when_th
     assert trainyard("submit", str(tmp_path / "again.yaml"))[0] == 0  # the printed spec is one the server takes
     assert json.loads(trainyard("spec", job_id, "--json")[1])["optimizer"]["lr"] == 0.003
     assert trainyard("checkpoints", job_id) == (0, f"job {job_id} has no checkpoints yet\n", "")
+    assert trainyard("checkpoints", job_id, "--json") == (0, "[]\n", "")
     code, out, err = trainyard("outputs", job_id, "-o", str(tmp_path / "out"))  # a built-in job collects none: said, not silence
     assert (code, out) == (1, "") and err.startswith(f"error: job {job_id} has no collected outputs")

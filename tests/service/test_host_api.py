@@ -265,6 +265,8 @@ def test_keep_best_keeps_the_checkpoint_of_the_lowest_eval_loss_past_keep_last_a
         a.report(claimed, [(step, "accuracy", accuracy)], [])
         save(step, None)
     assert [(step, best) for step, _, best in listed()] == [(70, True), (90, False)]
+    ranked = TestClient(app).get(f"/v1/jobs/{job_id}/checkpoints", headers=auth(token)).json()
+    assert [(c["step"], c["best_value"]) for c in ranked] == [(70, 0.8), (90, 0.7)]  # what it ranks by, beside eval_loss
 
 
 def test_a_revoked_host_token_opens_nothing_and_its_hosts_attempts_are_requeued(app, sessions, settings):

@@ -15,6 +15,7 @@ from api_schemas.run_record import AttemptEnvironment, RunEnvironment, RunRecord
 from common.settings import Settings
 from tests.helpers import job_spec
 from trainyard.client import TrainyardError
+from trainyard.compare_cli import ABSENT
 from trainyard.record_cli import environment_differences, rerun_spec
 from workers.run_environment import changed_inputs, digest, input_digests, packages
 
@@ -69,7 +70,7 @@ def test_a_rerun_holds_the_inputs_it_read_and_pins_its_environment_to_what_it_re
     failed_rerun = record_of({**spec, "inputs_sha256": {"corpus.txt": "a" * 64}}, ran.model_copy(update={"inputs": {"corpus.txt": "b" * 64}}))
     assert rerun_spec(failed_rerun)["inputs_sha256"] == {"corpus.txt": "a" * 64}
     other = ran.model_copy(update={"packages": {"torch": "2.14.1"}, "inputs": {}})
-    assert environment_differences(ran, other) == [("inputs.corpus.txt", "a" * 64, "-"), ("packages.torch", "2.13.0", "2.14.1")]
+    assert environment_differences(ran, other) == [("inputs.corpus.txt", "a" * 64, ABSENT), ("packages.torch", "2.13.0", "2.14.1")]
 
 
 def test_a_rerun_of_a_job_whose_input_changed_between_attempts_says_so(capsys):

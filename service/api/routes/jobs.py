@@ -16,7 +16,7 @@ from service.api.deps import (
 from service.api.events import EVENTS, LOG_LINES, EventStreamResponse, Source
 from service.api.limits import TooManyStreams
 from service.api.views import checkpoint_out, job_out, job_outs, log_line_out
-from service.db.checkpoints import best_checkpoint_id, eval_losses_at_checkpoints, list_checkpoints
+from service.db.checkpoints import best_checkpoint_id, metric_at_checkpoints, list_checkpoints
 from service.db.jobs import jobs_visible_to, last_event_seq, request_cancel
 from service.db.log_lines import log_lines_after, log_tail
 from service.db.metrics import metric_series
@@ -140,8 +140,10 @@ def get_record(job: VisibleJob, session: SessionDep) -> RunRecord:
 def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]:
     # "best" only where the job keeps it: otherwise the lowest of the kept ones may be far from the job's best.
     policy = CheckpointConfig.model_validate(job.spec.get("checkpoint", {}))
-    losses, best = eval_losses_at_checkpoints(session, job.id), best_checkpoint_id(session, job.id, policy) if policy.keep_best else None
-    return [checkpoint_out(c, losses.get(c.step), c.id == best) for c in list_checkpoints(session, job.id)]
+    losses, best, ranked = metric_at_checkpoints(session, job.id), None, {}
+    if policy.keep_best:
+        best, ranked = best_checkpoint_id(session, job.id, policy), metric_at_checkpoints(session, job.id, policy.best_metric)
+    return [checkpoint_out(c, losses.get(c.step), c.id == best, ranked.get(c.step)) for c in list_checkpoints(session, job.id)]
 
 
 @router.get(
