@@ -223,6 +223,26 @@ def test_download_state_into_a_file_name_is_refused_saying_what_o_names(trainyar
     assert code == 2 and "-o names that directory" in err and not (tmp_path / "x.tar").exists()
 
 
+def test_checkpoints_shows_the_metric_a_job_keeps_its_best_by_and_marks_the_best(trainyard, settings, data_root, tmp_path):
+    from api_schemas import CheckpointConfig
+    from service.db.checkpoints import record_checkpoint
+    from service.db.metrics import record_metrics
+    from tests.helpers import classifier_spec, start_job, write_labelled_jsonl
+
+    write_labelled_jsonl(data_root / "labels.jsonl")
+    policy = {"keep_last": 1, "keep_best": True, "best_metric": "eval_accuracy", "best_mode": "max"}
+    (tmp_path / "job.json").write_text(json.dumps(classifier_spec(checkpoint=policy)))
+    job_id = int(trainyard("submit", str(tmp_path / "job.json"))[1].split()[2])
+    claimed = start_job(settings, job_id)
+    with session_factory(settings.resolved_database_url)() as session:
+        for step, accuracy in ((10, 0.9), (20, 0.7)):  # the later one worse: kept as the newest, the earlier as the best
+            record_metrics(session, job_id, claimed.attempt_id, [(step, "eval_loss", 1 - accuracy), (step, "eval_accuracy", accuracy)])
+            record_checkpoint(session, job_id, claimed.attempt_id, step, f"ck/{step}", "0" * 64, 10, 1, best=CheckpointConfig(**policy))
+    code, out, _ = trainyard("checkpoints", str(job_id))
+    assert code == 0 and [line.split()[1:5] for line in out.splitlines()[:2]] == [["STEP", "EVAL_LOSS", "EVAL_ACCURACY", "BEST"], ["10", "0.1000", "0.9", "best"]]
+    assert out.splitlines()[2].split()[1:4] == ["20", "0.3000", "0.7"] and "best" not in out.splitlines()[2]
+
+
 def test_spec_prints_a_jobs_spec_that_submits_again_and_checkpoints_says_when_there_are_none(trainyard, tmp_path):
     (tmp_path / "job.json").write_text(json.dumps(tiny_spec(**{"optimizer.lr": 0.003})))
     job_id = trainyard("submit", str(tmp_path / "job.json"))[1].split()[2]

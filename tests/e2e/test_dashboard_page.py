@@ -93,6 +93,13 @@ def assert_the_loss_chart_reads_well(page, client: httpx.Client, job_id: int) ->
     losses = [row.locator("td").nth(1).inner_text() for row in rows]  # a checkpoint at an evaluation's step shows its eval_loss
     assert all(loss == "–" or float(loss) > 0 for loss in losses), losses
     assert page.evaluate("ticks(null, [0, 0.0002, 0.0004], 1, 0, 0.0002)") == ["0", "2e-4", "4e-4"]  # an lr axis's zero is 0, not 0e+0
+    # A job keeping its best by another metric (a custom loop's g_loss, a script's accuracy): that metric beside
+    # eval_loss and "(best)" on it, also where the step has no eval_loss.
+    rows = page.evaluate("""[...checkpointsTable([
+        {step: 10, eval_loss: null, best: true, best_value: 0.81234, size_bytes: 1, sha256: "a".repeat(64), created_at: null},
+        {step: 20, eval_loss: 1.5, best: false, best_value: null, size_bytes: 1, sha256: "b".repeat(64), created_at: null},
+      ], {keep_best: true, best_metric: "accuracy", best_mode: "max"}).querySelectorAll("tr")].map(r => [...r.cells].slice(0, 3).map(c => c.textContent))""")
+    assert rows == [["step", "eval_loss", "accuracy"], ["10", "–", "0.8123 (best)"], ["20", "1.5000", "–"]]
 
 
 def overview_clone_and_cancel(page, client: httpx.Client, job_id: int) -> None:
