@@ -34,7 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-from api_schemas import AttemptStatus, JobEventType, JobSpec
+from api_schemas import AttemptStatus, CheckpointConfig, JobEventType, JobSpec
 from api_schemas.host_api import (
     INT32_MAX, INT32_MIN, MAX_LINE_CHARS, MAX_LINES_PER_REPORT, MAX_METRIC_NAME_CHARS, MAX_POINTS_PER_REPORT, MAX_REFUSED_PER_REPORT,
     MAX_WHAT_CHARS, ClaimedAttempt, Lease, RefusedTransfer, Rendezvous, Reported, Rollback,
@@ -758,6 +758,9 @@ class RunningAttempt:
         # A script or custom loop is guarded from here, by what it logs; the built-in loop guards itself (and skips the data).
         watched = spec.script is not None or getattr(spec.model, "kind", None) == "custom"
         self.loss_watch = LoggedLossWatch(spec.training.guard) if watched else None
+        # What a script or custom loop logged and checkpointed: its checkpoint.keep_best metric is its own to log.
+        self.logged: set[str] | None = set() if watched else None
+        self.checkpoints_taken = 0
         self.noted: set[str] = set()  # what the job's logs were told the service can't keep
         self.started_at = time.monotonic()
         self.max_runtime_s = (spec.resources.max_runtime_hours or runner.settings.max_runtime_hours) * 3600
@@ -799,6 +802,7 @@ class RunningAttempt:
             self._kill_if_stalled()
             self._stop_if_over_limits()
             self._collect_outputs_at_end()
+            self._note_unranked_best()
             if (ended := self._sync_if_due()) is not None:
                 return ended
             if self.finished and self.outbox.empty():
@@ -855,12 +859,15 @@ class RunningAttempt:
             self.step = max(self.step, event.step)
             if isinstance(event, MetricsEvent):
                 self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items() if self._recordable_name(name)]
+                if self.logged is not None:
+                    self.logged.update(event.values)
                 if self.loss_watch is not None and (spike := self.loss_watch.metrics(event.step, event.values)):
                     self._roll_back(spike)
             # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
             elif (path := event.path.resolve()).is_relative_to(self.run_dir):
                 folder = self._store_folder(event.step, path)
                 self.outbox.checkpoints.items.append((path, event.step, folder))
+                self.checkpoints_taken += 1
                 if self.loss_watch is not None:
                     self.loss_watch.checkpoint(folder)
                 if self.spec.script is not None and self.spec.script.outputs_at_checkpoints:
@@ -893,6 +900,14 @@ class RunningAttempt:
             return True
         self._note_once(f"name {name}", f"trainyard: metric {name[:80]!r}… has a name longer than {MAX_METRIC_NAME_CHARS} characters; not recorded")
         return False
+
+    def _note_unranked_best(self) -> None:
+        """Said once its processes have ended: a script or custom loop that checkpointed but never
+        logged the metric its checkpoint.keep_best ranks by has no checkpoint kept as its best, and
+        nothing else would tell its owner why."""
+        if self.finished and self.logged is not None and self.checkpoints_taken:
+            if note := unranked_best_note(self.spec.checkpoint, self.logged):
+                self._note_once("unranked best", note)
 
     def _note_once(self, key: str, line: str) -> None:
         if key not in self.noted:
@@ -1070,6 +1085,15 @@ class RunningAttempt:
             return (f"went over its {share / 2**30:.1f} GB, its slots' share of host {self.runner.host_name} "
                     "(resources.memory_gb asks for a limit of its own)")
         return "ran out of memory"
+
+
+def unranked_best_note(policy: CheckpointConfig, logged: set[str]) -> str | None:
+    """The job log's line when `policy` keeps the best checkpoint by a metric not among those `logged`."""
+    if not policy.keep_best or policy.best_metric in logged:
+        return None
+    names = ", ".join(sorted(logged)[:10]) + (", …" if len(logged) > 10 else "") if logged else "none"
+    return (f"trainyard: checkpoint.keep_best ranks checkpoints by {policy.best_metric!r}, which this attempt never logged: "
+            f"no checkpoint is kept as its best (checkpoint.best_metric; it logged: {names})")
 
 
 def without_launcher_traceback(lines: list[str]) -> list[str]:

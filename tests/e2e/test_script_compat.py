@@ -107,7 +107,9 @@ def test_a_script_that_never_logs_keeps_every_checkpoint_by_its_folder_name_and_
     # The timeout also covers the first attempt's start to its first checkpoint, which on CI's two
     # busy cores took over 15 s.
     args = ["--max_steps", "750", "--save_every", "50", "--step_seconds", "0.05"]
-    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "saves_only.py", args, training={"stall_timeout_s": 30})
+    # keep_best by an eval_loss it never logs: every checkpoint still kept, and its logs say why none is the best.
+    job_id, job = submit_and_kill_after_first_checkpoint(client, info, "saves_only.py", args, training={"stall_timeout_s": 30},
+                                                         checkpoint={"keep_last": 20, "keep_best": True})
     assert job["status"] == "succeeded", job["failure_reason"]
     first, second = job["attempts"]
     assert first["status"] == "failed"
@@ -118,6 +120,10 @@ def test_a_script_that_never_logs_keeps_every_checkpoint_by_its_folder_name_and_
     assert not [name for name in series if not name.startswith("sys/")]  # none of its own, only the machine's samples
     logs = client.get(f"/v1/jobs/{job_id}/logs", params={"tail": 200}).json()["lines"]
     assert any(line["line"] == f"resumed at step {resumed}" for line in logs if line["attempt"] == 2)
+    assert [line["line"] for line in logs if "never logged" in line["line"] and line["attempt"] == 2] == [
+        "trainyard: checkpoint.keep_best ranks checkpoints by 'eval_loss', which this attempt never logged: no checkpoint is kept as its best "
+        "(checkpoint.best_metric; it logged: none)"]
+    assert not any(c["best"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json())
 
 
 def test_a_script_with_automatic_checkpoint_naming_keeps_each_save_past_its_total_limit_and_resumes_to_the_same_end(stack):

@@ -1,10 +1,11 @@
 """An attempt's output as the worker keeps it (workers/supervisor.py): a budget of lines per attempt and a
 bound on what waits to be stored, every dropped line counted and said; a failure reason that ends with
-the user's error, not the launcher's traceback."""
+the user's error, not the launcher's traceback; a best checkpoint that can't be ranked, said."""
 
 from __future__ import annotations
 
-from workers.supervisor import MAX_LOG_LINE, MAX_PENDING_LOG_CHARS, DroppedLines, Outbox, without_launcher_traceback
+from api_schemas import CheckpointConfig
+from workers.supervisor import MAX_LOG_LINE, MAX_PENDING_LOG_CHARS, DroppedLines, Outbox, unranked_best_note, without_launcher_traceback
 
 
 def test_past_the_budget_lines_are_dropped_with_a_line_saying_so_at_once_and_how_many_at_the_end():
@@ -42,3 +43,13 @@ def test_a_failure_reason_ends_with_the_users_error_not_the_launchers_traceback(
     assert without_launcher_traceback(user + launcher) == user
     assert without_launcher_traceback(user) == user  # nothing of the launcher's: as it was
     assert without_launcher_traceback(launcher) == launcher  # nothing else to show: kept
+
+
+def test_a_best_checkpoint_ranked_by_a_metric_never_logged_is_said_with_what_was_logged():
+    policy = CheckpointConfig(keep_best=True, best_metric="val/acc", best_mode="max")
+    assert unranked_best_note(policy, {"loss", "val/accuracy"}) == (
+        "trainyard: checkpoint.keep_best ranks checkpoints by 'val/acc', which this attempt never logged: no checkpoint is kept "
+        "as its best (checkpoint.best_metric; it logged: loss, val/accuracy)")
+    assert unranked_best_note(policy, {"val/acc"}) is None
+    assert unranked_best_note(CheckpointConfig(), set()) is None  # no keep_best: nothing to rank
+    assert unranked_best_note(CheckpointConfig(keep_best=True), set()).endswith("it logged: none)")
