@@ -33,8 +33,7 @@ from accelerate.checkpointing import load_accelerator_state, save_accelerator_st
 from accelerate.utils import OPTIMIZER_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, DistributedType, save
 from safetensors.torch import load_file, save_file
 
-from api_schemas import JobSpec
-from api_schemas.jobs import CheckpointConfig
+from api_schemas import CheckpointConfig, JobSpec
 from api_schemas.manifest import MODEL_FILE, checkpoint_name, write_manifest
 from workers.training.data import Tokenizer
 from workers.training.model import build_model

@@ -16,7 +16,7 @@ from service.api.deps import (
 from service.api.events import EVENTS, LOG_LINES, EventStreamResponse, Source
 from service.api.limits import TooManyStreams
 from service.api.views import checkpoint_out, job_out, job_outs, log_line_out
-from service.db.checkpoints import best_checkpoint_id, metric_at_checkpoints, list_checkpoints
+from service.db.checkpoints import EVAL_LOSS, best_checkpoint_id, list_checkpoints, metric_at_checkpoints
 from service.db.jobs import jobs_visible_to, last_event_seq, request_cancel
 from service.db.log_lines import log_lines_after, log_tail
 from service.db.metrics import metric_series
@@ -141,8 +141,9 @@ def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]
     # "best" only where the job keeps it: otherwise the lowest of the kept ones may be far from the job's best.
     policy = CheckpointConfig.model_validate(job.spec.get("checkpoint", {}))
     losses, best, ranked = metric_at_checkpoints(session, job.id), None, {}
-    if policy.keep_best:
-        best, ranked = best_checkpoint_id(session, job.id, policy), metric_at_checkpoints(session, job.id, policy.best_metric)
+    if policy.keep_best:  # ranked by eval_loss (the default), what is read already
+        ranked = losses if policy.best_metric == EVAL_LOSS else metric_at_checkpoints(session, job.id, policy.best_metric)
+        best = best_checkpoint_id(session, job.id, policy)
     return [checkpoint_out(c, losses.get(c.step), c.id == best, ranked.get(c.step)) for c in list_checkpoints(session, job.id)]
 
 
