@@ -186,17 +186,21 @@ if rank == "0":  # node 0 listens on its own address, and says where
     server.bind(("0.0.0.0", args["listen"]))
     server.listen(16)
     print(f"LISTENING {node_0}:{args['listen']}", flush=True)
+printing = threading.Lock()  # the probes' threads print at once: two print() calls can interleave on one line
+def say(line):
+    with printing:
+        print(line, flush=True)
 def probe(name, host, port):
     deadline = time.monotonic() + (20 if name == "its own node 0" else 0)  # node 0 may not listen yet
     while True:
         try:
             with socket.create_connection((host, port), timeout=3) as connection:
                 connection.sendall(f"rank{rank}".encode())
-            print(f"REACHED {name} from rank {rank}", flush=True)
+            say(f"REACHED {name} from rank {rank}")
             return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                print(f"BLOCKED {name} from rank {rank}: {exc}", flush=True)
+                say(f"BLOCKED {name} from rank {rank}: {exc}")
                 return
             time.sleep(0.2)
 targets = {**{name: tuple(address) for name, address in args["targets"].items()}, "its own node 0": (node_0, args["listen"])}
