@@ -17,6 +17,27 @@ from service.db.models import Attempt, Checkpoint, Job, WorkerHost, utcnow
 from service.db.gang_addresses import free_address, host_subnet
 
 
+# The statements of every heartbeat, built once, on the tables: built for each call through the ORM,
+# a statement cost the API ~3x the CPU (callgrind, bench/README.md), and 500 running hosts send
+# 100 a second.
+_attempts, _jobs = Attempt.__table__, Job.__table__
+_ATTEMPT_ON_HOST = select(_attempts.c.id, _attempts.c.job_id, _attempts.c.number, _attempts.c.host_name).where(_attempts.c.id == bindparam("attempt_id"))
+_RENEW_OWN_LEASE = (
+    update(_attempts)
+    .where(
+        _attempts.c.id == bindparam("attempt_id"), _attempts.c.host_name == bindparam("host"),
+        _attempts.c.lease_owner == bindparam("owner"), _attempts.c.status == AttemptStatus.running,
+    )
+    .values(lease_expires_at=bindparam("expires_at"))
+    .returning(_attempts.c.job_id, _attempts.c.number)
+)
+# Any node of a gang asked to stop stops the whole gang (its training processes vote together).
+_asked = (_attempts.c.job_id == bindparam("job_id"), _attempts.c.number == bindparam("number"), _attempts.c.preempt_requested.is_(True))
+_LEASE = select(
+    _jobs.c.cancel_requested, exists().where(*_asked), select(_attempts.c.preempt_reason).where(*_asked).limit(1).scalar_subquery(),
+).where(_jobs.c.id == bindparam("job_id"))
+
+
 @dataclass(frozen=True)
 class HeldAttempt:
     """An attempt as its worker names it: which one, and the lease it claimed it under."""
@@ -29,9 +50,7 @@ class HeldAttempt:
 
 def attempt_on_host(session: Session, attempt_id: int, host_name: str, lease_owner: str) -> HeldAttempt | None:
     """The attempt, if it was placed on `host_name`; None for any other (a host acts on its own only)."""
-    row = session.execute(
-        select(Attempt.id, Attempt.job_id, Attempt.number, Attempt.host_name).where(Attempt.id == attempt_id)
-    ).first()
+    row = session.execute(_ATTEMPT_ON_HOST, {"attempt_id": attempt_id}).first()
     session.commit()
     if row is None or row.host_name != host_name:
         return None
@@ -161,13 +180,9 @@ def renew_own_lease(
     """`renew_lease` of the host's own running attempt, its lease held, in one statement and the
     lease's read; None for anything else (another host's attempt, a lease no longer held), which
     the caller then tells apart."""
-    renewed = session.execute(
-        update(Attempt)
-        .where(Attempt.id == attempt_id, Attempt.host_name == host_name, Attempt.lease_owner == lease_owner, Attempt.status == AttemptStatus.running)
-        .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
-        .returning(Attempt.job_id, Attempt.number),
-        execution_options={"synchronize_session": False},
-    ).first()
+    renewed = session.execute(_RENEW_OWN_LEASE, {
+        "attempt_id": attempt_id, "host": host_name, "owner": lease_owner, "expires_at": utcnow() + timedelta(seconds=lease_seconds),
+    }).first()
     if renewed is None:
         session.rollback()
         return None
@@ -178,12 +193,7 @@ def renew_own_lease(
 
 def _lease(session: Session, job_id: int, number: int, held: bool) -> Lease:
     """The lease as its host hears it: whether the job is to be cancelled or the attempt preempted."""
-    # Any node of a gang asked to stop stops the whole gang (its training processes vote together).
-    # One statement: this is read on every heartbeat of every running attempt.
-    asked = (Attempt.job_id == job_id, Attempt.number == number, Attempt.preempt_requested.is_(True))
-    cancel, preempt, reason = session.execute(select(
-        Job.cancel_requested, exists().where(*asked), select(Attempt.preempt_reason).where(*asked).limit(1).scalar_subquery(),
-    ).where(Job.id == job_id)).one()
+    cancel, preempt, reason = session.execute(_LEASE, {"job_id": job_id, "number": number}).one()
     return Lease(held=held, cancel_requested=bool(cancel), preempt_requested=preempt, preempt_reason=reason)
 
 

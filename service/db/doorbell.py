@@ -45,7 +45,10 @@ def tell_followers(session: Session, job_id: int) -> None:
     """Wake the API processes' watchers of this job once this transaction commits: a NOTIFY on
     PostgreSQL (one per job and transaction: PostgreSQL folds repeats). On SQLite they poll."""
     if session.get_bind().dialect.name == "postgresql":
-        session.execute(text("SELECT pg_notify(:channel, :job)"), {"channel": FOLLOWERS_CHANNEL, "job": str(job_id)})
+        session.execute(_NOTIFY_FOLLOWERS, {"channel": FOLLOWERS_CHANNEL, "job": str(job_id)})
+
+
+_NOTIFY_FOLLOWERS = text("SELECT pg_notify(:channel, :job)")
 
 
 def libpq_dsn(database_url) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import bindparam, delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -57,15 +57,20 @@ def record_heartbeat(session: Session, host_name: str) -> bool:
 
 def note_heartbeat(session: Session, host_name: str) -> bool:
     """record_heartbeat in the caller's transaction, for the caller to commit."""
-    return bool(session.execute(update(WorkerHost).where(WorkerHost.name == host_name).values(last_heartbeat=utcnow())).rowcount)
+    return bool(session.execute(_NOTE_HEARTBEAT, {"host": host_name, "now": utcnow()}).rowcount)
 
 
 def heartbeat_by_token(session: Session, token: str) -> str | None:
     """A heartbeat in one statement that checks the host's token too: the host's name; None if the
     token is no live host token's, or its host is not registered (the caller asks which)."""
-    live = select(HostToken.host_name).where(HostToken.token_hash == hash_token(token), HostToken.revoked_at.is_(None)).scalar_subquery()
-    seen = update(WorkerHost).where(WorkerHost.name == live).values(last_heartbeat=utcnow()).returning(WorkerHost.name)
-    return session.execute(seen, execution_options={"synchronize_session": False}).scalar()
+    return session.execute(_HEARTBEAT_BY_TOKEN, {"token_hash": hash_token(token), "now": utcnow()}).scalar()
+
+
+# Every host's heartbeat, built once on the tables (as service/db/attempts.py's lease statements are).
+_hosts, _tokens = WorkerHost.__table__, HostToken.__table__
+_NOTE_HEARTBEAT = update(_hosts).where(_hosts.c.name == bindparam("host")).values(last_heartbeat=bindparam("now"))
+_live_host = select(_tokens.c.host_name).where(_tokens.c.token_hash == bindparam("token_hash"), _tokens.c.revoked_at.is_(None)).scalar_subquery()
+_HEARTBEAT_BY_TOKEN = update(_hosts).where(_hosts.c.name == _live_host).values(last_heartbeat=bindparam("now")).returning(_hosts.c.name)
 
 
 def online_hosts(session: Session, now: datetime, host_timeout: float) -> list[WorkerHost]:

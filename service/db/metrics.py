@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from sqlalchemy import func, select, text, update
+from sqlalchemy import bindparam, func, select, text, update
 from sqlalchemy.orm import Session
 
 from api_schemas import JobEventType
@@ -14,6 +14,8 @@ from service.db.metric_buckets import bucket_rows, refresh_metric_buckets
 from service.db.models import Job, Metric, MetricBucket
 
 
+_jobs = Job.__table__  # built once on the table: every report runs it (service/db/attempts.py says why)
+_ADVANCE_STEP = update(_jobs).where(_jobs.c.id == bindparam("job_id"), _jobs.c.step < bindparam("last_step")).values(step=bindparam("last_step"))
 _UPSERT_METRIC_ARRAYS = text("""
     INSERT INTO metrics (job_id, attempt_id, step, name, value)
     SELECT CAST(:job_id AS bigint), CAST(:attempt_id AS bigint), step, name, value
@@ -51,7 +53,7 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
         session.execute(statement, [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points])
     last_step = max(steps)
     refresh_metric_buckets(session, job_id, points)
-    session.execute(update(Job).where(Job.id == job_id, Job.step < last_step).values(step=last_step))
+    session.execute(_ADVANCE_STEP, {"job_id": job_id, "last_step": last_step})
     by_step: dict[int, dict[str, float | None]] = {}
     for step, name, value in points:
         by_step.setdefault(step, {})[name] = value

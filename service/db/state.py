@@ -175,6 +175,10 @@ _SCHEDULE_JOBS = {  # on the table, as _cas_statement's; by whether the database
     .returning(_jobs.c.id, _jobs.c.last_event_seq, select(func.coalesce(func.max(Attempt.number), 0) + 1).where(Attempt.job_id == literal_column("jobs.id")).scalar_subquery())
     for postgresql in (False, True)
 }
+# A job's next event numbers: the counter after taking `count` of them.
+_TAKE_EVENT_NUMBERS = (
+    update(_jobs).where(_jobs.c.id == bindparam("job_id")).values(last_event_seq=_jobs.c.last_event_seq + bindparam("count")).returning(_jobs.c.last_event_seq)
+)
 
 
 def move_attempt(
@@ -306,9 +310,7 @@ def append_events(session: Session, job_id: int, events: list[tuple[JobEventType
     """
     if not events:
         return
-    last = session.execute(
-        update(_jobs).where(_jobs.c.id == job_id).values(last_event_seq=_jobs.c.last_event_seq + len(events)).returning(_jobs.c.last_event_seq)
-    ).scalar_one()
+    last = session.execute(_TAKE_EVENT_NUMBERS, {"job_id": job_id, "count": len(events)}).scalar_one()
     _insert_events(session, job_id, last - len(events) + 1, events, now or utcnow())
 
 
