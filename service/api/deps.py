@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 from datetime import datetime, timezone
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated
 
 from fastapi import Depends, HTTPException, Path, Query, Request, status
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.concurrency import run_in_threadpool
 
 from api_schemas import ErrorOut
 from service.api.limits import FailedAuthLimiter
@@ -48,14 +49,28 @@ async def get_settings(request: Request) -> Settings:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 
-def get_session(settings: SettingsDep) -> Iterator[Session]:
-    with read_session_factory(settings.resolved_database_url)() as session:
+async def get_session(settings: SettingsDep) -> AsyncIterator[Session]:
+    async for session in _session_of(read_session_factory(settings.resolved_database_url)):
         yield session
 
 
-def get_write_session(settings: SettingsDep) -> Iterator[Session]:
-    with session_factory(settings.resolved_database_url)() as session:
+async def get_write_session(settings: SettingsDep) -> AsyncIterator[Session]:
+    async for session in _session_of(session_factory(settings.resolved_database_url)):
         yield session
+
+
+async def _session_of(sessions: sessionmaker[Session]) -> AsyncIterator[Session]:
+    # async: a new session touches no database, and a sync generator dependency costs two trips
+    # through the thread pool per request. Closing it is I/O only while it still holds a connection
+    # (a route not of SessionsEndWithRoute): then it is closed on the pool, never on the event loop.
+    session = sessions()
+    try:
+        yield session
+    finally:
+        if session.in_transaction():
+            await run_in_threadpool(session.close)
+        else:
+            session.close()
 
 
 # scope="function": closed when the route returns, not after its response (a stream, a slow client) is sent.
