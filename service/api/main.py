@@ -118,6 +118,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_bytes, max_upload_bytes=settings.max_upload_bytes)
     app.add_middleware(AuditTrail, sessions=session_factory(database_url))  # a refused body is audited too
     app.add_middleware(UnexpectedErrors)  # added last, so outermost: it sees what BodySizeLimit lets through
+    # The worker protocol first: routes are matched in order, and its requests are most of them (a
+    # heartbeat or a report from every host every few seconds).
+    app.include_router(host_api.router)
+    app.include_router(host_transfers.router)
     app.include_router(jobs.router)
     app.include_router(checkpoints.router)
     app.include_router(outputs.router)
@@ -133,8 +137,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(dashboard.page_router)
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.include_router(monitoring.router)
-    app.include_router(host_api.router)
-    app.include_router(host_transfers.router)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:  # on the event loop: it answers even while the thread pool is busy
