@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import math
 
-from sqlalchemy import bindparam, func, select, text, update
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from api_schemas import JobEventType
 from service.db import rollups, state
 from service.db.dialect import dialect_insert, pg_array
 from service.db.metric_buckets import bucket_rows, refresh_metric_buckets
-from service.db.models import Job, Metric, MetricBucket
+from service.db.models import Metric, MetricBucket
 
 
-_jobs = Job.__table__  # built once on the table: every report runs it (service/db/attempts.py says why)
-_ADVANCE_STEP = update(_jobs).where(_jobs.c.id == bindparam("job_id"), _jobs.c.step < bindparam("last_step")).values(step=bindparam("last_step"))
 _UPSERT_METRIC_ARRAYS = text("""
     INSERT INTO metrics (job_id, attempt_id, step, name, value)
     SELECT CAST(:job_id AS bigint), CAST(:attempt_id AS bigint), step, name, value
@@ -51,13 +49,12 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
             set_={"value": statement.excluded.value, "attempt_id": statement.excluded.attempt_id},
         )
         session.execute(statement, [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points])
-    last_step = max(steps)
     refresh_metric_buckets(session, job_id, points)
-    session.execute(_ADVANCE_STEP, {"job_id": job_id, "last_step": last_step})
     by_step: dict[int, dict[str, float | None]] = {}
     for step, name, value in points:
         by_step.setdefault(step, {})[name] = value
-    state.append_events(session, job_id, [(JobEventType.metrics, {"step": s, "values": v}) for s, v in sorted(by_step.items())])
+    events = [(JobEventType.metrics, {"step": s, "values": v}) for s, v in sorted(by_step.items())]
+    state.append_events(session, job_id, events, step=max(steps))  # the job's step raised in the counter's statement
     session.commit()
 
 

@@ -14,7 +14,7 @@ import functools
 import json
 from datetime import datetime
 
-from sqlalchemy import bindparam, func, literal_column, select, text, update
+from sqlalchemy import bindparam, case, func, literal_column, select, text, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
@@ -175,9 +175,15 @@ _SCHEDULE_JOBS = {  # on the table, as _cas_statement's; by whether the database
     .returning(_jobs.c.id, _jobs.c.last_event_seq, select(func.coalesce(func.max(Attempt.number), 0) + 1).where(Attempt.job_id == literal_column("jobs.id")).scalar_subquery())
     for postgresql in (False, True)
 }
-# A job's next event numbers: the counter after taking `count` of them.
+# A job's next event numbers: the counter after taking `count` of them; its step raised to `at_least` (when not null).
 _TAKE_EVENT_NUMBERS = (
-    update(_jobs).where(_jobs.c.id == bindparam("job_id")).values(last_event_seq=_jobs.c.last_event_seq + bindparam("count")).returning(_jobs.c.last_event_seq)
+    update(_jobs)
+    .where(_jobs.c.id == bindparam("job_id"))
+    .values(
+        last_event_seq=_jobs.c.last_event_seq + bindparam("count"),
+        step=case((_jobs.c.step < bindparam("at_least"), bindparam("at_least")), else_=_jobs.c.step),
+    )
+    .returning(_jobs.c.last_event_seq)
 )
 
 
@@ -302,15 +308,18 @@ def status_event(status: JobStatus, reason: str | None = None) -> tuple[JobEvent
     return JobEventType.status, {"status": status.value, "reason": reason}
 
 
-def append_events(session: Session, job_id: int, events: list[tuple[JobEventType, dict]], *, now: datetime | None = None) -> None:
-    """Append (type, data) events to the job's log, numbered on from its `last_event_seq`.
+def append_events(
+    session: Session, job_id: int, events: list[tuple[JobEventType, dict]], *, now: datetime | None = None, step: int | None = None
+) -> None:
+    """Append (type, data) events to the job's log, numbered on from its `last_event_seq`; with
+    `step`, the job's step is raised to it in the same statement (a metrics report's last step).
 
     The counter's UPDATE locks the job row until this transaction ends, so a concurrent writer
     numbers its events after ours and commits after us: seq stays gapless and in commit order.
     """
     if not events:
         return
-    last = session.execute(_TAKE_EVENT_NUMBERS, {"job_id": job_id, "count": len(events)}).scalar_one()
+    last = session.execute(_TAKE_EVENT_NUMBERS, {"job_id": job_id, "count": len(events), "at_least": step}).scalar_one()
     _insert_events(session, job_id, last - len(events) + 1, events, now or utcnow())
 
 
