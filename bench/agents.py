@@ -31,6 +31,7 @@ import json
 import multiprocessing
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -374,54 +375,109 @@ def serial_costs(rounds: int) -> dict:
     """The API's own CPU per request, one request at a time (no queue, nothing else on the API): what
     one host costs it, whatever the machine. Two hosts, one of them running an attempt; 35 points a
     report (a heartbeat's worth of 7 metrics at 1 step/s)."""
-    url = fresh_database()
-    api = None
-    try:
+    with serial_api(REPO, []) as (api, kinds):
+        process = psutil.Process(api.pid)
+        costs = {}
+        for kind, send in kinds.items():
+            for round_ in range(rounds + rounds // 10):
+                if round_ == rounds // 10:  # the first tenth warms up
+                    cpu = sum(process.cpu_times()[:2])
+                send()
+            costs[kind] = round((sum(process.cpu_times()[:2]) - cpu) * 1000 / rounds, 2)
+    costs["report_renewing_over_lease_then_report"] = round(costs["running_heartbeat_report_renewing"] / costs["running_heartbeat_lease_then_report"], 2)
+    return {"api_cpu_ms": costs, "rounds": rounds}
+
+
+def instruction_costs(rounds: int, peer_tree: Path | None) -> dict:
+    """The API's instructions per request (valgrind's callgrind, counting only while each kind runs):
+    unlike CPU time on shared cores, the same count run after run (±0.5% here), so a change of a few
+    percent shows. With `peer_tree` (a checkout of another revision: `git worktree add`), its API
+    is counted the same way and each kind's ratio printed."""
+
+    def count(tree: Path) -> dict:
+        out = Path(f"/tmp/agents-callgrind-{uuid.uuid4().hex[:8]}")
+        out.mkdir()
+        wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/run"]
+        with serial_api(tree, wrapper, healthy_within=600) as (api, kinds):
+            for kind, send in kinds.items():
+                for _ in range(max(10, rounds // 10)):  # warm up
+                    send()
+                subprocess.run(["callgrind_control", "-i", "on", str(api.pid)], check=True, capture_output=True)
+                for _ in range(rounds):
+                    send()
+                subprocess.run(["callgrind_control", "-i", "off", str(api.pid)], check=True, capture_output=True)
+                subprocess.run(["callgrind_control", "-d", kind, str(api.pid)], check=True, capture_output=True)  # dumps, then zeroes
+        counts = {}
+        for dump in sorted(out.glob("run.*"), key=lambda path: int(path.name.rsplit(".", 1)[1])):
+            total = next(int(line.split()[1]) for line in dump.read_text().splitlines() if line.startswith("totals:"))
+            counts[list(kinds)[len(counts)]] = round(total / rounds / 1e6, 2)
+        shutil.rmtree(out)
+        return counts
+
+    ours = count(REPO)
+    result = {"api_million_instructions": ours, "rounds": rounds}
+    if peer_tree is not None:
+        peer = count(peer_tree)
+        result["peer"] = {"tree": str(peer_tree), "api_million_instructions": peer}
+        result["ours_over_peer"] = {kind: round(ours[kind] / peer[kind], 2) for kind in ours if kind in peer}
+    return result
+
+
+class serial_api:
+    """One API process (started from `tree`'s code, under `wrapper`) on a fresh PostgreSQL database, two
+    hosts registered, one of them running an attempt; yields (the API process, {kind: send one request
+    or a pair}). For measures of one request at a time."""
+
+    def __init__(self, tree: Path, wrapper: list[str], healthy_within: float = 60):
+        self.tree, self.wrapper, self.healthy_within = tree, wrapper, healthy_within
+
+    def __enter__(self):
         from service.db.migrate import upgrade
 
-        upgrade(url)
-        tokens, placed = seed(url, 2, "s")
+        self.url, self.api = fresh_database(), None
+        upgrade(self.url)
+        tokens, placed = seed(self.url, 2, "s")
         (running, attempt), idle = next(iter(placed.items())), next(name for name in tokens if name not in placed)
         port = free_port()
-        env = {**os.environ, "TRAINYARD_DATABASE_URL": url, "TRAINYARD_DATA_DIR": f"/tmp/{url.rsplit('/', 1)[1]}"}
-        api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_healthy(f"http://127.0.0.1:{port}", [api])
-        process = psutil.Process(api.pid)
-        clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{port}{HOST_API_PREFIX}", headers={"Authorization": f"Bearer {token}"})
+        env = {**os.environ, "PYTHONPATH": str(self.tree), "TRAINYARD_DATABASE_URL": self.url, "TRAINYARD_DATA_DIR": f"/tmp/{self.url.rsplit('/', 1)[1]}"}
+        self.api = subprocess.Popen([*self.wrapper, sys.executable, "-m", "trainyard", "api", "--port", str(port)],
+                                    cwd=self.tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_healthy(f"http://127.0.0.1:{port}", [self.api], timeout=self.healthy_within)
+        clients = {name: httpx.Client(base_url=f"http://127.0.0.1:{port}{HOST_API_PREFIX}", headers={"Authorization": f"Bearer {token}"}, timeout=60)
                    for name, token in tokens.items()}
-        for name, client in clients.items():
+        for client in clients.values():
             client.post("/register", json={"device": "cpu", "slots": 1, "address": "127.0.0.1"}).raise_for_status()
         owner = f"{running}:serial"
         clients[running].post(f"/attempts/{attempt}/claim", json={"lease_owner": owner, "rendezvous": "127.0.0.1:1"}).raise_for_status()
         step = 0
 
-        def report(renew: bool) -> list[tuple[str, str, dict]]:
+        def post(name: str, path: str, body: dict | None = None) -> None:
+            clients[name].post(path, json=body).raise_for_status()
+
+        def lease() -> None:
+            post(running, f"/attempts/{attempt}/lease", {"lease_owner": owner})
+
+        def report(renew: bool) -> None:
             nonlocal step
             step += 5
             points = [[step - back, metric, 0.5] for back in range(5) for metric in METRICS]
-            return [(running, f"/attempts/{attempt}/report", {"lease_owner": owner, "metrics": points, "renew_lease": renew})]
+            post(running, f"/attempts/{attempt}/report", {"lease_owner": owner, "metrics": points, "renew_lease": renew})
 
         kinds = {
-            "idle_heartbeat": lambda: [(idle, "/heartbeat", None)],
-            "lease_renewal": lambda: [(running, f"/attempts/{attempt}/lease", {"lease_owner": owner})],
+            "idle_heartbeat": lambda: post(idle, "/heartbeat"),
+            "lease_renewal": lease,
             "report": lambda: report(False),
-            "running_heartbeat_lease_then_report": lambda: [*kinds["lease_renewal"](), *report(False)],
+            "running_heartbeat_lease_then_report": lambda: (lease(), report(False)),
             "running_heartbeat_report_renewing": lambda: report(True),
         }
-        costs = {}
-        for kind, requests in kinds.items():
-            for round_ in range(rounds + rounds // 10):
-                if round_ == rounds // 10:  # the first tenth warms up
-                    cpu = sum(process.cpu_times()[:2])
-                for name, path, body in requests():
-                    clients[name].post(path, json=body).raise_for_status()
-            costs[kind] = round((sum(process.cpu_times()[:2]) - cpu) * 1000 / rounds, 2)
-        costs["report_renewing_over_lease_then_report"] = round(costs["running_heartbeat_report_renewing"] / costs["running_heartbeat_lease_then_report"], 2)
-        return {"api_cpu_ms": costs, "rounds": rounds}
-    finally:
-        if api is not None:
-            stop_children([api])
-        drop_database(url)
+        return self.api, kinds
+
+    def __exit__(self, *_):
+        try:
+            if self.api is not None:
+                stop_children([self.api])
+        finally:
+            drop_database(self.url)
 
 
 def peer_run(hosts: int, seconds: float) -> dict:
@@ -445,9 +501,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--processes", type=int, default=2, help="processes the simulated hosts are spread over")
     parser.add_argument("--serial", type=int, metavar="ROUNDS", help="only the API's CPU per request, ROUNDS of each kind one at a time")
+    parser.add_argument("--instructions", type=int, metavar="ROUNDS", help="only the API's instructions per request (callgrind), ROUNDS of each kind")
+    parser.add_argument("--peer-tree", type=Path, help="with --instructions: a checkout of another revision, counted the same way (the peer)")
     args = parser.parse_args()
     if args.serial:
         print(json.dumps({"benchmark": "agents_serial", **serial_costs(args.serial)}))
+        return
+    if args.instructions:
+        print(json.dumps({"benchmark": "agents_instructions", **instruction_costs(args.instructions, args.peer_tree)}))
         return
     peer = peer_run(args.peer_hosts, args.seconds)
     same_load = trainyard_run(args.peer_hosts, args.seconds, args.processes)
