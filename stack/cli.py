@@ -6,6 +6,7 @@ Users run them as `trainyard <command>`: the client's `trainyard.cli` lists them
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -55,9 +56,14 @@ def run_api(args: argparse.Namespace) -> int:
 
     from service.api.main import create_app
 
+    from service.logs import QuietMachineTraffic
+
     _configure_logging("api")
-    uvicorn.run(create_app(_settings()), host=args.host, port=args.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
-    return 0
+    config = uvicorn.Config(create_app(_settings()), host=args.host, port=args.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
+    logging.getLogger("uvicorn.access").addFilter(QuietMachineTraffic())  # after Config, which configures uvicorn's loggers
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 3  # as uvicorn.run exits when it could not start (a port in use)
 
 
 def run_scheduler_command(args: argparse.Namespace) -> int:
