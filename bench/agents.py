@@ -2,7 +2,9 @@
 old design (each host its own database connection) at the size where that still fits.
 
     make .venv/.bench-stamp  # aiohttp, for the simulated hosts
-    PYTHONPATH=$PWD .venv/bin/python bench/agents.py [--hosts 1000] [--seconds 30]
+    PYTHONPATH=$PWD .venv/bin/python bench/agents.py [--hosts 1000] [--seconds 30] [--warmup 0]
+    PYTHONPATH=$PWD .venv/bin/python bench/agents.py --serial 1000        # the API's CPU per request, one at a time
+    PYTHONPATH=$PWD .venv/bin/python bench/agents.py --instructions 100 [--peer-tree DIR]  # its instructions (valgrind)
 
 Simulated hosts (asyncio, no training) speak the real protocol (api_schemas/host_api.py) as a
 worker does (workers/host_client.py, workers/supervisor.py): each registers; half of them have
@@ -181,8 +183,9 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
         await asyncio.sleep(max(0.0, min(*upcoming, stop_at) - time.monotonic()))
 
 
-def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]], seconds: float, out) -> None:
-    """One process's share of the hosts, spread over the API processes; its stats sent to `out`."""
+def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]], warmup: float, seconds: float, out) -> None:
+    """One process's share of the hosts, spread over the API processes; its stats of the `seconds`
+    after the `warmup` (registrations, claims, the first reports before the API paces them) sent to `out`."""
     async def main() -> dict:
         stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0}
         # aiohttp, not the worker's httpx: a load generator on the machine it measures must cost little
@@ -191,8 +194,13 @@ def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]
             aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=256), timeout=aiohttp.ClientTimeout(total=60))
             for url in urls
         ]
-        stop_at = time.monotonic() + seconds
-        await asyncio.gather(*(
+        stop_at = time.monotonic() + warmup + seconds
+
+        async def forget_the_warmup() -> None:
+            await asyncio.sleep(warmup)
+            stats.update(ingest=[], renewal_gaps=[], points=0, errors=[], requests=0)  # a renewal's gap still counts from the one before
+
+        await asyncio.gather(forget_the_warmup(), *(
             simulated_host(clients[i % len(clients)], name, token, attempt, stop_at, stats) for i, (name, token, attempt) in enumerate(hosts)
         ), return_exceptions=False)
         for client in clients:
@@ -329,7 +337,7 @@ def summary(stats: dict, watch: Watch, hosts: int) -> dict:
     }
 
 
-def trainyard_run(hosts: int, seconds: float, processes: int) -> dict:
+def trainyard_run(hosts: int, seconds: float, processes: int, warmup: float = 0.0) -> dict:
     url = fresh_database()
     apis = []
     try:
@@ -351,13 +359,14 @@ def trainyard_run(hosts: int, seconds: float, processes: int) -> dict:
             wait_healthy(api_url, apis)
         everyone = [(name, token, placed.get(name)) for name, token in tokens.items()]
         pipes, workers = [], []
+        for share in range(processes):
+            receive, send = multiprocessing.Pipe(duplex=False)
+            worker = multiprocessing.Process(target=run_simulated_hosts, args=(urls, everyone[share::processes], warmup, seconds, send))
+            worker.start()
+            pipes.append(receive)
+            workers.append(worker)
+        time.sleep(warmup)
         with Watch(url, urls[0], user_token, apis) as watch:
-            for share in range(processes):
-                receive, send = multiprocessing.Pipe(duplex=False)
-                worker = multiprocessing.Process(target=run_simulated_hosts, args=(urls, everyone[share::processes], seconds, send))
-                worker.start()
-                pipes.append(receive)
-                workers.append(worker)
             results = [pipe.recv() for pipe in pipes]
             for worker in workers:
                 worker.join()
@@ -457,10 +466,10 @@ class serial_api:
         def lease() -> None:
             post(running, f"/attempts/{attempt}/lease", {"lease_owner": owner})
 
-        def report(renew: bool) -> None:
+        def report(renew: bool, steps: int = 5) -> None:
             nonlocal step
-            step += 5
-            points = [[step - back, metric, 0.5] for back in range(5) for metric in METRICS]
+            step += steps
+            points = [[step - back, metric, 0.5] for back in range(steps) for metric in METRICS]
             post(running, f"/attempts/{attempt}/report", {"lease_owner": owner, "metrics": points, "renew_lease": renew})
 
         kinds = {
@@ -469,6 +478,8 @@ class serial_api:
             "report": lambda: report(False),
             "running_heartbeat_lease_then_report": lambda: (lease(), report(False)),
             "running_heartbeat_report_renewing": lambda: report(True),
+            # What each of agents.py's 500 training hosts sends a heartbeat: 5 s of steps at 5 a second.
+            "running_heartbeat_report_renewing_175_points": lambda: report(True, steps=25),
         }
         return self.api, kinds
 
@@ -499,6 +510,7 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--peer-hosts", type=int, default=90)
     parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--warmup", type=float, default=0, help="seconds of Trainyard's runs not measured: the hosts' registrations, claims and first reports")
     parser.add_argument("--processes", type=int, default=2, help="processes the simulated hosts are spread over")
     parser.add_argument("--serial", type=int, metavar="ROUNDS", help="only the API's CPU per request, ROUNDS of each kind one at a time")
     parser.add_argument("--instructions", type=int, metavar="ROUNDS", help="only the API's instructions per request (callgrind), ROUNDS of each kind")
@@ -511,8 +523,8 @@ def main() -> None:
         print(json.dumps({"benchmark": "agents_instructions", **instruction_costs(args.instructions, args.peer_tree)}))
         return
     peer = peer_run(args.peer_hosts, args.seconds)
-    same_load = trainyard_run(args.peer_hosts, args.seconds, args.processes)
-    full = trainyard_run(args.hosts, args.seconds, args.processes)
+    same_load = trainyard_run(args.peer_hosts, args.seconds, args.processes, args.warmup)
+    full = trainyard_run(args.hosts, args.seconds, args.processes, args.warmup)
     ratio = (same_load["ingest_p99_ms"] / peer["ingest_p99_ms"]) if peer["ingest_p99_ms"] else None
     print(json.dumps({
         "benchmark": "agents",
