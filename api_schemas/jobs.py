@@ -773,6 +773,14 @@ class JobSpec(_Config):
                 f"{self.world_size} processes) cannot be split into whole micro-batches on {elastic.min_processes} processes"
             )
 
+    @classmethod
+    def from_stored(cls, data: dict) -> JobSpec:
+        """A spec as the service stored it when it was submitted, perhaps by an earlier version: a
+        field this version no longer has (removed, or renamed) is left out, not refused, so an
+        upgrade leaves no job unreadable, unschedulable or unrunnable. A new spec is read with
+        `model_validate`, which refuses a misspelt field."""
+        return cls.model_validate(data, extra="ignore")
+
     def evaluated_metrics(self) -> tuple[str, ...]:
         """What the built-in loop's evaluation reports for this job's model (workers/training/evaluate.py)."""
         return ("eval_loss", "eval_accuracy") if self.model.task == "classify" else ("eval_loss",)

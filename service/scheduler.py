@@ -115,7 +115,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     for job in queue_order(queued, now, settings, shares):
         # Only the resources: the spec was validated whole when admitted, and validating all of it
         # again for each of 10,000 jobs cost a tenth of the pass.
-        resources = ResourcesConfig.model_validate(job.spec.get("resources", {}))
+        resources = ResourcesConfig.model_validate(job.spec.get("resources", {}), extra="ignore")  # as JobSpec.from_stored
         if resources.pool is not None:
             if resources.pool not in cluster_pools(settings):
                 set_waiting_reason(job, f"waiting for pool {resources.pool!r}, which this scheduler is not configured to run")
@@ -130,7 +130,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
             continue
         chosen, processes = rooms.best_fit(resources, skip=reserved), resources.processes_per_node
         if chosen is None and resources.elastic and (now - (job.queued_at or job.created_at)).total_seconds() >= resources.elastic.wait_s:
-            chosen, processes = smaller_fit(rooms, JobSpec.model_validate(job.spec), skip=reserved)
+            chosen, processes = smaller_fit(rooms, JobSpec.from_stored(job.spec), skip=reserved)
         if chosen is None:
             reason = waiting_reason(resources, rooms.fitting_now(resources, skip=reserved), len(hosts))
             if resources.elastic:
@@ -213,7 +213,7 @@ def smaller_fit(rooms: Rooms, spec: JobSpec, skip: set[str]) -> tuple[list | Non
 def full_size_fits(rooms: Rooms, attempt: Attempt, skip: set[str]) -> bool:
     """Whether an elastic attempt's job would fit at its full size now: on its own host once the
     attempt's devices are counted free, or on another."""
-    full = JobSpec.model_validate(attempt.job.spec).resources
+    full = JobSpec.from_stored(attempt.job.spec).resources
     if rooms.best_fit(full, skip=skip) is not None:
         return True
     own = rooms.room.get(attempt.host_name)

@@ -80,7 +80,7 @@ class StoreThroughApi:
         the data its spec names, its script's code (then `claimed.code_path`, or `code_refused` saying why not)."""
         if (resume := self.resume_directory(claimed)) is not None:
             self._fetch(claimed, "resume", resume)
-        if JobSpec.model_validate(claimed.spec).data_paths:
+        if JobSpec.from_stored(claimed.spec).data_paths:
             self._fetch(claimed, "data", self.data_root(claimed))
         if claimed.spec.get("script") is not None:
             try:

@@ -365,7 +365,7 @@ class AttemptRunner:
     # -- the attempt's life ----------------------------------------------------------------------
 
     def _supervise(self, claimed: ClaimedAttempt) -> Outcome:
-        spec = JobSpec.model_validate(claimed.spec)
+        spec = JobSpec.from_stored(claimed.spec)
         outbox = Outbox()  # the environment's install log comes first
         environment = None
         try:

@@ -22,7 +22,7 @@ def job_outs(session: Session, jobs: list[Job]) -> list[JobOut]:
 
 
 def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:
-    spec = JobSpec.model_validate(job.spec)
+    spec = JobSpec.from_stored(job.spec)
     latest = latest or {}
     # A rate and an ETA only while it runs: a finished, cancelled or failed job has no speed.
     step_time = latest.get("step_time_s") if job.status == JobStatus.running else None

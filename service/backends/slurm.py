@@ -129,7 +129,7 @@ class SlurmBackend:
                 token_file = directory / "token"
                 token_file.touch(mode=0o600)
                 token_file.write_text(issue_host_token(session, pool_host(self.pool, job_id)))  # replaces the last try's
-            batch = self.batch_job(name, JobSpec.model_validate(spec), directory, ids)
+            batch = self.batch_job(name, JobSpec.from_stored(spec), directory, ids)
             cluster_job_id = self.slurm.submit(batch)
         except SlurmError as exc:
             if exc.transient:

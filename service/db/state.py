@@ -228,7 +228,7 @@ def end_attempt(
     # (before the other committed) and neither ended the job, which stayed `running` for good (found
     # on PostgreSQL, the nodes 1 ms apart). Locked, they take turns, and the gang is read after the lock.
     session.execute(select(Job.id).where(Job.id == job.id).with_for_update())
-    if rollback is not None and job.rollbacks >= (allowed := JobSpec.model_validate(job.spec).training.guard.max_rollbacks):
+    if rollback is not None and job.rollbacks >= (allowed := JobSpec.from_stored(job.spec).training.guard.max_rollbacks):
         # No rollback left: the spike ends the job, as a failure no retry mends.
         outcome, retry, rollback = AttemptStatus.failed, False, None
         if allowed == 0:

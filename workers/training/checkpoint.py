@@ -361,6 +361,6 @@ def load_model_from_checkpoint(checkpoint: Path, data_root: Path | None = None) 
     if raw.get("model", {}).get("kind") == "gpt":
         # Written before model.tie_embeddings existed, when every gpt's head was tied (migration 0020).
         raw["model"].setdefault("tie_embeddings", True)
-    spec = JobSpec.model_validate(raw)
+    spec = JobSpec.from_stored(raw)
     tokenizer = Tokenizer.from_json(json.loads((checkpoint / "tokenizer.json").read_text()))
     return load_model(spec, tokenizer.vocab_size, checkpoint / MODEL_FILE, data_root), tokenizer, spec

@@ -160,7 +160,7 @@ def _data_files(settings: Settings, held: HeldAttempt) -> dict[str, Path]:
     directory's each by its own); one missing or resolving outside the root is left out (the
     training fails on it, saying so, as it would on a host that shares the data root)."""
     with read_session_factory(settings.resolved_database_url)() as session:
-        spec = JobSpec.model_validate(session.scalar(select(Job.spec).where(Job.id == held.job_id)))
+        spec = JobSpec.from_stored(session.scalar(select(Job.spec).where(Job.id == held.job_id)))
     root, files = settings.resolved_data_root.resolve(), {}
     for relative in spec.data_paths:
         try:
