@@ -30,11 +30,11 @@ def issue_host_token(session: Session, host_name: str) -> str:
 
 def host_by_token(session: Session, token: str) -> str | None:
     """The name of the host whose live token this is; None for any other string."""
-    return session.scalar(_HOST_BY_TOKEN, {"token_hash": hash_token(token)})
+    return session.scalar(HOST_OF_LIVE_TOKEN, {"token_hash": hash_token(token)})
 
 
 _tokens = HostToken.__table__  # built once on the table: every host request asks (service/db/attempts.py says why)
-_HOST_BY_TOKEN = select(_tokens.c.host_name).where(_tokens.c.token_hash == bindparam("token_hash"), _tokens.c.revoked_at.is_(None))
+HOST_OF_LIVE_TOKEN = select(_tokens.c.host_name).where(_tokens.c.token_hash == bindparam("token_hash"), _tokens.c.revoked_at.is_(None))
 
 
 def revoke_host_token(session: Session, host_name: str) -> bool:

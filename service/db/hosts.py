@@ -11,7 +11,8 @@ from sqlalchemy.orm import Session
 from service.db.accounts import hash_token
 from service.db.dialect import dialect_insert
 from service.db.doorbell import ring
-from service.db.models import HostToken, WorkerHost, utcnow
+from service.db.host_tokens import HOST_OF_LIVE_TOKEN
+from service.db.models import WorkerHost, utcnow
 from service.db.gang_addresses import lowest_free_index
 
 
@@ -67,10 +68,11 @@ def heartbeat_by_token(session: Session, token: str) -> str | None:
 
 
 # Every host's heartbeat, built once on the tables (as service/db/attempts.py's lease statements are).
-_hosts, _tokens = WorkerHost.__table__, HostToken.__table__
+_hosts = WorkerHost.__table__
 _NOTE_HEARTBEAT = update(_hosts).where(_hosts.c.name == bindparam("host")).values(last_heartbeat=bindparam("now"))
-_live_host = select(_tokens.c.host_name).where(_tokens.c.token_hash == bindparam("token_hash"), _tokens.c.revoked_at.is_(None)).scalar_subquery()
-_HEARTBEAT_BY_TOKEN = update(_hosts).where(_hosts.c.name == _live_host).values(last_heartbeat=bindparam("now")).returning(_hosts.c.name)
+_HEARTBEAT_BY_TOKEN = (
+    update(_hosts).where(_hosts.c.name == HOST_OF_LIVE_TOKEN.scalar_subquery()).values(last_heartbeat=bindparam("now")).returning(_hosts.c.name)
+)
 
 
 def online_hosts(session: Session, now: datetime, host_timeout: float) -> list[WorkerHost]:
