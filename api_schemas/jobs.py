@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
@@ -17,6 +17,14 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 class _Config(BaseModel):
     # A misspelt field is a user error, not something to ignore silently.
     model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def from_stored(cls, data: dict) -> Self:
+        """A spec (or a part of one) as the service stored it when it was submitted, perhaps by an
+        earlier version: a field this version no longer has (removed, or renamed) is left out, not
+        refused, so an upgrade leaves no job unreadable, unschedulable or unrunnable. A new spec is
+        read with `model_validate`, which refuses a misspelt field."""
+        return cls.model_validate(data, extra="ignore")
 
 
 def relative_inside_root(path: str, root: str = "the data root") -> str:
@@ -772,14 +780,6 @@ class JobSpec(_Config):
                 f"{self.training.micro_batch_size} × gradient_accumulation_steps {self.training.gradient_accumulation_steps} × "
                 f"{self.world_size} processes) cannot be split into whole micro-batches on {elastic.min_processes} processes"
             )
-
-    @classmethod
-    def from_stored(cls, data: dict) -> JobSpec:
-        """A spec as the service stored it when it was submitted, perhaps by an earlier version: a
-        field this version no longer has (removed, or renamed) is left out, not refused, so an
-        upgrade leaves no job unreadable, unschedulable or unrunnable. A new spec is read with
-        `model_validate`, which refuses a misspelt field."""
-        return cls.model_validate(data, extra="ignore")
 
     def evaluated_metrics(self) -> tuple[str, ...]:
         """What the built-in loop's evaluation reports for this job's model (workers/training/evaluate.py)."""

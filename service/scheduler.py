@@ -115,7 +115,7 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     for job in queue_order(queued, now, settings, shares):
         # Only the resources: the spec was validated whole when admitted, and validating all of it
         # again for each of 10,000 jobs cost a tenth of the pass.
-        resources = ResourcesConfig.model_validate(job.spec.get("resources", {}), extra="ignore")  # as JobSpec.from_stored
+        resources = ResourcesConfig.from_stored(job.spec.get("resources", {}))
         if resources.pool is not None:
             if resources.pool not in cluster_pools(settings):
                 set_waiting_reason(job, f"waiting for pool {resources.pool!r}, which this scheduler is not configured to run")

@@ -35,7 +35,7 @@ def main() -> int:
     args = parser.parse_args()
 
     try:
-        spec = JobSpec.model_validate_json(args.spec.read_text(), extra="ignore")  # the spec as stored: JobSpec.from_stored
+        spec = JobSpec.model_validate_json(args.spec.read_text(), extra="ignore")  # as JobSpec.from_stored: the spec as stored
     except OSError as exc:
         return bad_spec(f"cannot read {args.spec}: {exc.strerror}")
     except ValidationError as exc:

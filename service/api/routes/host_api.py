@@ -231,7 +231,7 @@ def checkpoint_stored(attempt_id: RowId, body: CheckpointStored, host: CurrentHo
     held = _own(session, host, attempt_id, body.lease_owner)
     _stored_path(store, held, body.path, "checkpoints")
     spec = session.scalar(select(Job.spec).where(Job.id == held.job_id))
-    policy = CheckpointConfig.model_validate(spec.get("checkpoint", {}), extra="ignore")  # its defaults where a spec has none; read as JobSpec.from_stored
+    policy = CheckpointConfig.from_stored(spec.get("checkpoint", {}))  # its defaults, where a spec has none
     stale_paths = record_checkpoint(
         session, held.job_id, held.attempt_id, body.step, body.path, body.sha256, body.size, policy.keep_last, best=policy
     )

@@ -139,7 +139,7 @@ def get_record(job: VisibleJob, session: SessionDep) -> RunRecord:
 @router.get("/{job_id}/checkpoints", response_model=list[CheckpointOut])
 def get_checkpoints(job: VisibleJob, session: SessionDep) -> list[CheckpointOut]:
     # "best" only where the job keeps it: otherwise the lowest of the kept ones may be far from the job's best.
-    policy = CheckpointConfig.model_validate(job.spec.get("checkpoint", {}), extra="ignore")  # as JobSpec.from_stored
+    policy = CheckpointConfig.from_stored(job.spec.get("checkpoint", {}))
     losses, best, ranked = metric_at_checkpoints(session, job.id), None, {}
     if policy.keep_best:  # ranked by eval_loss (the default), what is read already
         ranked = losses if policy.best_metric == EVAL_LOSS else metric_at_checkpoints(session, job.id, policy.best_metric)
