@@ -65,7 +65,7 @@ def launch_command(
             args += [resume_arg(arg, resume_from, resume_step) for arg in spec.script.resume_args]
         return command + [spec.script.entrypoint, *args]
     command += [
-        "-m", "workers.training", "--spec", str(run_dir / SPEC_FILE_NAME), "--data-root", str(data_root), "--run-dir", str(run_dir),
+        "-m", "workers.training", "--spec", str(run_dir / SPEC_FILE_NAME), "--stored", "--data-root", str(data_root), "--run-dir", str(run_dir),
     ]
     if resume_from is not None:
         command += ["--resume-from", str(resume_from)]

@@ -35,7 +35,7 @@ def test_a_two_process_job_is_one_accelerate_launch_of_the_training_entry_point_
         "--mixed_precision", "no", "--dynamo_backend", "no",
         "--num_cpu_threads_per_process", "4",  # the 8 cores shared by the 2 processes
         "--tee", "3", "--log_dir", str(tmp_path / "rank-logs"), "--multi_gpu",  # one process per device, gloo on CPU
-        "-m", "workers.training", "--spec", str(tmp_path / "spec.json"), "--data-root", str(tmp_path / "data"),
+        "-m", "workers.training", "--spec", str(tmp_path / "spec.json"), "--stored", "--data-root", str(tmp_path / "data"),
         "--run-dir", str(tmp_path), "--resume-from", str(checkpoint), "--plugin-dir", str(plugins),
     ]
     single = launch_command(job_spec(), tmp_path, tmp_path / "data", None, "10.0.0.1:29500")

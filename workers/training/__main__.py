@@ -1,4 +1,4 @@
-"""Entry point: `accelerate launch -m workers.training --spec spec.json --data-root DIR --run-dir DIR [--resume-from CKPT] [--plugin-dir DIR]`.
+"""Entry point: `accelerate launch -m workers.training --spec spec.json [--stored] --data-root DIR --run-dir DIR [--resume-from CKPT] [--plugin-dir DIR]`.
 
 Parse → build → train → close. Exits 0 when done, 2 on a bad spec (one line on stderr naming the
 field), 75 when preempted (SIGTERM) after saving a checkpoint, 76 when the loss guard stopped a diverging
@@ -8,6 +8,7 @@ run (roll back), anything else on a failure.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -27,6 +28,8 @@ EXIT_BAD_SPEC = 2
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.training", description="Run one Trainyard training job.")
     parser.add_argument("--spec", type=Path, required=True, help="job spec (JSON)")
+    parser.add_argument("--stored", action="store_true",
+                        help="the spec is a job's as the service stored it, maybe by an earlier version: a field this version no longer has is left out (the worker passes it); without it, an unknown field is an error")
     parser.add_argument("--data-root", type=Path, required=True, help="directory that dataset.path is relative to")
     parser.add_argument("--run-dir", type=Path, required=True, help="where checkpoints are written")
     parser.add_argument("--resume-from", type=Path, help="checkpoint directory to resume from")
@@ -35,9 +38,12 @@ def main() -> int:
     args = parser.parse_args()
 
     try:
-        spec = JobSpec.model_validate_json(args.spec.read_text(), extra="ignore")  # as JobSpec.from_stored: the spec as stored
+        text = args.spec.read_text()
+        spec = JobSpec.from_stored(json.loads(text)) if args.stored else JobSpec.model_validate_json(text)
     except OSError as exc:
         return bad_spec(f"cannot read {args.spec}: {exc.strerror}")
+    except json.JSONDecodeError as exc:
+        return bad_spec(f"{args.spec} is not JSON: {exc}")
     except ValidationError as exc:
         return bad_spec("; ".join(describe(error) for error in exc.errors()))
 
