@@ -70,9 +70,11 @@ REASON_LOG_LINES = 20
 INGEST_WAIT_SECONDS = 1.0
 # What one sync stores, after it has renewed the lease: batches of at most this many lines and points,
 # for at most DELIVERY_SECONDS; a backlog goes on at the next round, so a burst of a million lines or
-# points never delays the lease, a cancel or a SIGTERM by more than that (it was 46 s past a 30 s lease).
-LINES_PER_BATCH = MAX_LINES_PER_REPORT
-POINTS_PER_BATCH = MAX_POINTS_PER_REPORT
+# points never delays the lease, a cancel or a SIGTERM by more than that and one batch (it was 46 s
+# past a 30 s lease). A batch a fifth of what the API takes in one report is stored in ~0.5 s: a full
+# one took 2-3.5 s, and 8 s on a slower, busier host, where a renewal came 16.8 s after the last.
+LINES_PER_BATCH = MAX_LINES_PER_REPORT // 5
+POINTS_PER_BATCH = MAX_POINTS_PER_REPORT // 5
 DELIVERY_SECONDS = 1.0
 # Between heartbeats, what is new (a step's metrics, a checkpoint, lines) is forwarded at once, at
 # most this often: seen through the API within half a second of the training writing it, batched

@@ -8,10 +8,10 @@ from datetime import timedelta
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import Engine, event, select, update
+from sqlalchemy import Engine, event, func, select, update
 
 from api_schemas import AttemptStatus, JobEventType, JobStatus
-from api_schemas.host_api import HostRegistration
+from api_schemas.host_api import MAX_LINES_PER_REPORT, MAX_POINTS_PER_REPORT, HostRegistration
 from api_schemas.run_record import RunEnvironment
 from service.api.main import create_app
 from service.db.accounts import create_user, rotate_token
@@ -19,7 +19,7 @@ from service.db.host_tokens import issue_host_token, revoke_host_token
 from service.db.jobs import create_job
 from service.db.log_lines import log_lines_after
 from service.db.metrics import metric_series
-from service.db.models import Attempt, Job, JobEvent, User, WorkerHost, utcnow
+from service.db.models import Attempt, Job, JobEvent, LogLine, Metric, User, WorkerHost, utcnow
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from tests.helpers import auth, job_spec
@@ -109,6 +109,22 @@ def test_a_report_sent_again_is_stored_once_and_announces_no_step_twice(app, ses
         series = metric_series(session, claimed.job_id, ["train_loss", "grad_norm"], None, 100)
         assert series["train_loss"] == ([1, 2], [2.4, 2.3])
         assert series["grad_norm"] == ([1], [None])  # NaN travels as null, stored as NULL
+
+
+def test_the_largest_report_the_protocol_allows_is_stored_whole(app, sessions, settings):
+    # Our worker sends batches a fifth of this (so that its lease renewals come on time); the protocol
+    # still takes a full one, from a host of another make, and stores every point and line of it.
+    a = host(app, sessions, "host-a")
+    a.register(REGISTRATION)
+    claimed = a.claim(placed_on(sessions, settings, ["host-a"])["host-a"], "a", "127.0.0.1:1")
+    names = 10
+    points = [(step, f"m{k}", float(step + k)) for step in range(MAX_POINTS_PER_REPORT // names) for k in range(names)]
+    lines = [(seq, 0, f"line {seq} " + "x" * 60) for seq in range(MAX_LINES_PER_REPORT)]
+    assert a.report(claimed, points, lines, renew=True).lease.held
+    with sessions() as session:
+        count = lambda model: session.scalar(select(func.count()).select_from(model).where(model.job_id == claimed.job_id))  # noqa: E731
+        assert (count(Metric), count(LogLine)) == (MAX_POINTS_PER_REPORT, MAX_LINES_PER_REPORT)
+        assert session.scalar(select(Job.step).where(Job.id == claimed.job_id)) == MAX_POINTS_PER_REPORT // names - 1
 
 
 def test_reports_are_paced_by_the_running_attempts_and_a_lease_renewal_is_the_hosts_heartbeat(sessions, settings):
