@@ -5,7 +5,9 @@ from a warm interpreter too: every stack's worker keeps one by default.)"""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -13,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from stack.embedded import embedded_stack
+from stack.embedded import StackInfo, embedded_stack
 from tests.e2e.test_end_to_end import wait_for
 from tests.e2e.test_faults import final_weights
 from tests.helpers import tiny_spec
@@ -27,26 +29,31 @@ ONE = tiny_spec(**{"training.max_steps": 8, "checkpoint.every_steps": 8, "traini
 TWO = tiny_spec(**{"training.max_steps": 8, "checkpoint.every_steps": 8, "training.eval_every": 4, "resources.processes_per_node": 2})
 
 
-def run_all(data_dir: Path, warm: bool, monkeypatch) -> tuple[list[tuple[dict, dict, bool]], list[dict]]:
-    """Each spec run on a stack whose worker keeps a warm interpreter, or none: (job, final weights,
-    whether its attempt started warm) each, and the two-process job's log lines."""
-    monkeypatch.setenv("TRAINYARD_WARM_INTERPRETERS", "1" if warm else "0")
+def run_all(info: StackInfo) -> tuple[list[tuple[dict, dict, bool]], list[dict]]:
+    """Each spec run on the stack: (job, final weights, whether its attempt started warm) each, and
+    the two-process job's log lines."""
     results = []
-    with embedded_stack(data_dir, free_port(), workers=1, devices="cpu:2") as info:
-        client = httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30)
+    with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
         for spec in (ONE, TWO):
             job = wait_for(client, client.post("/v1/jobs", json=spec).json()["id"], {"succeeded", "failed", "cancelled"})
             assert job["status"] == "succeeded", job["failure_reason"]
-            started_warm = attempt_dir(data_dir / "work", job["id"], 1).is_symlink()  # to the interpreter's slot
+            started_warm = attempt_dir(info.data_dir / "work", job["id"], 1).is_symlink()  # to the interpreter's slot
             results.append((job, final_weights(client, job["id"]), started_warm))
         logs = client.get(f"/v1/jobs/{results[1][0]['id']}/logs", params={"tail": 200}).json()["lines"]  # the two-process job's
-        client.close()
     return results, logs
 
 
-def test_warm_starts_train_bit_for_bit_as_cold_ones_on_one_and_two_processes(tmp_path, monkeypatch):
-    warm, warm_logs = run_all(tmp_path / "warm", True, monkeypatch)
-    cold, cold_logs = run_all(tmp_path / "cold", False, monkeypatch)
+def test_warm_starts_train_bit_for_bit_as_cold_ones_on_one_and_two_processes(tmp_path):
+    # A stack whose worker keeps a warm interpreter and one whose worker keeps none, their jobs run
+    # side by side (a stack mostly waits on its processes): the weights can't depend on it.
+    with contextlib.ExitStack() as stacks, ThreadPoolExecutor(2) as pool:
+        warm_stack, cold_stack = (
+            stacks.enter_context(embedded_stack(tmp_path / name, free_port(), workers=1, devices="cpu:2",
+                                                worker_settings={"TRAINYARD_WARM_INTERPRETERS": str(int(name == "warm"))}))
+            for name in ("warm", "cold")
+        )
+        warm_run, cold_run = pool.submit(run_all, warm_stack), pool.submit(run_all, cold_stack)
+        (warm, warm_logs), (cold, cold_logs) = warm_run.result(), cold_run.result()
 
     assert [started_warm for *_, started_warm in warm] == [True, True]
     assert [started_warm for *_, started_warm in cold] == [False, False]
