@@ -5,9 +5,10 @@ the reason it can't run here: a command added to the README runs by default. The
 temporary "clone" (the repository's files linked in, this test's `.venv`) against the embedded
 stack that the README's own `trainyard up` starts on port 8000.
 
-The one change from a fresh clone: examples/shakespeare-char.json trains 100 steps instead of 2000
-(every step count a twentieth, through the spec's own fields), so the two jobs take seconds, not 6
-minutes on 2 cores; the checkpoints are still 4, of which `keep_last: 2` keeps ids 3 and 4.
+The one change from a fresh clone: examples/shakespeare-char.json trains 40 steps instead of 2000
+(every step count a fiftieth, through the spec's own fields) and each evaluation reads 4 batches
+instead of 20 (on the one core a job's slot holds, 20 cost as much as 13 training steps), so the
+jobs take seconds, not minutes on 2 cores; the checkpoints are still 4, of which `keep_last: 2` keeps ids 3 and 4.
 """
 
 from __future__ import annotations
@@ -105,9 +106,9 @@ def clone(tmp_path: Path) -> Path:
     example = clone / "examples" / "shakespeare-char.json"
     spec = json.loads(example.read_text())
     assert (spec["training"]["max_steps"], spec["checkpoint"]["every_steps"]) == (2000, 500), "the README's numbers changed"
-    spec["training"].update(max_steps=100, eval_every=spec["training"]["eval_every"] // 10)
-    spec["checkpoint"]["every_steps"] = 25
-    spec["schedule"]["warmup_steps"] //= 20
+    spec["training"].update(max_steps=40, eval_every=spec["training"]["eval_every"] // 25, eval_batches=spec["training"]["eval_batches"] // 5)
+    spec["checkpoint"]["every_steps"] = 10
+    spec["schedule"]["warmup_steps"] //= 50
     example.write_text(json.dumps(spec, indent=2))
     return clone
 
