@@ -50,7 +50,7 @@ HOST_API_PREFIX = "/v1/host"
 # not as failed by an agent that can't start.
 UNREACHABLE_FILE = "api-unreachable"
 
-# What one report may carry: a host sends a backlog in batches of at most these (workers/supervisor.py).
+# What one report may carry: a host sends a backlog in batches of at most these (ours sends a fifth: workers/supervisor.py).
 MAX_POINTS_PER_REPORT = 20_000
 MAX_LINES_PER_REPORT = 5_000
 MAX_LINE_CHARS = 4_000
