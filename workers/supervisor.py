@@ -228,6 +228,10 @@ class Outbox:
         """Metrics, lines or refusals wait to be reported."""
         return bool(self.metrics or self.logs or self.refused)
 
+    def waiting(self) -> int:
+        """How many metric points, lines and refusals wait to be reported."""
+        return len(self.metrics) + len(self.logs) + len(self.refused)
+
     def add_line(self, rank: int | None, line: str) -> None:
         line = line[:MAX_LOG_LINE]
         self.logs.append((next(self.line_numbers), rank, line))
@@ -988,10 +992,11 @@ class RunningAttempt:
         self.next_sync = started + heartbeat
         if self.exit_code is None:
             self.outbox.metrics += self.system.sample(self.step)
+        waiting = self.outbox.waiting()
         lease, asked = self.runner._sync(self.claimed, self.outbox, report=report)
         if report:
             self._note_forward(started, asked)
-        if report and lease is not None and self.outbox.backlog():
+        if report and lease is not None and self.outbox.backlog() and self.outbox.waiting() < waiting:
             self.next_sync = 0.0  # what is left of a burst goes on at the next round
         if lease is None:  # the database is out of reach: all is kept for the next sync
             return None
@@ -1033,7 +1038,10 @@ class RunningAttempt:
 
     def _wait(self) -> None:
         if self.finished:
-            time.sleep(1.0)  # only the outbox left to deliver: retry it
+            # Only the outbox left to deliver. The last sync stored part of a backlog: the rest goes
+            # after the pause a running attempt's rounds take (a second's pause halved a flood's pace),
+            # which leaves the API to other hosts' requests a while; else (the service took none) retry it.
+            time.sleep(FORWARD_SECONDS if self.next_sync == 0.0 else 1.0)
             return
         # Until the training writes a line or its output ends, at most FORWARD_SECONDS (its events
         # file wakes nothing: a step's metrics wait for this), at least a tenth of a second: this
