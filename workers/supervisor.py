@@ -224,13 +224,13 @@ class Outbox:
     def empty(self) -> bool:
         return not (self.backlog() or self.checkpoints.pending() or self.outputs.pending())
 
-    def backlog(self) -> bool:
-        """Metrics, lines or refusals wait to be reported."""
-        return bool(self.metrics or self.logs or self.refused)
-
     def waiting(self) -> int:
         """How many metric points, lines and refusals wait to be reported."""
         return len(self.metrics) + len(self.logs) + len(self.refused)
+
+    def backlog(self) -> bool:
+        """Metrics, lines or refusals wait to be reported."""
+        return self.waiting() > 0
 
     def add_line(self, rank: int | None, line: str) -> None:
         line = line[:MAX_LOG_LINE]
