@@ -162,11 +162,19 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
     job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
     host = wait_until_training(client, job_id)["attempts"][0]["host_name"]  # a complete checkpoint exists
 
-    # The next save's staging directory appears: kill the host and its training while it is there.
+    # A save's staging directory appears while the one before it is listed by the API: kill the host
+    # and its training then. (A save the training finished but its worker had not yet taken in dies
+    # with the host: on a fast machine saves come 0.3 s apart, and the one before may still be on its way.)
     checkpoints = attempt_dir(tmp_path / "yard" / "work", job_id, 1) / "checkpoints"
-    deadline = time.monotonic() + 120
-    while not (staging := [p.name for p in checkpoints.glob(".tmp-*")]):
-        assert time.monotonic() < deadline, "no checkpoint was caught being written"
+    deadline, listed, listed_at = time.monotonic() + 120, 0, 0.0
+    while True:
+        assert time.monotonic() < deadline, "no checkpoint was caught being written after the one before it was listed"
+        if time.monotonic() - listed_at > 0.05:
+            listed = max(c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json())
+            listed_at = time.monotonic()
+        staging = [p.name for p in checkpoints.glob(".tmp-*")]
+        if staging and int(staging[0].rsplit("-", 1)[1]) == listed + EVERY:
+            break
         time.sleep(0.002)
     for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(attempt_pattern(checkpoints.parent)):
         os.kill(pid, signal.SIGKILL)
