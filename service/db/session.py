@@ -28,8 +28,9 @@ SQLITE_BUSY_TIMEOUT_SECONDS = 60
 _READ_ONLY = "trainyard_read_only"  # an execution option and a Session.info key
 
 # The most connections one process holds to PostgreSQL: the cap the pool had before (5 + 10
-# overflow), now kept open once opened (bench/agents.py).
-POOL_SIZE = 15
+# overflow), now kept open once opened (bench/agents.py), less the one an API process listens on
+# for its followers (service/api/events.py): 15 in all a process.
+POOL_SIZE = 14
 
 
 def make_engine(url: str) -> Engine:
