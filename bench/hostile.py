@@ -10,7 +10,7 @@ his jobs (GET /v1/jobs) every 50 ms:
     points at once, and alice sends --submits submits with one Idempotency-Key at once.
 Meanwhile every running attempt's lease is watched in the database every 0.25 s.
 
-Prints one JSON line per round and a summary: alice's lines and points stored (of those sent),
+Prints one JSON line per round and a summary: alice's lines (and how many twice) and points stored (of those sent),
 jobs her same-key submits made, 5xx answers, attempts lost, the worst gap between two renewals of
 any lease, bob's p50/p99, and hostile p99 / quiet p99. Targets: 0 lost attempts, 0 × 5xx, renewal
 gap ≤ ⅓ of the lease, bob's p99 ≤ 250 ms.
@@ -140,11 +140,18 @@ def run_round(hostile: bool, args, url: str, tokens: dict[str, str], database_ur
         codes, ids = answers[: args.submits], answers[args.submits:]
         flooded = wait_final(alice, flood)
         with read_session_factory(database_url)() as session:
-            lines = session.scalar(select(func.count()).select_from(LogLine).where(LogLine.job_id == flood))
+            # The script's own lines (each distinct: "line i …", then "done") apart from those the worker adds (its notes).
+            script_line = LogLine.line.like("line %") | (LogLine.line == "done")
+            of_flood = select(LogLine.line).where(LogLine.job_id == flood, script_line).subquery()
+            lines, distinct_lines = session.execute(
+                select(func.count(), func.count(func.distinct(of_flood.c.line))).select_from(of_flood)
+            ).one()
+            worker_lines = session.scalars(select(LogLine.line).where(LogLine.job_id == flood, ~script_line)).all()
             points = session.scalar(select(func.count()).select_from(Metric).where(Metric.job_id == flood, Metric.name.like("m%")))
         for job_id in set(ids):
             alice.post(f"/v1/jobs/{job_id}/cancel")
-        result.update(flood_status=flooded["status"], lines_stored=lines, lines_sent=args.lines + 1, points_stored=points,
+        result.update(flood_status=flooded["status"], lines_stored=lines, lines_sent=args.lines + 1, lines_stored_twice=lines - distinct_lines,
+                      worker_lines=[line[:120] for line in worker_lines], points_stored=points,
                       points_sent=args.points // 10 * 10, same_key_jobs=len(set(ids)), same_key_5xx=sum(c >= 500 for c in codes))
     else:
         time.sleep(args.quiet_seconds)
@@ -194,7 +201,9 @@ def main() -> None:
         "bob_p99_ratio_hostile_over_quiet": round(hostile["bob_p99_ms"] / max(quiet["bob_p99_ms"], 0.1), 2),
         "lease_gap_worst_over_lease": round(hostile["lease_gap_worst_s"] / lease, 3),
         "targets_met": hostile["attempts_lost"] == 0 and hostile["same_key_5xx"] == 0 and hostile["bob_5xx"] == 0
-        and hostile["lease_gap_worst_s"] <= lease / 3 and hostile["bob_p99_ms"] <= 250,
+        and hostile["lease_gap_worst_s"] <= lease / 3 and hostile["bob_p99_ms"] <= 250
+        and hostile["lines_stored"] == hostile["lines_sent"] and hostile["lines_stored_twice"] == 0
+        and hostile["points_stored"] == hostile["points_sent"],
     }
     print(json.dumps(summary))
 
