@@ -13,7 +13,7 @@ Meanwhile every running attempt's lease is watched in the database every 0.25 s.
 Prints one JSON line per round and a summary: alice's lines (and how many twice) and points stored (of those sent),
 jobs her same-key submits made, 5xx answers, attempts lost, the worst gap between two renewals of
 any lease, bob's p50/p99, and hostile p99 / quiet p99. Targets: 0 lost attempts, 0 × 5xx, renewal
-gap ≤ ⅓ of the lease, bob's p99 ≤ 250 ms.
+gap ≤ ⅓ of the lease, bob's p99 ≤ 250 ms, every line and point stored once.
 """
 
 from __future__ import annotations
