@@ -210,12 +210,10 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-# Note: under `make test`, pytest-xdist's --dist loadfile hands out files by their number of tests
-# (--loadscope-reorder, its default), not in this order; tried with --no-loadscope-reorder on 2026-11-29:
-# 21:46 against 16:19 and 19:42 without it, so left as it is. The order below holds for one process.
-# The directories whose files take minutes first: pytest-xdist hands out files in collection order,
-# so the many short ones of the others fill in at the end, not a long file started last that one
-# process runs alone while the other has nothing left.
+# The directories whose files take minutes first, so that the many short files of the others fill in at
+# the end. pytest-xdist (`make test`: --dist loadfile) does not keep this order: by default it hands out
+# files by their number of tests (--loadscope-reorder). Keeping it (--no-loadscope-reorder) was tried on
+# 2026-11-29 and ran no faster (21:46 against 16:19 and 19:42), so only a single process follows it.
 LONG_FIRST = ("e2e", "training", "service", "client", "deploy", "unit")
 
 
