@@ -173,12 +173,11 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
             listed = max(c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json())
             listed_at = time.monotonic()
         staging = [p.name for p in checkpoints.glob(".tmp-*")]
-        if staging and int(staging[0].rsplit("-", 1)[1]) == listed + EVERY:
+        if staging and (partial_step := int(staging[0].rsplit("-", 1)[1])) == listed + EVERY:
             break
         time.sleep(0.002)
     for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(attempt_pattern(checkpoints.parent)):
         os.kill(pid, signal.SIGKILL)
-    partial_step = int(staging[0].rsplit("-", 1)[1])
     finished_anyway = (checkpoints / staging[0].removeprefix(".tmp-")).is_dir()  # renamed in the millisecond before the kill
 
     job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=240)
