@@ -25,7 +25,7 @@ PING_AFTER_IDLE_SECONDS = 10.0
 # How long a SQLite writer waits for the write lock before "database is locked".
 SQLITE_BUSY_TIMEOUT_SECONDS = 60
 
-_READ_ONLY = "trainyard_read_only"  # an execution option and a Session.info key
+READ_ONLY = "trainyard_read_only"  # an execution option and a Session.info key
 
 # The most connections one process holds to PostgreSQL: the cap the pool had before (5 + 10
 # overflow), now kept open once opened (bench/agents.py), less the one an API process listens on
@@ -83,7 +83,7 @@ def make_engine(url: str) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection):
-        connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(_READ_ONLY) else "BEGIN IMMEDIATE")
+        connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(READ_ONLY) else "BEGIN IMMEDIATE")
 
     return engine
 
@@ -94,16 +94,32 @@ def session_factory(url: str) -> sessionmaker[Session]:
     return sessionmaker(make_engine(url), expire_on_commit=False)
 
 
+class ReadSession(Session):
+    """A session that only reads, whose transaction ends with COMMIT when it closes, not ROLLBACK:
+    the same to the database for a transaction that wrote nothing, but psycopg forgets every
+    statement it prepared on a connection at each ROLLBACK it sees. A token check's read session
+    rolled back once a request, so no statement was ever prepared, and PostgreSQL parsed and
+    planned every one of every request (bench/README.md, 2026-11-29, thirtieth sitting)."""
+
+    def close(self) -> None:
+        if self.in_transaction():
+            try:
+                self.commit()
+            except Exception:  # a transaction already failed: roll it back, as close() does
+                pass
+        super().close()
+
+
 @lru_cache
 def read_session_factory(url: str) -> sessionmaker[Session]:
     """Sessions that only read (on SQLite: a deferred BEGIN, which takes no write lock). They share
     the writers' engine and pool; one that tries to flush a change is refused before it reaches
     the database, where on SQLite the upgrade to a write lock could fail half-way."""
-    engine = session_factory(url).kw["bind"].execution_options(**{_READ_ONLY: True})
-    return sessionmaker(engine, expire_on_commit=False, info={_READ_ONLY: True})
+    engine = session_factory(url).kw["bind"].execution_options(**{READ_ONLY: True})
+    return sessionmaker(engine, class_=ReadSession, expire_on_commit=False, info={READ_ONLY: True})
 
 
 @event.listens_for(Session, "before_flush")
 def _refuse_writes_in_a_read_session(session: Session, _flush_context, _instances) -> None:
-    if session.info.get(_READ_ONLY) and (session.new or session.dirty or session.deleted):
+    if session.info.get(READ_ONLY) and (session.new or session.dirty or session.deleted):
         raise RuntimeError("a read-only session was asked to write: open it with session_factory")
