@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from api_schemas import AttemptStatus, JobSpec, ResourcesConfig
 from service.db import state
+from service.db.api_processes import api_up_since, beat_seconds
 from service.db.doorbell import Doorbell
 from service.db.models import Attempt, Job, utcnow
 from service.db.pools import pool_named, slot_capacity
@@ -56,6 +57,9 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     placement: lost workers and unclaimed dispatches are looked for by other passes."""
     now = utcnow()
     lock_scheduler(session)
+    # Leases are judged only once hosts have had an API to renew them through for a whole lease:
+    # with none up (stopped, or cut off from the database), every host is silent and none is gone.
+    reap = reap and hosts_could_renew(session, now, settings)
 
     # Attempts whose worker stopped renewing the lease: the worker (or its host) is gone.
     for attempt in expired_leases(session, now) if reap else []:
@@ -223,6 +227,24 @@ def full_size_fits(rooms: Rooms, attempt: Attempt, skip: set[str]) -> bool:
     fits = own.offer(full) is not None
     own.take(attempt.slots, attempt.device_ids or [])
     return fits
+
+
+_said_api_down_at = 0.0  # when the scheduler last logged that it judges no lease (once a minute)
+
+
+def hosts_could_renew(session: Session, now: datetime, settings: Settings) -> bool:
+    """Whether some API process has been up without a break for a whole lease (service/db/api_processes.py)."""
+    global _said_api_down_at
+    up_since = api_up_since(session, now, beat_seconds(settings.lease_seconds))
+    if up_since is not None and up_since <= now - timedelta(seconds=settings.lease_seconds):
+        return True
+    if time.monotonic() - _said_api_down_at >= 60:
+        _said_api_down_at = time.monotonic()
+        if up_since is None:
+            log.warning("no API process is up: no lease is judged lost until one has been for a lease (%g s)", settings.lease_seconds)
+        else:
+            log.info("the API is up since %s: leases are judged once it has been for a lease (%g s)", up_since.isoformat(timespec="seconds"), settings.lease_seconds)
+    return False
 
 
 def queue_order(jobs: list[Job], now: datetime, settings: Settings, shares: FairShare) -> list[Job]:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+import os
+import socket
 import uuid
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -22,7 +26,9 @@ from service.api.report_pacing import ReportPacing
 from service.api.stream_tokens import StreamTokens
 from service.api.audit import AuditTrail
 from service.api.routes import audit, checkpoints, dashboard, host_api, host_transfers, jobs, login, monitoring, outputs, sweeps, teams, tokens, uploads, usage
+from service.db.api_processes import beat_seconds, note_api_up
 from service.db.doorbell import libpq_dsn
+from service.db.models import utcnow
 from service.db.session import read_session_factory, session_factory
 from common.settings import Settings, get_settings
 
@@ -106,7 +112,7 @@ class UnexpectedErrors:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    app = FastAPI(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.")
+    app = FastAPI(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.", lifespan=_noting_it_is_up)
     app.state.settings = settings
     app.state.failed_auths, app.state.stream_slots = limits_for(
         settings.resolved_broker_url, settings.max_failed_auths_per_minute, settings.max_streams_per_user
@@ -161,6 +167,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"detail": detail}, status_code=exc.status, headers=headers)
 
     return app
+
+
+@asynccontextmanager
+async def _noting_it_is_up(app: FastAPI):
+    """While the app serves, it notes every beat that this API process is up: the scheduler judges
+    leases only while hosts could renew them (service/db/api_processes.py)."""
+    noting = asyncio.create_task(_note_up_forever(app.state.settings))
+    try:
+        yield
+    finally:
+        noting.cancel()
+
+
+async def _note_up_forever(settings: Settings) -> None:
+    sessions, name = session_factory(settings.resolved_database_url), f"{socket.gethostname()}:{os.getpid()}"
+    beat = beat_seconds(settings.lease_seconds)
+
+    def note() -> None:
+        with sessions() as session:
+            note_api_up(session, name, utcnow(), beat)
+
+    while True:
+        try:
+            # Not on the request threads: a busy API still says it is up.
+            await asyncio.to_thread(note)
+        except Exception:  # the database out of reach: the note after it starts a new "up since"
+            log.debug("could not note that the API is up", exc_info=True)
+        await asyncio.sleep(beat)
 
 
 def finite(value):

@@ -397,6 +397,16 @@ class ClusterPool(Base):
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class ApiProcess(Base):
+    """An API process, as it last noted that it was up (service/db/api_processes.py, migration 0026):
+    the scheduler judges a lease lost only once hosts have had an API to renew it through for a whole lease."""
+
+    __tablename__ = "api_processes"
+    name: Mapped[str] = mapped_column(String(200), primary_key=True, doc="`host:pid`")
+    up_since: Mapped[datetime] = mapped_column(UTCDateTime, doc="Since when it has noted itself without a break (the database out of its reach is one).")
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime, doc="When it last noted itself.")
+
+
 class WorkerHost(Base):
     __tablename__ = "worker_hosts"
     name: Mapped[str] = mapped_column(String(200), primary_key=True)

@@ -19,6 +19,7 @@ from api_schemas import AttemptStatus, JobStatus
 from api_schemas.manifest import MODEL_FILE, sha256_file, write_manifest
 from service.db import state
 from service.db.accounts import create_user, user_by_name, user_by_token
+from service.db.api_processes import api_up_since, beat_seconds, note_api_up
 from api_schemas.host_api import ClaimedAttempt
 from service.db.attempts import claim_attempt, finish_attempt, gang_rendezvous, renew_lease
 from service.db.checkpoints import list_checkpoints, record_checkpoint
@@ -113,6 +114,33 @@ def test_an_expired_lease_requeues_the_job_and_the_old_worker_cannot_finish_it(s
         assert job.status == JobStatus.scheduled and len(job.attempts) == 2  # placed again in the same pass
         assert not renew_lease(session, claimed, 30).held
         assert not finish_attempt(session, claimed, AttemptStatus.succeeded)
+
+
+def test_no_lease_is_judged_lost_while_no_api_is_up_nor_until_one_has_been_for_a_whole_lease(sessions, settings):
+    # Hosts renew only through the API: while it is down (stopped, or cut off from the database) every
+    # host is silent, and reaping then would end every running attempt of the cluster.
+    queue_job(sessions)
+    claimed = place_and_claim(sessions, settings)
+    lease, beat = timedelta(seconds=settings.lease_seconds), beat_seconds(settings.lease_seconds)
+    start = utcnow() - 3 * lease
+    with sessions() as session:
+        note_api_up(session, "api-1", start, beat)  # up until then, then silent: down
+        session.get(Attempt, claimed.attempt_id).lease_expires_at = utcnow() - timedelta(seconds=1)
+        session.commit()
+        schedule_pass(session, settings)
+        assert session.get(Attempt, claimed.attempt_id).status == AttemptStatus.running
+
+        # Back, after a break: up since now, not yet for a lease.
+        note_api_up(session, "api-1", utcnow(), beat)
+        schedule_pass(session, settings)
+        assert session.get(Attempt, claimed.attempt_id).status == AttemptStatus.running
+
+        # Another process, up without a break for a lease: the silent host is gone.
+        for seconds in range(int(lease.total_seconds() + 2 * beat), -1, -int(beat)):
+            note_api_up(session, "api-2", utcnow() - timedelta(seconds=seconds), beat)
+        assert api_up_since(session, utcnow(), beat) <= utcnow() - lease
+        schedule_pass(session, settings)
+        assert session.get(Attempt, claimed.attempt_id).status == AttemptStatus.lost
 
 
 def test_a_placing_pass_leaves_expired_leases_to_the_next_reaping_pass(sessions, settings):
