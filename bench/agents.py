@@ -3,7 +3,7 @@ old design (each host its own database connection) at the size where that still 
 
     make .venv/.bench-stamp  # aiohttp, for the simulated hosts
     PYTHONPATH=$PWD .venv/bin/python bench/agents.py [--hosts 1000] [--seconds 30] [--warmup 0]
-    PYTHONPATH=$PWD .venv/bin/python bench/agents.py --serial 1000        # the API's CPU per request, one at a time
+    PYTHONPATH=$PWD .venv/bin/python bench/agents.py --serial 1000        # the API's and PostgreSQL's CPU per request, one at a time
     PYTHONPATH=$PWD .venv/bin/python bench/agents.py --instructions 100 [--peer-tree DIR]  # its instructions (valgrind)
 
 Simulated hosts (asyncio, no training) speak the real protocol (api_schemas/host_api.py) as a
@@ -382,19 +382,33 @@ def trainyard_run(hosts: int, seconds: float, processes: int, warmup: float = 0.
 
 def serial_costs(rounds: int) -> dict:
     """The API's own CPU per request, one request at a time (no queue, nothing else on the API): what
-    one host costs it, whatever the machine. Two hosts, one of them running an attempt; 35 points a
-    report (a heartbeat's worth of 7 metrics at 1 step/s)."""
+    one host costs it, whatever the machine; and PostgreSQL's (all its processes, so run it alone).
+    Two hosts, one of them running an attempt; 35 points a report (a heartbeat's worth of 7 metrics
+    at 1 step/s)."""
     with serial_api(REPO, []) as (api, kinds):
         process = psutil.Process(api.pid)
-        costs = {}
+        costs, database_costs = {}, {}
         for kind, send in kinds.items():
             for round_ in range(rounds + rounds // 10):
                 if round_ == rounds // 10:  # the first tenth warms up
-                    cpu = sum(process.cpu_times()[:2])
+                    cpu, database_cpu = sum(process.cpu_times()[:2]), postgres_cpu_seconds()
                 send()
             costs[kind] = round((sum(process.cpu_times()[:2]) - cpu) * 1000 / rounds, 2)
+            database_costs[kind] = round((postgres_cpu_seconds() - database_cpu) * 1000 / rounds, 2)
     costs["report_renewing_over_lease_then_report"] = round(costs["running_heartbeat_report_renewing"] / costs["running_heartbeat_lease_then_report"], 2)
-    return {"api_cpu_ms": costs, "rounds": rounds}
+    return {"api_cpu_ms": costs, "postgres_cpu_ms": database_costs, "rounds": rounds}
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU time of this machine's PostgreSQL processes (its backends and its own: WAL writer and so on)."""
+    total = 0.0
+    for server in psutil.process_iter(["name"]):
+        if (server.info["name"] or "").startswith("postgres"):
+            try:
+                total += sum(server.cpu_times()[:2])
+            except psutil.Error:  # exited meanwhile (a connection closed)
+                pass
+    return total
 
 
 def instruction_costs(rounds: int, peer_tree: Path | None) -> dict:
@@ -512,7 +526,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--warmup", type=float, default=0, help="seconds of Trainyard's runs not measured: the hosts' registrations, claims and first reports")
     parser.add_argument("--processes", type=int, default=2, help="processes the simulated hosts are spread over")
-    parser.add_argument("--serial", type=int, metavar="ROUNDS", help="only the API's CPU per request, ROUNDS of each kind one at a time")
+    parser.add_argument("--serial", type=int, metavar="ROUNDS", help="only the API's and PostgreSQL's CPU per request, ROUNDS of each kind one at a time")
     parser.add_argument("--instructions", type=int, metavar="ROUNDS", help="only the API's instructions per request (callgrind), ROUNDS of each kind")
     parser.add_argument("--peer-tree", type=Path, help="with --instructions: a checkout of another revision, counted the same way (the peer)")
     args = parser.parse_args()

@@ -188,12 +188,16 @@ async def _note_up_forever(settings: Settings) -> None:
         with sessions() as session:
             note_api_up(session, name, utcnow(), beat)
 
+    failing = False
     while True:
         try:
             # Not on the request threads: a busy API still says it is up.
             await asyncio.to_thread(note)
+            failing = False
         except Exception:  # the database out of reach: the note after it starts a new "up since"
-            log.debug("could not note that the API is up", exc_info=True)
+            # Said once a streak: meanwhile the scheduler judges no lease lost.
+            log.log(logging.DEBUG if failing else logging.WARNING, "could not note that this API process is up", exc_info=True)
+            failing = True
         await asyncio.sleep(beat)
 
 
