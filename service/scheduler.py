@@ -57,12 +57,12 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
     placement: lost workers and unclaimed dispatches are looked for by other passes."""
     now = utcnow()
     lock_scheduler(session)
-    # Leases are judged only once hosts have had an API to renew them through for a whole lease:
+    # Leases and hosts are judged only once hosts have had an API to renew through for a whole lease:
     # with none up (stopped, or cut off from the database), every host is silent and none is gone.
-    reap = reap and hosts_could_renew(session, now, settings)
+    judging = reap and hosts_could_renew(session, now, settings)
 
     # Attempts whose worker stopped renewing the lease: the worker (or its host) is gone.
-    for attempt in expired_leases(session, now) if reap else []:
+    for attempt in expired_leases(session, now) if judging else []:
         if attempt.status != AttemptStatus.running:
             continue  # ended with its gang's node ended just before it in this loop
         state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"worker on host {attempt.host_name} stopped renewing its lease")
@@ -79,7 +79,8 @@ def schedule_pass(session: Session, settings: Settings, reap: bool = True) -> li
         if attempt.status != AttemptStatus.scheduled:
             continue  # ended with its gang's node ended just before it in this loop
         if attempt.host_name not in online:
-            state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
+            if judging:
+                state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason=f"host {attempt.host_name} went offline before starting it")
         elif attempt.dispatched_at < resend_before:
             attempt.dispatched_at = now
             to_dispatch.append((attempt.id, attempt.host_name))

@@ -285,6 +285,24 @@ def test_an_unclaimed_dispatch_is_resent_after_the_timeout_and_given_back_when_i
         assert attempt[fresh].status == AttemptStatus.scheduled and attempt[fresh].dispatched_at == fresh_dispatch
 
 
+def test_while_the_api_is_up_less_than_a_lease_a_lost_dispatch_is_still_resent_but_no_silent_host_is_given_up(sessions, settings):
+    stale, orphaned = queue_job(sessions), queue_job(sessions)
+    with sessions() as session:
+        register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-b", "cpu", 1, {})
+        schedule_pass(session, settings)
+        attempt = {a.job_id: a for a in session.scalars(select(Attempt))}
+        assert attempt[stale].host_name != attempt[orphaned].host_name  # a slot each
+        session.get(WorkerHost, attempt[orphaned].host_name).last_heartbeat = utcnow() - timedelta(seconds=120)
+        attempt[stale].dispatched_at = attempt[orphaned].dispatched_at = utcnow() - timedelta(seconds=120)
+        note_api_up(session, "api-1", utcnow(), beat_seconds(settings.lease_seconds))  # just (re)started
+        session.commit()
+
+        assert schedule_pass(session, settings) == [(attempt[stale].id, attempt[stale].host_name)]
+        session.expire_all()
+        assert attempt[orphaned].status == AttemptStatus.scheduled  # its host may only be waiting for the API
+
+
 def test_two_schedulers_never_place_a_job_twice(sessions, settings):
     jobs = [queue_job(sessions) for _ in range(12)]
     with sessions() as session:
