@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
-
-from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from typing import TYPE_CHECKING
 
 from api_schemas import Dimension
+
+if TYPE_CHECKING:
+    from optuna.distributions import BaseDistribution
 
 
 class NoSuchField(KeyError):
@@ -28,6 +30,10 @@ def with_params(spec: dict, params: dict) -> dict:
 
 
 def distribution(dimension: Dimension) -> BaseDistribution:
+    # Imported here, at a sweep's first use: Optuna takes ~0.4 s of CPU to import, which every API
+    # start paid (admission imports this module for with_params) though most never run a sweep.
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
     if dimension.choice is not None:
         return CategoricalDistribution(dimension.choice)
     if dimension.int_range is not None:

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import logging
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
-import optuna
-from optuna.trial import TrialState, create_trial
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -32,15 +31,28 @@ from service.db.sweeps import finish_sweep, lock_sweep, objective_series, runnin
 from common.settings import Settings
 from service.sweep_space import distributions, grid, grid_size, with_params
 
-log = logging.getLogger("trainyard.sweeps")
-optuna.logging.set_verbosity(optuna.logging.WARNING)
+if TYPE_CHECKING:
+    import optuna
+    from optuna.trial import TrialState
 
+log = logging.getLogger("trainyard.sweeps")
+
+# A final job's trial state in Optuna, by TrialState's name.
 FINAL_TRIAL_STATE = {
-    JobStatus.succeeded: TrialState.COMPLETE,
-    JobStatus.pruned: TrialState.PRUNED,
-    JobStatus.failed: TrialState.FAIL,
-    JobStatus.cancelled: TrialState.FAIL,
+    JobStatus.succeeded: "COMPLETE",
+    JobStatus.pruned: "PRUNED",
+    JobStatus.failed: "FAIL",
+    JobStatus.cancelled: "FAIL",
 }
+
+
+def _optuna():
+    """Optuna, imported at the first sweep's pass: it takes ~0.4 s of CPU to import, which every
+    scheduler start paid though most never run a sweep."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
 
 
 def advance_sweeps(sessions: sessionmaker, settings: Settings) -> None:
@@ -118,18 +130,19 @@ def _submit_trial(session: Session, sweep: Sweep, spec: SweepSpec, study: optuna
 def _rebuilt_study(session: Session, spec: SweepSpec, jobs: list[Job]) -> optuna.Study:
     """The study as Optuna would hold it had it run these trials, with the new objective points of
     each trial reported to it; a trial the pruner stops is asked to stop (state.request_prune)."""
+    optuna = _optuna()
     study = optuna.create_study(direction="minimize" if spec.objective.direction == "min" else "maximize", pruner=_pruner(spec))
     space = distributions(spec.search_space)
     series = objective_series(session, [job.id for job in jobs], spec.objective.metric)
     for job in jobs:
         values = series[job.id]
         checked = job.trial["checked_step"]
-        final = FINAL_TRIAL_STATE.get(job.status)
+        final = optuna.trial.TrialState[FINAL_TRIAL_STATE[job.status]] if job.status in FINAL_TRIAL_STATE else None
         if final is not None and max(values, default=-1) <= checked:
             study.add_trial(_finished_trial(job, space, values, final))
             continue
-        study.add_trial(create_trial(
-            state=TrialState.RUNNING,
+        study.add_trial(optuna.trial.create_trial(
+            state=optuna.trial.TrialState.RUNNING,
             params=job.trial["params"],
             distributions=space,
             intermediate_values={step: value for step, value in values.items() if step <= checked},
@@ -145,7 +158,7 @@ def _replay(session: Session, study: optuna.Study, spec: SweepSpec, job: Job, ne
     if not new_points:
         return
     frozen = study.get_trials(deepcopy=False)[-1]
-    trial = optuna.trial.Trial(study, frozen._trial_id)
+    trial = _optuna().trial.Trial(study, frozen._trial_id)
     for step, value in sorted(new_points.items()):
         trial.report(value, step)
         if not job.status.is_final and job.prune_reason is None and trial.should_prune():
@@ -158,12 +171,13 @@ def _replay(session: Session, study: optuna.Study, spec: SweepSpec, job: Job, ne
 
 
 def _finished_trial(job: Job, space: dict, values: dict[int, float], final: TrialState) -> optuna.trial.FrozenTrial:
+    trials = _optuna().trial
     last = values[max(values)] if values else None
-    if final == TrialState.COMPLETE and (last is None or last != last):  # no objective, or NaN: not a result
-        final = TrialState.FAIL
-    return create_trial(
+    if final == trials.TrialState.COMPLETE and (last is None or last != last):  # no objective, or NaN: not a result
+        final = trials.TrialState.FAIL
+    return trials.create_trial(
         state=final,
-        value=last if final == TrialState.COMPLETE else None,
+        value=last if final == trials.TrialState.COMPLETE else None,
         params=job.trial["params"],
         distributions=space,
         intermediate_values=values,
@@ -175,6 +189,7 @@ def _sampler(spec: SweepSpec, number: int) -> optuna.samplers.BaseSampler:
     """The sampler for trial `number`, seeded from the sweep's seed and the number: the study is
     rebuilt for every trial, so one seeded sampler kept across trials can't be. A grid keeps the
     sweep's seed, which shuffles its points once for all (its trials hold their point's index)."""
+    optuna = _optuna()
     if spec.sampler.kind == "grid":
         return optuna.samplers.GridSampler(grid(spec.search_space), seed=spec.sampler.seed)
     seed = (spec.sampler.seed * 1_000_003 + number) % 2**32
@@ -184,7 +199,7 @@ def _sampler(spec: SweepSpec, number: int) -> optuna.samplers.BaseSampler:
 
 
 def _pruner(spec: SweepSpec) -> optuna.pruners.BasePruner:
-    pruner = spec.pruner
+    pruner, optuna = spec.pruner, _optuna()
     if pruner.kind == "asha":
         return optuna.pruners.SuccessiveHalvingPruner(min_resource=pruner.min_steps, reduction_factor=pruner.reduction_factor)
     if pruner.kind == "median":

@@ -2,6 +2,7 @@
 and for the client also in its source, so that an import inside a function is caught too."""
 
 import ast
+import functools
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ WORKER_FILES = sorted((REPO / "workers").rglob("*.py"))
 COMMON_FILES = sorted((REPO / "common").rglob("*.py"))
 
 
+@functools.cache  # one fresh interpreter per set of modules, however many tests ask
 def modules_after_import(*modules: str) -> set[str]:
     code = f"import json, sys, {', '.join(modules)}; print(json.dumps(sorted(sys.modules)))"
     return set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout))
@@ -41,6 +43,12 @@ def project_imports(path: Path) -> set[str]:
 def test_the_service_never_imports_torch_or_accelerate(module):
     loaded = modules_after_import(module)
     assert "torch" not in loaded and "accelerate" not in loaded
+
+
+@pytest.mark.parametrize("module", ["service.api.main", "service.scheduler"])
+def test_optuna_is_loaded_by_a_sweeps_first_pass_not_at_every_start(module):
+    # ~0.4 s of CPU at every API and scheduler start (service/sweeps.py `_optuna`).
+    assert "optuna" not in modules_after_import(module)
 
 
 def test_the_client_source_is_found():
