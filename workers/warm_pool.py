@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -79,14 +80,14 @@ class WarmInterpreter:
         return self.process.poll() is None
 
     def discard(self) -> None:
+        """Let it go unused: killed, with all it started. It ran nothing of a job's; asked to exit (its
+        stdin closed), one still importing torch at low priority heard it only once loaded, and a
+        worker's stop waited up to 5 s for it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         with contextlib.suppress(OSError):
-            self.process.stdin.close()  # it exits at once, unused
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.process.wait(5)
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, 9)
-            self.process.wait()
+            self.process.stdin.close()
         if self.limits is not None:
             self.limits.remove()
         shutil.rmtree(self.slot, ignore_errors=True)
