@@ -219,9 +219,14 @@ def _running_stack(
         start_again(name)
 
     try:
-        for name in commands:
+        # The workers once the API answers: started beside it, each waited for it on its registration
+        # backoff (0.2 s doubling to 5 s), so on busy cores it registered up to 5 s after the API was up.
+        for name in ("api", "scheduler"):
             start(name)
         wait_healthy(url, list(children.values()), log_dir)
+        for name in commands:
+            if name.startswith("worker-"):
+                start(name)
         # Up means the workers too: a multi-node job submitted before its hosts have registered is
         # refused as one that could never fit.
         wait_for_workers(url, token, host_names, list(children.values()), log_dir)
