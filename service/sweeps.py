@@ -137,7 +137,7 @@ def _rebuilt_study(session: Session, spec: SweepSpec, jobs: list[Job]) -> optuna
     for job in jobs:
         values = series[job.id]
         checked = job.trial["checked_step"]
-        final = optuna.trial.TrialState[FINAL_TRIAL_STATE[job.status]] if job.status in FINAL_TRIAL_STATE else None
+        final = optuna.trial.TrialState[name] if (name := FINAL_TRIAL_STATE.get(job.status)) else None
         if final is not None and max(values, default=-1) <= checked:
             study.add_trial(_finished_trial(job, space, values, final))
             continue
