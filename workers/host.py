@@ -78,6 +78,20 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
     registration = HostRegistration(device=device, slots=slots, info=info, address=address, instance=uuid.uuid4().hex)
+    warm: WarmPool | None = None
+
+    # Stopped while it starts, the host leaves the pool, as Celery's worker has it do once up
+    # (shutting_down, below; it takes SIGTERM and SIGINT over then). Else its name stays taken: jobs
+    # are placed on it, and a worker started again under it is refused (409) until the host times out.
+    def stopped_while_starting(signum: int, _frame) -> None:
+        service.deregister_apart()
+        if warm is not None:
+            warm.close()
+        open_control_plane()
+        raise SystemExit(128 + signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stopped_while_starting)
     terms = register(service, registration)
     if settings.shared_artifact_store:
         check_shared_directories(settings, terms)

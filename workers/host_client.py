@@ -104,6 +104,15 @@ class HostClient:
     def deregister(self) -> None:
         self._post("/deregister")
 
+    def deregister_apart(self) -> bool:
+        """`deregister` on a connection of its own, from a signal handler: the request it interrupted
+        holds this client's pool. False if the API did not take it (out of reach, say)."""
+        try:
+            answer = httpx.post(f"{self.http.base_url}deregister", headers=self.http.headers, timeout=httpx.Timeout(5.0))
+        except httpx.HTTPError:
+            return False
+        return answer.status_code == 204
+
     # -- an attempt -------------------------------------------------------------------------------
 
     def claim(self, attempt_id: int, lease_owner: str, rendezvous: str) -> ClaimedAttempt | None:

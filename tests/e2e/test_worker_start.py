@@ -129,3 +129,42 @@ def test_an_idle_worker_retries_an_api_that_is_down_at_its_pace_and_stops_saying
         assert "the service refused this host's token (revoked, or replaced by `trainyard host token node-1`): stopping" in said, said
     finally:
         stop_children([worker, api])
+
+
+def test_a_worker_stopped_as_it_starts_leaves_the_pool_and_starts_again_under_its_name_at_once(tmp_path):
+    """Before Celery's worker is up (it leaves the pool on SIGTERM then), a stop killed the process
+    still registered: jobs were placed on it, and the worker started again was refused as a second
+    process under its name (409) until the host timed out, 30 s later."""
+    settings = Settings(data_dir=tmp_path)
+    prepare_embedded(settings)
+    [token_file] = host_token_files(settings, ["node-1"])
+    port = free_port()
+    env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path)}
+    api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    database, log_path = str(tmp_path / "trainyard.db"), tmp_path / "worker.log"
+
+    def start_worker() -> subprocess.Popen:
+        with open(log_path, "ab") as log:
+            return subprocess.Popen(
+                [sys.executable, "-m", "trainyard", "worker", "--host-name", "node-1", "--devices", "cpu:1"],
+                env={**env, "TRAINYARD_API_URL": f"http://127.0.0.1:{port}", "TRAINYARD_HOST_TOKEN_FILE": str(token_file)},
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+
+    worker = start_worker()
+    try:
+        deadline = time.monotonic() + 60
+        while not rows(database, "SELECT name FROM worker_hosts WHERE name = 'node-1'"):  # registered: stopped at once
+            assert worker.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.01)
+        stop_children([worker])
+        assert not rows(database, "SELECT name FROM worker_hosts WHERE name = 'node-1'"), "the stopped host is still in the pool"
+
+        before = len(log_path.read_text())
+        worker = start_worker()
+        while "host node-1 registered with" not in (said := log_path.read_text()[before:]):
+            assert worker.poll() is None and time.monotonic() < deadline, said
+            time.sleep(0.05)
+        assert "cannot register yet" not in said
+    finally:
+        stop_children([worker, api])
