@@ -117,7 +117,7 @@ class ApiSettings(_FromEnvironment):
         ),
     )
     max_failed_auths_per_minute: int = Field(
-        30, gt=0, description="Wrong bearer tokens one client address may send per minute (counted across API processes with the Redis broker); past that its requests get 429 with Retry-After until the minute is over."
+        30, gt=0, description="Wrong bearer tokens one client address may send per minute (counted across API processes with the Redis broker); past that its requests that bring no right token get 429 with Retry-After until the minute is over (a right token is served)."
     )
     api_reports_per_second: float = Field(
         100.0, gt=0,

@@ -111,28 +111,31 @@ BearerCredentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bear
 
 def _token_owner(request: Request, settings: Settings, credentials: HTTPAuthorizationCredentials | None, lookup: Callable):
     """Whose the bearer token is, by `lookup(session, token)`, read in a short transaction of its own;
-    None for no token or a wrong one. A client address with too many wrong tokens lately (of any
-    kind: a user's or a host's) gets 429 without a lookup."""
-    address = refuse_a_guesser(request)
-    if not credentials:
-        return None
-    with read_session_factory(settings.resolved_database_url)() as session:
-        owner = lookup(session, credentials.credentials)
+    None for no token or a wrong one, once `refuse_a_guesser` has let it through."""
+    owner = None
+    if credentials:
+        with read_session_factory(settings.resolved_database_url)() as session:
+            owner = lookup(session, credentials.credentials)
     if owner is None:
-        request.app.state.failed_auths.failed(address)
+        refuse_a_guesser(request, guessed=credentials is not None)
     return owner
 
 
-def refuse_a_guesser(request: Request) -> str:
-    """429 for a client address with too many wrong credentials lately (tokens, login codes);
-    else its address, to count a wrong one against."""
+def refuse_a_guesser(request: Request, guessed: bool) -> None:
+    """For a request that did not authenticate (no token, a wrong one, a wrong login code): 429 if
+    its client address sent too many wrong credentials lately; else a wrong one (`guessed`) is
+    counted against the address, and the caller answers 401. A right credential is served whatever
+    else came from its address: the embedded stack's clients all share 127.0.0.1, and a user's loop
+    with a mistyped token had the worker hosts' reports refused and their attempts lost. Every
+    credential is a random secret of 192 bits or more, which no rate of guessing finds."""
     limiter: FailedAuthLimiter = request.app.state.failed_auths
     address = request.client.host if request.client else ""
     if retry_after := limiter.retry_after(address):
         raise HTTPException(
             status.HTTP_429_TOO_MANY_REQUESTS, "too many failed authentications from this address", headers={"Retry-After": str(retry_after)}
         )
-    return address
+    if guessed:
+        limiter.failed(address)
 
 
 def get_current_user(

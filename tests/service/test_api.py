@@ -13,11 +13,13 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api_schemas import AttemptStatus, JobStatus
+from api_schemas.host_api import HOST_API_PREFIX
 
 from service.api.main import create_app
 from service.db.accounts import create_user, user_by_name
 from service.db.attempts import claim_attempt, finish_attempt
 from service.db.checkpoints import list_checkpoints, record_checkpoint
+from service.db.host_tokens import issue_host_token
 from service.db.hosts import register_host
 from service.db.jobs import create_job, request_cancel
 from service.db.log_lines import record_logs
@@ -572,15 +574,23 @@ def test_a_saved_dataset_the_model_cannot_use_gets_422_naming_the_problem(api, t
     assert error["loc"] == ["body", "dataset", "path"] and reason in error["msg"], error
 
 
-def test_wrong_tokens_past_the_limit_get_429_with_retry_after_from_that_address_only(settings, tokens):
-    api = TestClient(create_app(settings.model_copy(update={"max_failed_auths_per_minute": 3})))
+def test_wrong_tokens_past_the_limit_get_429_with_retry_after_from_that_address_only_and_right_ones_are_served(settings, tokens):
+    app = create_app(settings.model_copy(update={"max_failed_auths_per_minute": 3}))
+    api, other = TestClient(app), TestClient(app, client=("10.0.0.2", 50000))
     for _ in range(3):
         assert api.get("/v1/jobs", headers=auth("ty_wrong")).status_code == 401
-    refused = api.get("/v1/jobs", headers=auth(tokens["alice"]))  # the right token too, from that address
+    refused = api.get("/v1/jobs", headers=auth("ty_wrong"))
     assert refused.status_code == 429 and 0 < int(refused.headers["Retry-After"]) <= 60
     assert api.get("/v1/jobs").status_code == 429
-    other = TestClient(create_app(settings.model_copy(update={"max_failed_auths_per_minute": 3})), client=("10.0.0.2", 50000))
-    assert other.get("/v1/jobs", headers=auth(tokens["alice"])).status_code == 200
+    assert api.post(f"{HOST_API_PREFIX}/heartbeat", headers=auth("tyh_wrong")).status_code == 429
+    # A right token from that address is served: on the embedded stack every client is 127.0.0.1, and a
+    # user's loop with a mistyped token had the worker hosts' reports refused, their attempts lost.
+    assert api.get("/v1/jobs", headers=auth(tokens["alice"])).status_code == 200
+    with session_factory(settings.resolved_database_url)() as session:
+        host_token = issue_host_token(session, "node-1")
+    assert api.post(f"{HOST_API_PREFIX}/register", headers=auth(host_token), json={"device": "cpu", "slots": 1, "address": "127.0.0.1"}).status_code == 200
+    assert api.post(f"{HOST_API_PREFIX}/heartbeat", headers=auth(host_token)).status_code == 204
+    assert other.get("/v1/jobs", headers=auth("ty_wrong")).status_code == 401  # another address's are its own
 
 
 def test_a_stream_past_the_per_user_cap_gets_429(settings, tokens):

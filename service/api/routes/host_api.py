@@ -27,7 +27,7 @@ from api_schemas.host_api import (
 from api_schemas.jobs import CheckpointConfig, CodeSource
 from service.api.deps import (
     MAY_BE_MISSING, NEEDS_TOKEN, BearerCredentials, CurrentHost, RowId, SessionsEndWithRoute, SettingsDep, StoreDep, WriteSessionDep, get_current_host,
-    not_found, refuse_a_guesser,
+    not_found,
 )
 from common.artifacts import ArtifactStore, directory_mark
 from service.db.attempts import (
@@ -105,7 +105,6 @@ def _heard(settings: Settings, credentials: HTTPAuthorizationCredentials | None)
 def get_seen_host(request: Request, settings: SettingsDep, credentials: BearerCredentials) -> str:
     """The token's host, its heartbeat noted (a lease renewal is its host's heartbeat: a host renewing
     leases sends none of its own); a host not registered is still itself, its attempts its own."""
-    refuse_a_guesser(request)
     return _heard(settings, credentials) or get_current_host(request, settings, credentials)
 
 
@@ -114,7 +113,6 @@ SeenHost = Annotated[str, Depends(get_seen_host)]
 
 @router.post("/heartbeat", status_code=204, responses={404: {"description": "Not registered (deregistered, or never): register again."}})
 def heartbeat(request: Request, settings: SettingsDep, credentials: BearerCredentials) -> Response:
-    refuse_a_guesser(request)
     if _heard(settings, credentials):
         return Response(status_code=204)
     get_current_host(request, settings, credentials)  # 401 (429) for a wrong token

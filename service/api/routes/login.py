@@ -31,10 +31,9 @@ def new_login_code(request: Request, session: WriteSessionDep, user: CurrentUser
 def login(body: LoginRequest, request: Request, session: WriteSessionDep, settings: SettingsDep) -> TokenOut:
     """A browser session's token for a one-time code; the code is used up. Wrong codes count as wrong
     tokens do, per client address."""
-    address = refuse_a_guesser(request)
     signed_in = redeem_login_code(session, body.code, timedelta(hours=settings.browser_session_hours))
     if signed_in is None:
-        request.app.state.failed_auths.failed(address)
+        refuse_a_guesser(request, guessed=True)
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "this login link was used already, has expired or is not one: `trainyard open` makes a new one")
     token, expires_at = signed_in
     return TokenOut(token=token, expires_at=expires_at)
