@@ -462,6 +462,8 @@ class Client:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent, prefix=".trainyard-") as unpacking:
             top = self._download_tree(f"/v1/jobs/{job_id}/outputs/{quote(name)}", {}, Path(unpacking), f"job {job_id}'s output {name}")
+            # An output of no files (its folders were all checkpoints, taken in as such) is a manifest alone.
+            (top / name).mkdir(parents=True, exist_ok=True)
             os.rename(top / name, target)
         return target
 

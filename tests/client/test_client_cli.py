@@ -11,10 +11,12 @@ import pytest
 import yaml
 
 from api_schemas import AttemptStatus, JobSpec
+from common.artifacts import ArtifactStore
 from tests.client.conftest import run_next_job
-from tests.helpers import EXAMPLE_SPEC, tiny_spec
+from tests.helpers import EXAMPLE_SPEC, start_job, tiny_spec
 from tests.sweep_helpers import run_sweep, sweep_spec
 from service.db.hosts import register_host
+from service.db.outputs import record_output
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from trainyard.cli import main
@@ -255,3 +257,18 @@ def test_spec_prints_a_jobs_spec_that_submits_again_and_checkpoints_says_when_th
     assert trainyard("checkpoints", job_id, "--json") == (0, "[]\n", "")
     code, out, err = trainyard("outputs", job_id, "-o", str(tmp_path / "out"))  # a built-in job collects none: said, not silence
     assert (code, out) == (1, "") and err.startswith(f"error: job {job_id} has no collected outputs")
+
+
+def test_outputs_unpacks_an_output_of_no_files_as_an_empty_directory(trainyard, settings, tmp_path):
+    # A script's output directory that held only its save_state folders (taken in as checkpoints):
+    # collected with no files, its tar a manifest alone. The CLI failed on it with a traceback.
+    (tmp_path / "job.json").write_text(json.dumps(tiny_spec()))
+    job_id = int(trainyard("submit", str(tmp_path / "job.json"))[1].split()[2])
+    claimed = start_job(settings, job_id)
+    (tmp_path / "empty" / "out").mkdir(parents=True)
+    stored = ArtifactStore(settings.resolved_artifact_root).ingest_output(tmp_path / "empty" / "out", job_id, "out", 20)
+    with session_factory(settings.resolved_database_url)() as session:
+        record_output(session, job_id, claimed.attempt_id, "out", 20, *stored)
+    code, out, err = trainyard("outputs", str(job_id), "-o", str(tmp_path / "results"))
+    assert (code, err) == (0, "") and out.startswith(f"saved {tmp_path / 'results' / 'out'}/")
+    assert (tmp_path / "results" / "out").is_dir() and not any((tmp_path / "results" / "out").iterdir())
