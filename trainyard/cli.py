@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         return run_server_command(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # as typed: what argparse doesn't keep (which words came after `--`)
     if args.command in SERVER_COMMANDS:  # reached only with options before it
         parser.error(f"`trainyard {args.command}` is a server command: give its options after it, and no --server or --token")
     try:

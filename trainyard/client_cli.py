@@ -58,10 +58,14 @@ def load_spec_file(path: Path) -> dict:
         text = path.read_text()
     except OSError as exc:
         raise SpecFileError(f"cannot read {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:  # a checkpoint or weights file given by mistake, say
+        raise SpecFileError(f"{path} is not a text file (byte {exc.start} is not UTF-8): a spec is a JSON or YAML file") from exc
     try:
         spec = json.loads(text) if is_json else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as exc:  # both parsers' messages name the line and column
         raise SpecFileError(f"{path} is not valid {'JSON' if is_json else 'YAML'}: {exc}") from exc
+    if spec is None:
+        raise SpecFileError(f"{path} is empty: expected a mapping of spec fields")
     if not isinstance(spec, dict):
         raise SpecFileError(f"{path}: expected a mapping of spec fields at the top level, got {type(spec).__name__}")
     return spec
@@ -164,7 +168,12 @@ def submit_script(client: Client, args: argparse.Namespace) -> JobOut:
     script = Path(args.script)
     if not script.is_file():
         raise SpecFileError(f"no script {script}")
-    # After `--` argparse hands every word to the positionals, the first one to `file`.
+    # After `--` argparse hands every word to the positionals, the first one to `file`; a `file`
+    # given before `--` (or with none) is a spec file, which a script job has no use for.
+    typed = getattr(args, "argv", None) or []
+    after_dashes = typed[typed.index("--") + 1:] if "--" in typed else []
+    if args.file is not None and after_dashes[:1] != [args.file]:
+        raise SpecFileError(f"a spec file ({args.file}) and --script are two ways to submit: give one (the script's own arguments go after `--`)")
     script_args = ([args.file] if args.file is not None else []) + args.script_args
     spec = {
         "training": {"precision": args.precision, "gradient_accumulation_steps": args.gradient_accumulation_steps},

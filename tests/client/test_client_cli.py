@@ -58,10 +58,15 @@ def test_spec_files_load_from_json_and_yaml(tmp_path):
         ("spec.json", '{"name": "x",}', r"spec.json is not valid JSON: .*line 1 column 14"),
         ("spec.yml", "- a list\n", "expected a mapping of spec fields at the top level, got list"),
         ("missing.yaml", None, "cannot read .*missing.yaml: No such file or directory"),
+        ("model.safetensors", b"\x08\x00\x00\x00\x00\x00\x00\x00{\xff}", r"model.safetensors is not a text file \(byte 9 is not UTF-8\): a spec is a JSON or YAML file"),
+        ("bin.json", b"\xff\xfe", r"bin.json is not a text file"),
+        ("empty.yaml", "", "empty.yaml is empty: expected a mapping of spec fields"),
     ],
 )
 def test_unreadable_spec_files_say_why(tmp_path, name, text, reason):
-    if text is not None:
+    if isinstance(text, bytes):
+        (tmp_path / name).write_bytes(text)
+    elif text is not None:
         (tmp_path / name).write_text(text)
     with pytest.raises(SpecFileError, match=reason):
         load_spec_file(tmp_path / name)
@@ -272,3 +277,11 @@ def test_outputs_unpacks_an_output_of_no_files_as_an_empty_directory(trainyard, 
     code, out, err = trainyard("outputs", str(job_id), "-o", str(tmp_path / "results"))
     assert (code, err) == (0, "") and out.startswith(f"saved {tmp_path / 'results' / 'out'}/")
     assert (tmp_path / "results" / "out").is_dir() and not any((tmp_path / "results" / "out").iterdir())
+
+
+def test_a_spec_file_given_with_script_is_refused_not_taken_for_the_scripts_argument(trainyard, tmp_path):
+    # It became the script's first argument: the script failed on it, on every restart.
+    (tmp_path / "spec.json").write_text(json.dumps(tiny_spec()))
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    code, out, err = trainyard("submit", str(tmp_path / "spec.json"), "--script", str(tmp_path / "train.py"))
+    assert (code, out) == (2, "") and "error: a spec file" in err and "and --script are two ways to submit: give one" in err, err
