@@ -20,7 +20,7 @@ from api_schemas import JobSpec, ResourcesConfig, ScriptConfig, SweepSpec
 from api_schemas.requirements import package_name
 from service.datasets import DatasetError, check_spec_paths
 from service.db.hosts import all_hosts
-from service.db.jobs import QuotaExceeded, TrialOf, create_job
+from service.db.jobs import KeyReused, QuotaExceeded, TrialOf, create_job
 from service.db.pools import all_pools, pool_named
 from service.db.uploads import upload_visible_to
 from service.db.models import Job, Sweep, Team, User
@@ -72,6 +72,8 @@ def admit(
         return create_job(
             writes, user, spec, idempotency_key, max_active=settings.max_active_jobs_per_user, trial_of=trial_of, team_id=team.id if team else None
         )
+    except KeyReused as exc:
+        raise Refused(HTTPStatus.UNPROCESSABLE_ENTITY, None, str(exc)) from exc
     except QuotaExceeded as exc:
         raise Refused(
             HTTPStatus.TOO_MANY_REQUESTS, None, str(exc), QUOTA_RETRY_AFTER_SECONDS, {"limit": exc.limit, "active": exc.active}

@@ -20,6 +20,14 @@ class QuotaExceeded(Exception):
         self.limit, self.active = limit, active
 
 
+class KeyReused(Exception):
+    """An Idempotency-Key sent again with another spec: a retry sends the same one."""
+
+    def __init__(self, job_id: int):
+        super().__init__(f"this Idempotency-Key was used for job {job_id}, with another spec: a retry sends the same spec, a new job a new key")
+        self.job_id = job_id
+
+
 @dataclass(frozen=True)
 class TrialOf:
     """A job that is a sweep's trial: its number there, and the trial as Optuna knows it (see Job.trial)."""
@@ -41,11 +49,13 @@ def create_job(
     """Queue a job (under the team `team_id`, if any). A retried request with the same Idempotency-Key returns the job it created.
     A sweep's trial is recorded with it, in the same transaction (unique per sweep and number).
 
-    Raises QuotaExceeded if the owner already has `max_active` active jobs."""
+    Raises QuotaExceeded if the owner already has `max_active` active jobs, KeyReused if the key
+    made a job of another spec."""
+    stored_spec = spec.model_dump(mode="json")
     by_key = select(Job).where(Job.owner_id == owner.id, Job.idempotency_key == idempotency_key)
     if idempotency_key and (existing := session.scalar(by_key)):
         session.commit()  # hand the connection back: the caller reads next, and 30 retries at once each holding one took the pool
-        return existing
+        return _same_spec(existing, stored_spec)
     if max_active is not None:
         # Lock the owner's row so two concurrent submits can't both see room for one more job
         # (PostgreSQL; SQLite's BEGIN IMMEDIATE already serialises writers).
@@ -57,7 +67,7 @@ def create_job(
     job = Job(
         owner_id=owner.id,
         name=spec.name,
-        spec=spec.model_dump(mode="json"),
+        spec=stored_spec,
         status=JobStatus.queued,
         priority=spec.priority,
         max_steps=spec.training.max_steps or 0,  # 0: a script that didn't say
@@ -76,11 +86,19 @@ def create_job(
         session.rollback()
         existing = session.scalar(by_key)
         session.commit()
-        return existing
+        return _same_spec(existing, stored_spec)
     state.append_events(session, job.id, [state.status_event(JobStatus.queued)])
     ring(session)
     session.commit()
     return job
+
+
+def _same_spec(existing: Job, stored_spec: dict) -> Job:
+    """The job an Idempotency-Key made, when sent again with the same spec; else KeyReused: a client
+    that reused a key for another job would be handed the first, and think it submitted this one."""
+    if existing.spec != stored_spec:
+        raise KeyReused(existing.id)
+    return existing
 
 
 def rollback_events(session: Session, job_id: int) -> list[dict]:

@@ -123,6 +123,11 @@ def test_idempotency_key_makes_retries_create_one_job(api, tokens):
     second = api.post("/v1/jobs", json=tiny_spec(), headers=headers).json()
     assert first["id"] == second["id"]
     assert len(api.get("/v1/jobs", headers=auth(tokens["alice"])).json()["items"]) == 1
+    # The key sent again with another spec: refused, not answered with the first job as if it were this one.
+    reused = api.post("/v1/jobs", json=tiny_spec(name="another"), headers=headers)
+    assert reused.status_code == 422, reused.text
+    assert reused.json()["detail"] == f"this Idempotency-Key was used for job {first['id']}, with another spec: a retry sends the same spec, a new job a new key"
+    assert len(api.get("/v1/jobs", headers=auth(tokens["alice"])).json()["items"]) == 1
 
 
 def api_with_quota(settings: Settings, max_active_jobs: int) -> TestClient:
