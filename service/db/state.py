@@ -258,8 +258,8 @@ def end_attempt(
             else:
                 ended = AttemptStatus.failed
             move_attempt(session, other, ended, reason=f"node {attempt.node_rank} of this gang ended {outcome.value}: {reason}")
-    if cancelled:
-        return move_job(session, job, JobStatus.cancelled)
+    if cancelled:  # said as a queued job's cancel says it, over an earlier attempt's "retrying after …"
+        return move_job(session, job, JobStatus.cancelled, reason="cancelled by user")
     if job.prune_reason is not None:
         return move_job(session, job, JobStatus.pruned, reason=job.prune_reason)
     if outcome == AttemptStatus.preempted and rollback is not None:

@@ -193,6 +193,19 @@ def test_cancel_reaches_a_running_attempt_through_its_lease(sessions, settings):
         assert session.get(Job, job_id).status == JobStatus.cancelled
 
 
+def test_a_job_cancelled_while_its_retry_runs_says_it_was_cancelled_not_that_it_is_retrying(sessions, settings):
+    job_id = queue_job(sessions, max_restarts=1)
+    with sessions() as session:
+        finish_attempt(session, place_and_claim(sessions, settings, owner="w1"), AttemptStatus.failed, "exit code 1")
+        assert session.get(Job, job_id).failure_reason == "retrying after attempt 1: exit code 1"
+    retry = place_and_claim(sessions, settings, owner="w2")
+    with sessions() as session:
+        request_cancel(session, session.get(Job, job_id))
+        finish_attempt(session, retry, AttemptStatus.cancelled, "cancelled by user")
+        job = session.get(Job, job_id)
+        assert (job.status, job.failure_reason) == (JobStatus.cancelled, "cancelled by user")
+
+
 def test_metrics_are_idempotent_per_job_step_and_name(sessions, settings):
     job_id = queue_job(sessions)
     claimed = place_and_claim(sessions, settings)
