@@ -540,7 +540,10 @@ class AttemptRunner:
             command = network.command_prefix + command
         limits = None
         if self.sandbox.limits:
-            limits = AttemptLimits.create(f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}", bounds, MAX_PROCESSES)
+            # The worker's pid too: another service's worker on this machine (a second Trainyard, the
+            # tests' stacks side by side) numbers its attempts alike, and set its limits on this one's.
+            name = f"trainyard-attempt-{claimed.attempt_id}-{claimed.node_rank}-w{os.getpid()}"
+            limits = AttemptLimits.create(name, bounds, MAX_PROCESSES)
         process = subprocess.Popen(
             limited(command, MAX_OPEN_FILES, limits, bounds.memory_bytes), cwd=cwd, env={}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,

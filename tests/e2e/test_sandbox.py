@@ -221,10 +221,13 @@ if __name__ == "__main__":
 """
 
 
-def cpu_quota_of(attempt_id: int) -> str:
-    """The CPU quota the kernel holds the attempt's processes to (cgroup v2's cpu.max, v1's
-    quota/period), read from the attempt's own cgroup beside the worker's (workers/limits.py)."""
-    group = own_group("cpu") / f"trainyard-attempt-{attempt_id}-0"
+def cpu_quota_of(script: str) -> str:
+    """The CPU quota the kernel holds the processes running `script` to (cgroup v2's cpu.max, v1's
+    quota/period), read from their attempt's own cgroup beside the worker's (workers/limits.py)."""
+    [pid, *_] = subprocess.run(["pgrep", "-f", script], capture_output=True, text=True).stdout.split()
+    cgroups = dict(line.split(":", 2)[1:] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines())
+    path = next((path for controllers, path in cgroups.items() if "cpu" in controllers.split(",")), cgroups.get(""))  # v1, else v2
+    group = own_group("cpu") / Path(path).name
     if (group / "cpu.max").exists():
         return (group / "cpu.max").read_text().strip()
     return f"{(group / 'cpu.cfs_quota_us').read_text().strip()} {(group / 'cpu.cfs_period_us').read_text().strip()}"
@@ -246,8 +249,7 @@ def test_a_job_asking_for_nothing_is_held_to_its_slots_cores_and_stopped_past_it
     while "GREEDY spinning" not in logs_of(mallory, job_id):
         assert time.monotonic() < deadline, mallory.get(f"/v1/jobs/{job_id}").json()
         time.sleep(0.2)
-    [attempt] = mallory.get(f"/v1/jobs/{job_id}").json()["attempts"]
-    assert cpu_quota_of(attempt["id"]) == "100000 100000", "one core of the two: the slot's share"
+    assert cpu_quota_of("greedy.py") == "100000 100000", "one core of the two: the slot's share"
     job = wait_for(mallory, job_id, {"succeeded", "failed", "cancelled"})
     assert job["status"] == "failed" and "not retried: disk limit: its directory on local-0 held " in job["failure_reason"], job["failure_reason"]
     assert "over its 0.25 GB (resources.disk_gb" in job["failure_reason"], job["failure_reason"]
