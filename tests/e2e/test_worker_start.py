@@ -29,13 +29,20 @@ def rows(database: str, query: str) -> list[tuple]:
         return []
 
 
-def test_a_worker_host_is_registered_only_once_its_queue_exists(tmp_path):
-    settings = Settings(data_dir=tmp_path)
+def api_and_host_token(data_dir, host: str) -> tuple[str, int, dict, subprocess.Popen]:
+    """An embedded API started on a free port, and a token file for `host`: (token file, port, the
+    processes' environment, the API's process)."""
+    settings = Settings(data_dir=data_dir)
     prepare_embedded(settings)
-    [token_file] = host_token_files(settings, ["fresh"])
+    [token_file] = host_token_files(settings, [host])
     port = free_port()
-    env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path)}
+    env = {**os.environ, "TRAINYARD_DATA_DIR": str(data_dir)}
     api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return str(token_file), port, env, api
+
+
+def test_a_worker_host_is_registered_only_once_its_queue_exists(tmp_path):
+    token_file, port, env, api = api_and_host_token(tmp_path, "fresh")
     worker = subprocess.Popen(
         [sys.executable, "-m", "trainyard", "worker", "--host-name", "fresh", "--devices", "cpu:1"],
         env={**env, "TRAINYARD_API_URL": f"http://127.0.0.1:{port}", "TRAINYARD_HOST_TOKEN_FILE": str(token_file)},
@@ -135,12 +142,7 @@ def test_a_worker_stopped_as_it_starts_leaves_the_pool_and_starts_again_under_it
     """Before Celery's worker is up (it leaves the pool on SIGTERM then), a stop killed the process
     still registered: jobs were placed on it, and the worker started again was refused as a second
     process under its name (409) until the host timed out, 30 s later."""
-    settings = Settings(data_dir=tmp_path)
-    prepare_embedded(settings)
-    [token_file] = host_token_files(settings, ["node-1"])
-    port = free_port()
-    env = {**os.environ, "TRAINYARD_DATA_DIR": str(tmp_path)}
-    api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    token_file, port, env, api = api_and_host_token(tmp_path, "node-1")
     database, log_path = str(tmp_path / "trainyard.db"), tmp_path / "worker.log"
 
     def start_worker() -> subprocess.Popen:
