@@ -52,7 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVER_COMMANDS:
         return run_server_command(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = ""
+        if getattr(args, "script", None) is not None:  # `submit --script train.py --lr 3e-4`
+            words = argv[argv.index(unknown[0]):]  # with the values argparse took for positionals
+            hint = f" (a script's own arguments go after `--`: trainyard submit --script {args.script} -- {' '.join(words)})"
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     args.argv = argv  # as typed: what argparse doesn't keep (which words came after `--`)
     if args.command in SERVER_COMMANDS:  # reached only with options before it
         parser.error(f"`trainyard {args.command}` is a server command: give its options after it, and no --server or --token")

@@ -285,3 +285,11 @@ def test_a_spec_file_given_with_script_is_refused_not_taken_for_the_scripts_argu
     (tmp_path / "train.py").write_text("print('trained')\n")
     code, out, err = trainyard("submit", str(tmp_path / "spec.json"), "--script", str(tmp_path / "train.py"))
     assert (code, out) == (2, "") and "error: a spec file" in err and "and --script are two ways to submit: give one" in err, err
+
+
+def test_a_scripts_argument_given_before_dashes_is_refused_saying_where_it_goes(trainyard, tmp_path):
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    code, out, err = trainyard("submit", "--script", str(tmp_path / "train.py"), "--max_steps", "20")
+    assert (code, out) == (2, "")
+    assert f"unrecognized arguments: --max_steps (a script's own arguments go after `--`: trainyard submit --script {tmp_path / 'train.py'} -- --max_steps 20)" in err, err
+    assert "unrecognized arguments: --nope" in trainyard("ls", "--nope")[2]  # other commands: argparse's words
