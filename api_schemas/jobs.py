@@ -9,14 +9,27 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath
-from typing import Annotated, Any, ClassVar, Literal, Self
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 
-class _Config(BaseModel):
-    # A misspelt field is a user error, not something to ignore silently.
-    model_config = ConfigDict(extra="forbid")
+class SpecModel(BaseModel):
+    # A misspelt field is a user error, not something to ignore silently; a NaN or infinite number
+    # (`"lr": "NaN"`) is one too, refused as such rather than by a bound it happens to fail.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_truth_for_a_number(cls, data: Any) -> Any:
+        """`"max_steps": true` is a mistake, which Pydantic's lax mode would read as 1. (Strict mode
+        would also refuse an enum's value given as a string, so it is this check instead.)"""
+        if isinstance(data, dict):
+            for name, field in cls.model_fields.items():
+                value = data.get(field.alias or name)
+                if isinstance(value, bool) and set(get_args(field.annotation) or [field.annotation]) & {int, float}:
+                    raise ValueError(f"{name}: a number is needed, not {str(value).lower()}")
+        return data
 
     @classmethod
     def from_stored(cls, data: dict) -> Self:
@@ -38,7 +51,7 @@ def relative_inside_root(path: str, root: str = "the data root") -> str:
     return path
 
 
-class ModelConfig(_Config):
+class ModelConfig(SpecModel):
     """A nanoGPT-style causal language model."""
 
     kind: Literal["gpt"] = Field(
@@ -80,7 +93,7 @@ class ModelConfig(_Config):
         return self
 
 
-class MLPConfig(_Config):
+class MLPConfig(SpecModel):
     """A text classifier: mean of character (or byte) embeddings, then an MLP to `num_labels` logits."""
 
     kind: Literal["mlp"] = Field(description="Model family: a classifier for a `jsonl` or `csv` dataset.")
@@ -105,7 +118,7 @@ HF_CAUSAL_LMS = ("GPT2LMHeadModel", "LlamaForCausalLM", "GPTNeoXForCausalLM", "Q
 HF_ENGINE_KEYS = ("vocab_size", "num_labels", "pad_token_id", "id2label", "label2id")
 
 
-class HFModelConfig(_Config):
+class HFModelConfig(SpecModel):
     """A Hugging Face `transformers` model, built from a config or from a local directory; never downloaded."""
 
     kind: Literal["hf"] = Field(description="Model family: a transformers model.")
@@ -157,7 +170,7 @@ class HFModelConfig(_Config):
         return self.max_length
 
 
-class CustomConfig(_Config):
+class CustomConfig(SpecModel):
     """Your own training function, for loops the built-in one can't express (a GAN's two models and
     two optimizers, say). It is called with a prepared context: the accelerator, the job's dataset if
     it names one, `log_metric`, `save_checkpoint`, `resume_from` and `should_stop` (see
@@ -180,7 +193,7 @@ class CustomConfig(_Config):
 UPLOADS_DIR = "uploads"
 
 
-class _DatasetPath(_Config):
+class _DatasetPath(SpecModel):
     path: str | None = Field(
         None, min_length=1, max_length=1024, description="File path relative to the service's data root; or give `upload_id`."
     )
@@ -219,7 +232,7 @@ class _DatasetPath(_Config):
         return self.path if self.path is not None else f"{UPLOADS_DIR}/{self.upload_id}"
 
 
-class _CorpusWindows(_Config):
+class _CorpusWindows(SpecModel):
     windows: Literal["random", "aligned"] = Field(
         "random",
         description="How a language model's training samples are cut from the corpus. `random`: each window starts at a "
@@ -268,7 +281,7 @@ class DiskDatasetConfig(_DatasetPath, _CorpusWindows):
     tasks: ClassVar[tuple[str, ...]] = ("lm", "classify")
 
 
-class FSDPConfig(_Config):
+class FSDPConfig(SpecModel):
     """Options of the `fsdp` strategy: torch's FSDP2 (`fully_shard`), one unit per transformer block."""
 
     reshard_after_forward: bool = Field(
@@ -285,7 +298,7 @@ class FSDPConfig(_Config):
     )
 
 
-class GuardConfig(_Config):
+class GuardConfig(SpecModel):
     """The loss guard: a run that diverges rolls back instead of training on (workers/loss_guard.py).
     A non-finite loss or gradient norm, or a loss above `spike_factor` × the median of the last
     `window` steps (and `min_increase` above it) for `spike_steps` steps in a row, stops the attempt; the job resumes from its last
@@ -308,7 +321,7 @@ class GuardConfig(_Config):
     )
 
 
-class TrainingConfig(_Config):
+class TrainingConfig(SpecModel):
     """How the loop runs. A step is one optimizer step."""
 
     strategy: Literal["ddp", "fsdp"] = Field(
@@ -367,7 +380,7 @@ class TrainingConfig(_Config):
     )
 
 
-class OptimizerConfig(_Config):
+class OptimizerConfig(SpecModel):
     name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
     lr: float = Field(gt=0.0, le=10.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="Decoupled weight decay (AdamW) or L2 (SGD).")
@@ -384,7 +397,7 @@ class OptimizerConfig(_Config):
         return betas
 
 
-class ScheduleConfig(_Config):
+class ScheduleConfig(SpecModel):
     """Learning-rate schedule, defined per optimizer step."""
 
     name: Literal["constant", "linear", "cosine"] = Field("cosine", description="Schedule shape after warmup.")
@@ -392,7 +405,7 @@ class ScheduleConfig(_Config):
     min_lr: float = Field(0.0, ge=0.0, description="Final learning rate for `cosine` and `linear`.")
 
 
-class ElasticConfig(_Config):
+class ElasticConfig(SpecModel):
     """Run on fewer processes rather than wait: a queued job that can't get its full size within
     `wait_s` takes the largest size down to `min_processes` that is free, and goes back to its
     full size at a checkpoint when that is free again. Its effective batch, learning-rate schedule
@@ -402,7 +415,7 @@ class ElasticConfig(_Config):
     wait_s: float = Field(300.0, ge=0, le=7 * 86400, description="Seconds a queued job waits for its full size before taking less.")
 
 
-class ResourcesConfig(_Config):
+class ResourcesConfig(SpecModel):
     nodes: int = Field(1, ge=1, le=1024, description="Hosts the job runs on.")
     processes_per_node: int = Field(1, ge=1, le=64, description="Training processes (devices) per host.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Device kind each process uses.")
@@ -458,7 +471,7 @@ class ResourcesConfig(_Config):
         return self
 
 
-class CheckpointConfig(_Config):
+class CheckpointConfig(SpecModel):
     every_steps: int | None = Field(None, ge=1, description="Save every this many steps; the last step is always saved.")
     keep_last: int = Field(2, ge=1, le=1000, description="Complete checkpoints kept per job; older ones are deleted.")
     keep_best: bool = Field(
@@ -488,7 +501,7 @@ class CheckpointConfig(_Config):
         return best is None or (value < best if self.best_mode == "min" else value > best)
 
 
-class CodeSource(_Config):
+class CodeSource(SpecModel):
     """Where a script's code comes from: a bundle you uploaded, or a directory under the code root."""
 
     upload_id: int | None = Field(None, ge=1, le=2**63 - 1, description="A code bundle uploaded with POST /v1/code.")
@@ -517,7 +530,7 @@ ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 SCRIPT_RESERVED_ENV = frozenset({"ACCELERATE_USE_CPU", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED"})
 
 
-class ScriptConfig(_Config):
+class ScriptConfig(SpecModel):
     """Your own Accelerate training script, run as `accelerate launch <entrypoint> <args>` with the
     job's processes, precision and accumulation. It reports through `accelerator.log` and
     checkpoints with `accelerator.save_state`; nothing else in it needs to change."""
@@ -620,7 +633,7 @@ def _pip_requirement(requirement: str) -> str:
 WORKER_OWN_PACKAGES = ("torch", "accelerate")
 
 
-class EnvironmentConfig(_Config):
+class EnvironmentConfig(SpecModel):
     """Packages installed for this job alone, in a virtualenv the worker builds with uv over its own
     environment (so the worker's torch and accelerate are used, never reinstalled) and caches by
     (requirements, Python version, worker environment) for the next job that asks for the same."""
@@ -650,7 +663,7 @@ class EnvironmentConfig(_Config):
 SCRIPT_TRAINING_FIELDS = {"max_steps", "gradient_accumulation_steps", "precision", "stall_timeout_s"}
 
 
-class JobSpec(_Config):
+class JobSpec(SpecModel):
     """Everything needed to run a training job, as POSTed to /v1/jobs."""
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Human-readable job name.")

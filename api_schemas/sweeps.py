@@ -12,19 +12,15 @@ from datetime import datetime
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from api_schemas.api import JobStatus
-from api_schemas.jobs import JobSpec
+from api_schemas.jobs import JobSpec, SpecModel
 
 Scalar = bool | int | float | str
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Dimension(_Config):
+class Dimension(SpecModel):
     """One field's values: exactly one of `choice`, `uniform`, `log_uniform` or `int_range`."""
 
     choice: list[Scalar] | None = Field(None, min_length=1, max_length=1000, description="One of these values.")
@@ -64,29 +60,29 @@ class Dimension(_Config):
         return self.choice or list(self.uniform or self.log_uniform or self.int_range)
 
 
-class SamplerConfig(_Config):
+class SamplerConfig(SpecModel):
     kind: Literal["grid", "random", "tpe"] = Field("tpe", description="`grid` tries every combination (discrete dimensions only).")
     seed: int = Field(0, ge=0, lt=2**31, description="The same seed and results suggest the same trials.")
 
 
-class Objective(_Config):
+class Objective(SpecModel):
     metric: str = Field("eval_loss", min_length=1, max_length=64, description="A metric the trials report; a trial's value is its last.")
     direction: Literal["min", "max"] = "min"
 
 
-class Budget(_Config):
+class Budget(SpecModel):
     max_trials: int = Field(ge=1, le=1000, description="Trials in all; a grid stops sooner when it has tried every combination.")
     max_concurrent: int = Field(1, ge=1, le=1000, description="Trials queued or running at once.")
 
 
-class PrunerConfig(_Config):
+class PrunerConfig(SpecModel):
     kind: Literal["none", "median", "asha"] = "none"
     min_steps: int = Field(100, ge=1, description="asha: the first rung, in steps (then × reduction_factor each); median: no pruning before this step.")
     reduction_factor: int = Field(3, ge=2, le=100, description="asha: a trial goes on past a rung if in the best 1/reduction_factor there.")
     startup_trials: int = Field(1, ge=0, description="median: no pruning until this many trials have finished.")
 
 
-class SweepSpec(_Config):
+class SweepSpec(SpecModel):
     """A search: the job spec to start from, what to vary, how to choose, what to optimise, how much to spend."""
 
     name: str = Field(min_length=1, max_length=90, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="Trials are named NAME-tN.")
@@ -101,6 +97,8 @@ class SweepSpec(_Config):
 
     @model_validator(mode="after")
     def _grid_is_discrete(self) -> SweepSpec:
+        if "name" in self.search_space:
+            raise ValueError("search_space: `name` can't be searched: each trial is named NAME-tN")
         if self.sampler.kind == "grid":
             if continuous := [path for path, dimension in self.search_space.items() if dimension.grid_values is None]:
                 raise ValueError(f"sampler.kind: a grid needs choice or int_range dimensions; {', '.join(continuous)} is continuous")

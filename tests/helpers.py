@@ -72,10 +72,10 @@ def job_spec(**overrides) -> JobSpec:
     return JobSpec.model_validate(tiny_spec(**overrides))
 
 
-def start_job(settings: Settings, job_id: int) -> ClaimedAttempt:
-    """Place the (only) queued job on a one-slot host and claim it, as the scheduler and a worker would."""
+def start_job(settings: Settings, job_id: int, slots: int = 1) -> ClaimedAttempt:
+    """Place the (only) queued job on a host of `slots` slots and claim it, as the scheduler and a worker would."""
     with session_factory(settings.resolved_database_url)() as session:
-        register_host(session, "host-a", "cpu", 1, {})
+        register_host(session, "host-a", "cpu", slots, {})
         [(attempt_id, _)] = schedule_pass(session, settings)
         return claim_attempt(session, attempt_id, "w1", settings.lease_seconds)
 

@@ -24,8 +24,8 @@ def test_following_logs_reads_every_line_once_in_order_in_bounded_pages_until_th
     monkeypatch.setattr(service.api.events, "PAGE", 3)  # small pages, so paging is exercised
     with session_factory(settings.resolved_database_url)() as session:
         user, token = create_user(session, "alice")
-        job_id = create_job(session, user, job_spec()).id
-    claimed = start_job(settings, job_id)
+        job_id = create_job(session, user, job_spec(**{"resources.processes_per_node": 2})).id
+    claimed = start_job(settings, job_id, slots=2)
 
     def write(lines: range) -> None:
         with session_factory(settings.resolved_database_url)() as session:

@@ -404,8 +404,8 @@ def test_a_followed_event_stream_sends_heartbeats_then_each_event_as_it_commits_
 
 def test_followed_logs_stream_the_tail_then_each_new_line_of_the_rank_asked_for_and_end_with_the_job(tokens, settings):
     fast = TestClient(create_app(settings.model_copy(update={"events_poll_seconds": 0.05, "events_heartbeat_seconds": 0.2})))
-    job_id = fast.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
-    claimed = start_job(settings, job_id)
+    job_id = fast.post("/v1/jobs", json=tiny_spec(**{"resources.processes_per_node": 2}), headers=auth(tokens["alice"])).json()["id"]
+    claimed = start_job(settings, job_id, slots=2)
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:  # ranks 0 and 1 interleaved, then a launcher line (no rank)
         record_logs(session, job_id, claimed, [(i, i % 2, f"line {i}") for i in range(6)] + [(6, None, "launcher")])
@@ -430,6 +430,11 @@ def test_followed_logs_stream_the_tail_then_each_new_line_of_the_rank_asked_for_
         response = fast.get(f"/v1/jobs/{job_id}/logs", params={"follow": "true", "rank": 1, **resume}, headers=headers)
         again = list(sse_messages(response.text.splitlines()))
         assert [json.loads(m["data"])["line"] for m in again[:-1]] == ["line 7", "line 9"] and again[-1] == END
+
+    # A rank the job doesn't have is a mistake to say so, not an empty log.
+    response = fast.get(f"/v1/jobs/{job_id}/logs", params={"rank": 2}, headers=auth(tokens["alice"]))
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "rank"], response.text
+    assert "ranks 0–1" in response.text
 
 
 def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api, tokens, settings):

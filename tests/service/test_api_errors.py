@@ -113,6 +113,20 @@ def test_a_nan_in_a_spec_is_a_422_naming_the_field_not_a_500(api, token):
     assert {"body.training.max_steps", "body.training.guard.min_increase"} <= locations
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [(("training", "max_steps"), True, "max_steps: a number is needed, not true"), (("optimizer", "lr"), "NaN", "finite number")],
+)
+def test_a_number_given_as_true_or_nan_is_a_422_saying_so(api, token, field, value, says):
+    # Found by a new user: Pydantic's lax mode ran `"max_steps": true` as 1 step, and `"lr": "NaN"`
+    # was refused as "≤ 10".
+    spec = tiny_spec(**{".".join(field): value})
+    response = api.post("/v1/jobs", json=spec, headers=auth(token))
+    assert response.status_code == 422, response.text
+    [error] = response.json()["detail"]
+    assert tuple(error["loc"][1:3]) in {field, field[:1]} and says in error["msg"], error
+
+
 def test_a_body_that_is_not_utf8_is_a_422_not_a_500(api, token, settings):
     # Found trying the worker protocol as a hostile client: the 422 echoed the undecodable bytes (a 500).
     with session_factory(settings.resolved_database_url)() as session:

@@ -135,10 +135,13 @@ def test_a_sweep_no_job_could_run_gets_422_naming_the_field(api, tokens, overrid
     assert [error["loc"][: len(loc)] for error in response.json()["detail"]][0] == loc
 
 
-def test_a_grid_over_a_continuous_range_gets_422(api, tokens):
-    spec = sweep_spec(search_space={"optimizer.lr": {"log_uniform": [1e-4, 1e-2]}})
-    response = api.post("/v1/sweeps", json=spec, headers=auth(tokens["alice"]))
-    assert response.status_code == 422 and "continuous" in response.text
+@pytest.mark.parametrize(
+    ("space", "says"),
+    [({"optimizer.lr": {"log_uniform": [1e-4, 1e-2]}}, "continuous"), ({"name": {"choice": ["a", "b"]}}, "each trial is named")],
+)
+def test_a_grid_over_a_continuous_range_or_the_trials_name_gets_422(api, tokens, space, says):
+    response = api.post("/v1/sweeps", json=sweep_spec(search_space=space), headers=auth(tokens["alice"]))
+    assert response.status_code == 422 and says in response.text, response.text
 
 
 def test_another_users_sweep_is_404_and_a_cancel_ends_its_trials(api, tokens, settings):

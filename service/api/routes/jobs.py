@@ -5,7 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
-from api_schemas import CheckpointConfig, CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
+from api_schemas import CheckpointConfig, ResourcesConfig, CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
 from api_schemas.run_record import RunRecord
 from service.admission import admit
 from service.api.audit import describe, note
@@ -114,6 +114,10 @@ def get_logs(
     ] = False,
     last_event_id: Annotated[int | None, Header(ge=0, lt=10**18, description="With `follow`: resume after this line (as `cursor`).")] = None,
 ):
+    if rank is not None and rank >= (size := ResourcesConfig.from_stored(job.spec.get("resources", {})).slots):
+        # Else an empty answer: `trainyard logs N --rank 7` printed nothing, as if rank 7 were quiet.
+        message = f"the job runs {size} process{'es' if size > 1 else ''}: ranks 0–{size - 1}"
+        raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["query", "rank"], "msg": message, "type": "value_error"}])
     limit = min(tail, settings.log_tail_max)
     after = last_event_id if last_event_id is not None else int(cursor) if cursor else None
     if follow:
