@@ -163,6 +163,18 @@ def _unauthorized(why: str) -> HTTPException:
 CurrentUser = Annotated[User, Depends(get_current_user)]
 
 
+def get_token_holder(user: CurrentUser, credentials: BearerCredentials) -> User:
+    """The caller on a route that makes a credential (a new token, a login code): with the user's
+    own token only. A browser session acts as its user on the page, but must not turn itself into
+    a token that never expires, nor renew itself with login codes for ever."""
+    if credentials.credentials.startswith(SESSION_PREFIX):
+        raise HTTPException(status.HTTP_403_FORBIDDEN, "a browser session can't make credentials: use your own token (the CLI's)")
+    return user
+
+
+TokenHolder = Annotated[User, Depends(get_token_holder)]
+
+
 def get_current_host(
     request: Request, settings: SettingsDep, credentials: BearerCredentials
 ) -> str:

@@ -51,6 +51,17 @@ def test_a_login_code_signs_a_browser_in_as_its_user_once(api, tokens):
     assert api.post("/v1/login-codes").status_code == 401  # a code needs a token
 
 
+def test_a_browser_session_can_make_no_credential(api, tokens):
+    # Found by a new user: a session (24 h) rotated its user's token, so held one that never
+    # expires, and the user's CLI was locked out; with login codes it could renew itself for ever.
+    browser = sign_in(api, tokens["alice"])
+    for path in ("/v1/token/rotate", "/v1/login-codes"):
+        refused = api.post(path, headers=auth(browser))
+        assert refused.status_code == 403 and "browser session" in refused.json()["detail"], refused.text
+    assert api.get("/v1/jobs", headers=auth(tokens["alice"])).status_code == 200  # the user's token still works
+    assert api.get("/v1/jobs", headers=auth(browser)).status_code == 200
+
+
 def test_an_expired_code_and_an_expired_session_are_refused(api, tokens, sessions):
     code = api.post("/v1/login-codes", headers=auth(tokens["alice"])).json()["code"]
     with sessions() as session:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, HTTPException, Request, status
 
 from api_schemas import LoginCodeOut, LoginRequest, TokenOut
 from service.api.audit import note
-from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionsEndWithRoute, SettingsDep, WriteSessionDep, refuse_a_guesser
+from service.api.deps import NEEDS_TOKEN, TokenHolder, SessionsEndWithRoute, SettingsDep, WriteSessionDep, refuse_a_guesser
 from service.db.browser_logins import issue_login_code, redeem_login_code
 from service.db.models import User
 
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/v1", tags=["accounts"], route_class=SessionsEndWithR
 
 
 @router.post("/login-codes", response_model=LoginCodeOut, status_code=status.HTTP_201_CREATED, responses=NEEDS_TOKEN)
-def new_login_code(request: Request, session: WriteSessionDep, user: CurrentUser, settings: SettingsDep) -> LoginCodeOut:
+def new_login_code(request: Request, session: WriteSessionDep, user: TokenHolder, settings: SettingsDep) -> LoginCodeOut:
     """A one-time code that signs a browser in as the caller, for `login_code_seconds`."""
     code, expires_at = issue_login_code(session, session.get_one(User, user.id), timedelta(seconds=settings.login_code_seconds))
     note(request, detail="made a one-time login link")
