@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath
-from typing import Annotated, Any, ClassVar, Literal, Self, get_args
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args, get_origin
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 
 
 class SpecModel(BaseModel):
@@ -21,14 +21,21 @@ class SpecModel(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _no_truth_for_a_number(cls, data: Any) -> Any:
-        """`"max_steps": true` is a mistake, which Pydantic's lax mode would read as 1. (Strict mode
-        would also refuse an enum's value given as a string, so it is this check instead.)"""
-        if isinstance(data, dict):
+    def _plain_values(cls, data: Any, info: ValidationInfo) -> Any:
+        """Refuse what Pydantic's lax mode lets through but nothing downstream can take: `true` for
+        a number (read as 1), and a NUL character in a string, which no path, argument or
+        environment variable can hold (the worker's launch failed on it, and the job with it).
+        (Strict mode would also refuse an enum's value given as a string, so it is this check.)
+        A stored spec is not checked: one stored before the check must still read."""
+        if isinstance(data, dict) and not stored(info):
             for name, field in cls.model_fields.items():
                 value = data.get(field.alias or name)
                 if isinstance(value, bool) and set(get_args(field.annotation) or [field.annotation]) & {int, float}:
                     raise ValueError(f"{name}: a number is needed, not {str(value).lower()}")
+                mapping = isinstance(value, dict) and get_origin(field.annotation) is dict  # not a nested spec's: it checks its own
+                strings = value if isinstance(value, list) else [*value, *value.values()] if mapping else [value]
+                if any(isinstance(string, str) and "\0" in string for string in strings):
+                    raise ValueError(f"{name}: must not contain a NUL character")
         return data
 
     @classmethod
@@ -37,17 +44,28 @@ class SpecModel(BaseModel):
         earlier version: a field this version no longer has (removed, or renamed) is left out, not
         refused, so an upgrade leaves no job unreadable, unschedulable or unrunnable. A new spec is
         read with `model_validate`, which refuses a misspelt field."""
-        return cls.model_validate(data, extra="ignore")
+        return cls.model_validate(data, extra="ignore", context={"stored": True})
 
 
-def relative_inside_root(path: str, root: str = "the data root") -> str:
+NAME_MAX = 255  # bytes of one file name, on Linux's file systems
+
+
+def stored(info: ValidationInfo | None) -> bool:
+    """Whether what is validated is a stored spec (SpecModel.from_stored), not a new one."""
+    return bool(info and (info.context or {}).get("stored"))
+
+
+def relative_inside_root(path: str, root: str = "the data root", info: ValidationInfo | None = None) -> str:
     """Refuse what can never be right wherever the root is. The full check (resolves inside the
-    root, exists) needs the server's root."""
+    root, exists) needs the server's root. A stored spec (`info`'s context) is spared the checks
+    added since specs were first stored, so that one stored before still reads."""
     p = PurePosixPath(path)
     if p.is_absolute() or "\\" in path:
         raise ValueError(f"must be a relative path under {root}")
     if ".." in p.parts:
         raise ValueError("must not contain '..'")
+    if any(len(part.encode()) > NAME_MAX for part in p.parts) and not stored(info):
+        raise ValueError(f"a file or directory name is at most {NAME_MAX} bytes")
     return path
 
 
@@ -149,8 +167,8 @@ class HFModelConfig(SpecModel):
 
     @field_validator("path")
     @classmethod
-    def _path_inside_root(cls, path: str | None) -> str | None:
-        return None if path is None else relative_inside_root(path)
+    def _path_inside_root(cls, path: str | None, info: ValidationInfo) -> str | None:
+        return None if path is None else relative_inside_root(path, info=info)
 
     @model_validator(mode="after")
     def _labels_for_classifiers(self) -> HFModelConfig:
@@ -210,12 +228,12 @@ class _DatasetPath(SpecModel):
 
     @field_validator("path", "tokenizer_file")
     @classmethod
-    def _relative_inside_root(cls, path: str | None) -> str | None:
+    def _relative_inside_root(cls, path: str | None, info: ValidationInfo) -> str | None:
         if path is None:
             return path
         # The full check (resolves inside the data root, exists) needs the server's data root;
         # this one rejects what can never be right wherever the root is.
-        p = PurePosixPath(relative_inside_root(path))
+        p = PurePosixPath(relative_inside_root(path, info=info))
         if p.parts and p.parts[0] == UPLOADS_DIR:
             raise ValueError(f"must not be under {UPLOADS_DIR}/: name an uploaded dataset by `upload_id`")
         return path
@@ -511,8 +529,8 @@ class CodeSource(SpecModel):
 
     @field_validator("path")
     @classmethod
-    def _relative(cls, path: str | None) -> str | None:
-        return None if path is None else relative_inside_root(path, "the code root")
+    def _relative(cls, path: str | None, info: ValidationInfo) -> str | None:
+        return None if path is None else relative_inside_root(path, "the code root", info)
 
     @model_validator(mode="after")
     def _one_source(self) -> CodeSource:
@@ -526,8 +544,14 @@ REQUIREMENT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*( *(===|==|!=|<=|>=|~=|<|>) *
 
 
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
-# What the worker sets in a script's environment itself (workers/launch.py), besides TRAINYARD_*.
-SCRIPT_RESERVED_ENV = frozenset({"ACCELERATE_USE_CPU", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED"})
+# What the worker sets in a script's environment itself (workers/launch.py), besides TRAINYARD_*,
+# and what torch's launcher sets for each process (a job that set LOCAL_RANK failed every attempt).
+SCRIPT_RESERVED_ENV = frozenset({
+    "ACCELERATE_USE_CPU", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+})
+RESERVED_ENV_PREFIXES = ("TRAINYARD_", "TORCHELASTIC_")
 
 
 class ScriptConfig(SpecModel):
@@ -587,13 +611,13 @@ class ScriptConfig(SpecModel):
 
     @field_validator("entrypoint")
     @classmethod
-    def _entrypoint_inside(cls, entrypoint: str) -> str:
-        return relative_inside_root(entrypoint, "the code directory")
+    def _entrypoint_inside(cls, entrypoint: str, info: ValidationInfo) -> str:
+        return relative_inside_root(entrypoint, "the code directory", info)
 
     @field_validator("outputs")
     @classmethod
-    def _outputs_inside(cls, outputs: list[str]) -> list[str]:
-        outputs = [str(PurePosixPath(relative_inside_root(output, "the script's working directory"))) for output in outputs]
+    def _outputs_inside(cls, outputs: list[str], info: ValidationInfo) -> list[str]:
+        outputs = [str(PurePosixPath(relative_inside_root(output, "the script's working directory", info))) for output in outputs]
         if "." in outputs:
             raise ValueError("name a directory inside the working directory, not the directory itself")
         if len(set(outputs)) != len(outputs):
@@ -604,11 +628,9 @@ class ScriptConfig(SpecModel):
     @classmethod
     def _env_not_trainyards(cls, env: dict[str, str]) -> dict[str, str]:
         # The service's own settings and credentials are TRAINYARD_*: a script can neither see nor set them.
-        if refused := sorted(name for name in env if name.upper().startswith("TRAINYARD_") or name in SCRIPT_RESERVED_ENV):
+        if refused := sorted(name for name in env if name.upper().startswith(RESERVED_ENV_PREFIXES) or name in SCRIPT_RESERVED_ENV):
             raise ValueError(f"{', '.join(refused)}: set by Trainyard itself, not by a job")
-        if any("\0" in value for value in env.values()):
-            raise ValueError("a value must not contain a NUL character")
-        return env
+        return env  # (a NUL character in one: SpecModel refuses it)
 
 
 # One `environment.pip` requirement: a package name, optional extras and version specifiers, e.g.

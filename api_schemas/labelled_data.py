@@ -17,6 +17,15 @@ class LabelledDataError(ValueError):
 
 def read_labelled(path: Path, kind: str, text_column: str, label_column: str) -> tuple[list[str], list[str]]:
     """(texts, labels) of a JSON-lines or CSV file; labels as strings, whatever their type there."""
+    try:
+        return _read_labelled(path, kind, text_column, label_column)
+    except UnicodeDecodeError:  # a spreadsheet's export in Latin-1 or UTF-16, say
+        raise LabelledDataError("is not UTF-8 text: save it as UTF-8") from None
+    except csv.Error as exc:
+        raise LabelledDataError(f"is not readable as CSV: {exc}") from None
+
+
+def _read_labelled(path: Path, kind: str, text_column: str, label_column: str) -> tuple[list[str], list[str]]:
     texts, labels = [], []
     with open(path, encoding="utf-8", newline="") as f:
         if kind == "csv":

@@ -12,10 +12,10 @@ from datetime import datetime
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, model_validator
 
 from api_schemas.api import JobStatus
-from api_schemas.jobs import JobSpec, SpecModel
+from api_schemas.jobs import JobSpec, SpecModel, stored
 
 Scalar = bool | int | float | str
 
@@ -96,8 +96,8 @@ class SweepSpec(SpecModel):
     pruner: PrunerConfig = Field(default_factory=lambda: PrunerConfig())
 
     @model_validator(mode="after")
-    def _grid_is_discrete(self) -> SweepSpec:
-        if "name" in self.search_space:
+    def _grid_is_discrete(self, info: ValidationInfo) -> SweepSpec:
+        if "name" in self.search_space and not stored(info):  # (a sweep stored before this check still reads)
             raise ValueError("search_space: `name` can't be searched: each trial is named NAME-tN")
         if self.sampler.kind == "grid":
             if continuous := [path for path, dimension in self.search_space.items() if dimension.grid_values is None]:

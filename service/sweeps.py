@@ -73,7 +73,7 @@ def advance_sweep(session: Session, sweep_id: int, settings: Settings) -> None:
     if sweep.status != SweepStatus.running:
         session.rollback()
         return
-    spec = SweepSpec.model_validate(sweep.spec)
+    spec = SweepSpec.from_stored(sweep.spec)
     jobs = trial_jobs(session, [sweep.id])[sweep.id]
     study = _rebuilt_study(session, spec, jobs)
     session.commit()  # the prunings and the trials' replayed attributes

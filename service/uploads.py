@@ -18,6 +18,7 @@ import stat
 import tarfile
 import uuid
 import zipfile
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -202,6 +203,8 @@ def unpack_bundle(archive: Path, directory: Path, max_bytes: int, max_files: int
 def _is_tar(path: Path) -> bool:
     try:
         return tarfile.is_tarfile(path)
+    except (EOFError, zlib.error):  # compressed, but cut short or corrupt: unpacking says so
+        return True
     except OSError:
         return False
 
@@ -249,7 +252,7 @@ def _unpack_tar(archive: Path, dest: Path, budget: _Budget) -> None:
         with tarfile.open(archive) as tar:
             for member in tar:
                 _unpack_member(member.name, dest, budget, _tar_kind(member), lambda m=member: tar.extractfile(m), member.mode)
-    except tarfile.TarError as exc:
+    except (tarfile.TarError, EOFError, zlib.error) as exc:
         raise UploadRefused(f"the tar archive is unreadable: {exc}") from None
 
 

@@ -357,7 +357,12 @@ class AttemptRunner:
             log.info("attempt %s is not ours to run (already claimed, ended or cancelled)", attempt_id)
             return
         log.info("running job %s attempt %s (resume from step %s)", claimed.job_id, claimed.number, claimed.resume_step)
-        outcome, reason = self._supervise(claimed)
+        try:
+            outcome, reason = self._supervise(claimed)
+        except Exception as exc:  # noqa: BLE001 - a bug of ours, or a stored spec nothing checked: say so now,
+            # rather than leave the attempt "running" until its lease runs out and the job is told its host went away.
+            log.exception("job %s attempt %s could not be run", claimed.job_id, claimed.number)
+            outcome, reason = AttemptStatus.failed, f"the worker could not run it: {type(exc).__name__}: {exc}"
         self._finish(claimed, outcome, reason)
         self.out_of_reach_noted.pop(claimed.attempt_id, None)
         self.store.release(claimed)

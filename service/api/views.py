@@ -110,7 +110,7 @@ def sweep_outs(session: Session, sweeps: list[Sweep]) -> list[SweepOut]:
 
 
 def sweep_out(sweep: Sweep, jobs: list[Job], values: dict[int, float | None]) -> SweepOut:
-    spec = SweepSpec.model_validate(sweep.spec)
+    spec = SweepSpec.from_stored(sweep.spec)
     trials = [
         TrialOut(
             number=job.trial_number,

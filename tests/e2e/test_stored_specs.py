@@ -3,6 +3,8 @@ version no longer has (removed, or renamed) is left out of it, not refused (JobS
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from sqlalchemy import select
@@ -34,3 +36,19 @@ def test_a_job_stored_with_a_field_this_version_dropped_reads_schedules_and_runs
 
             info.start("worker-0")
             assert wait_for(client, job_id, {"succeeded", "failed", "cancelled"})["status"] == "succeeded"
+
+            # One stored before a check of today's (a name longer than a file system takes) still
+            # reads; the worker fails it saying why, at once: its lease ran out, and the job said its
+            # host had gone away.
+            info.stop("worker-0")
+            job_id = client.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 6})).json()["id"]
+            with session_factory(postgres_url)() as session:
+                job = session.scalar(select(Job).where(Job.id == job_id))
+                job.spec = {**job.spec, "dataset": {**job.spec["dataset"], "path": "o" * 300}}
+                session.commit()
+            assert client.get(f"/v1/jobs/{job_id}").status_code == 200
+            info.start("worker-0")
+            started = time.monotonic()
+            failed = wait_for(client, job_id, {"succeeded", "failed", "cancelled"})
+            assert failed["status"] == "failed" and "could not run it" in failed["failure_reason"] and "File name too long" in failed["failure_reason"], failed
+            assert time.monotonic() - started < 20  # two attempts (max_restarts 1), neither waiting out its lease

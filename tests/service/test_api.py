@@ -487,11 +487,12 @@ def test_workers_show_their_gpus_and_what_runs_on_them_naming_only_your_own_jobs
         ('{"text": "abc", "label": "a"}\n{"text": "d", "label": "b"}\n', {"model.num_labels": 3}, "holds 2 distinct labels (a, b) but model.num_labels is 3"),
         ("text,category\nabc,a\n", {"dataset.kind": "csv"}, "no column 'label' in the CSV header"),
         ("", {}, "is empty"),
+        ("text,label\ncaf\xe9,0\nhi,1\n".encode("latin-1"), {"dataset.kind": "csv"}, "is not UTF-8 text: save it as UTF-8"),  # was a 500
     ],
-    ids=["missing-label", "missing-text", "not-json", "label-count", "csv-column", "empty"],
+    ids=["missing-label", "missing-text", "not-json", "label-count", "csv-column", "empty", "latin-1"],
 )
 def test_a_labelled_dataset_the_classifier_cannot_use_gets_422_naming_the_problem(api, tokens, data_root, content, overrides, reason):
-    (data_root / "labels.jsonl").write_text(content)
+    (data_root / "labels.jsonl").write_bytes(content if isinstance(content, bytes) else content.encode())
     spec = classifier_spec(**{"model.num_labels": 2, **overrides})
     response = api.post("/v1/jobs", json=spec, headers=auth(tokens["alice"]))
     assert response.status_code == 422, response.text

@@ -115,9 +115,13 @@ def test_a_nan_in_a_spec_is_a_422_naming_the_field_not_a_500(api, token):
 
 @pytest.mark.parametrize(
     ("field", "value", "says"),
-    [(("training", "max_steps"), True, "max_steps: a number is needed, not true"), (("optimizer", "lr"), "NaN", "finite number")],
+    [
+        (("training", "max_steps"), True, "max_steps: a number is needed, not true"), (("optimizer", "lr"), "NaN", "finite number"),
+        (("dataset", "path"), "small.txt\0x", "path: must not contain a NUL character"),  # was a 500
+        (("dataset", "path"), "o" * 300, "at most 255 bytes"),  # was a 500
+    ],
 )
-def test_a_number_given_as_true_or_nan_is_a_422_saying_so(api, token, field, value, says):
+def test_a_number_given_as_true_or_nan_or_an_impossible_path_is_a_422_saying_so(api, token, field, value, says):
     # Found by a new user: Pydantic's lax mode ran `"max_steps": true` as 1 step, and `"lr": "NaN"`
     # was refused as "≤ 10".
     spec = tiny_spec(**{".".join(field): value})

@@ -108,6 +108,14 @@ def test_another_users_code_bundle_cannot_be_run(api, tokens):
         ({"code": {"path": "project", "upload_id": 1}}, ["body", "script", "code"], "exactly one"),
         ({"entrypoint": "missing.py"}, ["body", "script", "entrypoint"], "no file 'missing.py'"),
         ({"entrypoint": "../train.py"}, ["body", "script", "entrypoint"], "'..'"),
+        # Found by a new user: each was accepted, then the worker's launch failed on it every attempt.
+        ({"args": ["--tag", "x\0y"]}, ["body", "script"], "args: must not contain a NUL character"),
+        ({"outputs": ["o\0ut"]}, ["body", "script"], "outputs: must not contain a NUL character"),
+        ({"outputs": ["o" * 300]}, ["body", "script", "outputs"], "at most 255 bytes"),
+        ({"entrypoint": "t" * 256 + ".py"}, ["body", "script", "entrypoint"], "at most 255 bytes"),  # was a 500
+        ({"env": {"LOCAL_RANK": "3", "MASTER_PORT": "1"}}, ["body", "script", "env"], "LOCAL_RANK, MASTER_PORT: set by Trainyard itself"),
+        ({"env": {"TORCHELASTIC_RUN_ID": "x"}}, ["body", "script", "env"], "set by Trainyard itself"),
+        ({"env": {"TAG": "x\0"}}, ["body", "script"], "env: must not contain a NUL character"),
     ],
 )
 def test_bad_script_code_gets_422_naming_the_field(api, tokens, script, loc, reason):

@@ -176,6 +176,7 @@ MALICIOUS = {
     "zip bomb": (zip_of({"bomb.bin": b"\0" * 90_000}), "unpacks to more than 20000 bytes"),
     "too many files": (tar_of({f"f{i}.py": b"" for i in range(21)}), "more than 20 files"),
     "not an archive": (b"just some text, not an archive", "must be a tar"),
+    "cut short": (tar_of({"train.py": bytes(range(256)) * 64}, gz=True)[:300], "the tar archive is unreadable"),  # was a 500
 }
 
 
