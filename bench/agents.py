@@ -525,6 +525,7 @@ def main() -> None:
     parser.add_argument("--peer-hosts", type=int, default=90)
     parser.add_argument("--seconds", type=float, default=30)
     parser.add_argument("--warmup", type=float, default=0, help="seconds of Trainyard's runs not measured: the hosts' registrations, claims and first reports")
+    parser.add_argument("--no-peer", action="store_true", help="only Trainyard at --hosts: no peer, no run at the peer's load (to compare revisions)")
     parser.add_argument("--processes", type=int, default=2, help="processes the simulated hosts are spread over")
     parser.add_argument("--serial", type=int, metavar="ROUNDS", help="only the API's and PostgreSQL's CPU per request, ROUNDS of each kind one at a time")
     parser.add_argument("--instructions", type=int, metavar="ROUNDS", help="only the API's instructions per request (callgrind), ROUNDS of each kind")
@@ -535,6 +536,9 @@ def main() -> None:
         return
     if args.instructions:
         print(json.dumps({"benchmark": "agents_instructions", **instruction_costs(args.instructions, args.peer_tree)}))
+        return
+    if args.no_peer:
+        print(json.dumps({"benchmark": "agents", "trainyard": trainyard_run(args.hosts, args.seconds, args.processes, args.warmup)}))
         return
     peer = peer_run(args.peer_hosts, args.seconds)
     same_load = trainyard_run(args.peer_hosts, args.seconds, args.processes, args.warmup)
