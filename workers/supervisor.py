@@ -89,6 +89,9 @@ MAX_PENDING_LOG_CHARS = 32 * 2**20
 DISK_WATCH_SECONDS = 2.0
 OUT_OF_REACH_NOTE_SECONDS = 60.0  # while the service is out of reach, an attempt's log says so this often
 CPU_HELD_BACK_NOTED = 0.2  # the share of its time a job is held to its cores before its logs say so
+# How long a run that reported its last step is let finish (its last checkpoint, its exit) before a
+# cancel or preemption stops it all the same.
+FINISHING_GRACE_SECONDS = 120.0
 
 
 def forward_pause(round_trip: float) -> float:
@@ -792,6 +795,7 @@ class RunningAttempt:
         self.next_forward = self.forwarded_at = 0.0
         self.renewed_at = time.monotonic()  # the lease's last renewal
         self.step = claimed.resume_step or 0  # the last step the training reported: where system samples are put
+        self.last_step_at: float | None = None  # when the training reported its last step (training.max_steps)
         self.system = SystemSampler(process.pid, claimed.device_ids)
 
     @property
@@ -871,6 +875,8 @@ class RunningAttempt:
             if not self._recordable_step(event):
                 continue
             self.step = max(self.step, event.step)
+            if self.last_step_at is None and self.step == self.spec.training.max_steps:
+                self.last_step_at = time.monotonic()
             if isinstance(event, MetricsEvent):
                 self.outbox.metrics += [(event.step, name, value) for name, value in event.values.items() if self._recordable_name(name)]
                 if self.logged is not None:
@@ -1018,16 +1024,24 @@ class RunningAttempt:
             return None, "lease lost"
         # A rank that failed after the cancel failed because of it: in a gang, the ranks of
         # another node stopped first and took this node's collectives down with them.
-        if lease.cancel_requested and not (self.finished and self.exit_code == 0):
+        if lease.cancel_requested and not (self.finished and self.exit_code == 0) and not self.finishing:
             _stop(self.process)
             self.runner._sync(self.claimed, self.outbox, wait=True)
             return AttemptStatus.cancelled, "cancelled by user"
-        if lease.preempt_requested:
+        if lease.preempt_requested and not self.finishing:
             full = self.spec.resources.processes_per_node
             # An elastic job placed smaller is stopped to go back to its size (or, preemptible, for a higher priority).
             why = f"stopped to go back to its full size of {full} processes" if self.claimed.slots < full else "preempted for a higher-priority job"
             self._preempt(lease.preempt_reason or why)
         return None
+
+    @property
+    def finishing(self) -> bool:
+        """The training reported its last step: all it has left is its last checkpoint and its exit.
+        A cancel or a preemption (a sweep's pruning) that comes now would throw a finished run away
+        (seen: a job cancelled at 2000/2000, a trial pruned at 60/60, each stopped as it wrote its
+        last checkpoint), so it is let finish, for FINISHING_GRACE_SECONDS at most."""
+        return self.last_step_at is not None and time.monotonic() - self.last_step_at < FINISHING_GRACE_SECONDS
 
     def _note_forward(self, started: float, asked: float) -> None:
         """When the next report is due: as the API asked, or later if it was slow to answer (forward_pause)."""

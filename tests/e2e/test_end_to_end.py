@@ -217,6 +217,23 @@ def test_cancel_stops_a_running_job_and_frees_its_host(stack):
 
 
 @ON_ONE_BACKEND
+def test_a_cancel_that_comes_after_the_last_step_leaves_the_finished_run_succeeded(stack):
+    # Found by a new user: a job cancelled (and a sweep's trial pruned) once it had reported its
+    # last step, as it wrote its last checkpoint, ended cancelled at 2000/2000.
+    client, info = stack
+    shutil.copy(Path(__file__).parent / "plugins" / "labels_classifier.py", info.data_dir / "plugins")
+    write_labelled_jsonl(info.data_dir / "data" / "labels.jsonl")
+    spec = classifier_spec(**{"training.max_steps": 20, "checkpoint.every_steps": 20})
+    spec["model"] = {"kind": "custom", "entrypoint": "labels_classifier:train", "config": {"linger_s": 8}}
+    job_id = client.post("/v1/jobs", json=spec).json()["id"]
+    wait_for_step(client, job_id, 20)  # its last: the loop lingers, its last checkpoint still to be finished
+    client.post(f"/v1/jobs/{job_id}/cancel")
+    job = wait_for(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=60)
+    assert job["status"] == "succeeded" and job["attempts"][-1]["status"] == "succeeded", job
+    assert [c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json()] == [20]
+
+
+@ON_ONE_BACKEND
 def test_a_classifier_job_reports_eval_accuracy_and_its_checkpoint_carries_the_labels(stack):
     client, info = stack
     write_labelled_jsonl(info.data_dir / "data" / "labels.jsonl")

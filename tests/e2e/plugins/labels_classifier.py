@@ -1,9 +1,13 @@
 """A `custom` loop fed by a loader, as users write them (the GAN example makes its own samples): a
 bag-of-characters classifier on the job's labelled rows, read in file order. After a loss-guard
 rollback it passes over the batches of `ctx.skip_steps` steps with accelerate's skip_first_batches,
-and keeps how many it passed over in its checkpoints, so later resumes land where the data stands."""
+and keeps how many it passed over in its checkpoints, so later resumes land where the data stands.
+With `config.linger_s` it stays that long after its last checkpoint, as a loop that uploads its
+samples or waits on its tracker's finish() does."""
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn as nn
@@ -41,7 +45,7 @@ def train(ctx) -> None:
     skipped = (resumed or {}).get("skipped_steps", 0) + ctx.skip_steps
     for features, labels in accelerator.skip_first_batches(loader, step + skipped):
         if step >= spec.training.max_steps:
-            return
+            break
         loss = F.cross_entropy(model(features), labels)
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
@@ -54,3 +58,4 @@ def train(ctx) -> None:
             ctx.save_checkpoint(step, {"skipped_steps": skipped})
         if stop:
             return
+    time.sleep(ctx.config.get("linger_s", 0))
