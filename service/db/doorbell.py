@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import psycopg
-from sqlalchemy import event, text
+from sqlalchemy import TextClause, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
@@ -45,7 +45,12 @@ def tell_followers(session: Session, job_id: int) -> None:
     """Wake the API processes' watchers of this job once this transaction commits: a NOTIFY on
     PostgreSQL (one per job and transaction: PostgreSQL folds repeats). On SQLite they poll."""
     if session.get_bind().dialect.name == "postgresql":
-        session.execute(_NOTIFY_FOLLOWERS, {"channel": FOLLOWERS_CHANNEL, "job": str(job_id)})
+        session.execute(*followers_told(job_id))
+
+
+def followers_told(job_id: int) -> tuple[TextClause, dict]:
+    """tell_followers on PostgreSQL, as a statement (for service/db/dialect.py's `pipelined`)."""
+    return _NOTIFY_FOLLOWERS, {"channel": FOLLOWERS_CHANNEL, "job": str(job_id)}
 
 
 _NOTIFY_FOLLOWERS = text("SELECT pg_notify(:channel, :job)")

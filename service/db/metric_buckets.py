@@ -8,7 +8,7 @@ from sqlalchemy import TextClause, select, text, union_all
 from sqlalchemy.orm import Session
 
 from service.db import rollups
-from service.db.dialect import dialect_insert, pg_array
+from service.db.dialect import Statement, dialect_insert, pg_array, pipelined
 from service.db.models import Metric, MetricBucket
 
 
@@ -20,7 +20,7 @@ def refresh_metric_buckets(session: Session, job_id: int, points: list[tuple[int
     Each touched bucket is made of what lies one level down: the batch's points or the buckets
     just recomputed, and the stored ones beside them (read in two statements)."""
     if points is not None and session.get_bind().dialect.name == "postgresql":
-        return _refresh_buckets_in_sql(session, job_id, points)
+        return pipelined(session, bucket_statements(job_id, points))
     if points is None:
         points = session.execute(select(Metric.step, Metric.name, Metric.value).where(Metric.job_id == job_id)).all()
     values: dict[str, dict[int, float | None]] = {}  # name → step → value
@@ -68,19 +68,21 @@ def refresh_metric_buckets(session: Session, job_id: int, points: list[tuple[int
     _upsert_buckets(session, rows)
 
 
-def _refresh_buckets_in_sql(session: Session, job_id: int, points: list[tuple[int, str, float | None]]) -> None:
-    """refresh_metric_buckets on PostgreSQL: each level's touched buckets recomputed by the server
-    from the level below, in one statement per level. The same summaries as rollups.Summary and
-    rollups.merge (tests/service/test_metric_rollups.py compares them with a rebuild in Python),
-    without carrying the stored neighbours to Python and back (10.8 → ~4 ms of a 2,100-point batch)."""
-    keys = {(name, step // rollups.FANOUT) for step, name, _ in points}
+def bucket_statements(job_id: int, points: list[tuple[int, str, float | None]]) -> list[Statement]:
+    """refresh_metric_buckets on PostgreSQL, as statements to run in order once the points are
+    stored: each level's touched buckets recomputed by the server from the level below, one
+    statement per level. The same summaries as rollups.Summary and rollups.merge
+    (tests/service/test_metric_rollups.py compares them with a rebuild in Python), without carrying
+    the stored neighbours to Python and back (10.8 → ~4 ms of a 2,100-point batch)."""
+    keys, statements = {(name, step // rollups.FANOUT) for step, name, _ in points}, []
     for level in rollups.LEVELS:
         if level > 1:
             keys = {(name, bucket // rollups.FANOUT) for name, bucket in keys}  # a bucket's parent: its number // fanout
         names, buckets = zip(*keys)
-        session.execute(_SUMMARISE_POINTS if level == 1 else _MERGE_BUCKETS, {
+        statements.append((_SUMMARISE_POINTS if level == 1 else _MERGE_BUCKETS, {
             "job_id": job_id, "level": level, "names": pg_array(list(names)), "buckets": pg_array(list(buckets)),
-        })
+        }))
+    return statements
 
 
 def _upsert_buckets(session: Session, rows: list[dict]) -> None:

@@ -9,8 +9,8 @@ from sqlalchemy.orm import Session
 
 from api_schemas import JobEventType
 from service.db import rollups, state
-from service.db.dialect import dialect_insert, pg_array
-from service.db.metric_buckets import bucket_rows, refresh_metric_buckets
+from service.db.dialect import dialect_insert, pg_array, pipelined
+from service.db.metric_buckets import bucket_rows, bucket_statements, refresh_metric_buckets
 from service.db.models import Metric, MetricBucket
 
 
@@ -35,20 +35,24 @@ def record_metrics(session: Session, job_id: int, attempt_id: int, points: list[
     points = [(step, name, value) for (step, name), value in latest.items()]
     steps = [step for step, _ in latest]
     if session.get_bind().dialect.name == "postgresql":
-        # The whole batch in one statement of three array parameters, unnested by the server: a
-        # row per point would cost a statement (or 5 bind parameters) per point.
-        session.execute(_UPSERT_METRIC_ARRAYS, {
-            "job_id": job_id, "attempt_id": attempt_id,
-            "steps": pg_array(steps), "names": pg_array([name for _, name in latest]), "values": pg_array(list(latest.values())),
-        })
-    else:
-        # SQLite runs in-process: executemany of one cached statement is as fast as it gets there.
-        statement = dialect_insert(session)(Metric)
-        statement = statement.on_conflict_do_update(
-            index_elements=["job_id", "name", "step"],
-            set_={"value": statement.excluded.value, "attempt_id": statement.excluded.attempt_id},
-        )
-        session.execute(statement, [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points])
+        # The whole batch in three array parameters, unnested by the server (a row per point would
+        # cost a statement, or 5 bind parameters, per point); stored, summarised into its buckets and
+        # made events in one round trip, nothing read back.
+        arrays = {"steps": pg_array(steps), "names": pg_array([name for _, name in latest]), "values": pg_array(list(latest.values()))}
+        pipelined(session, [
+            (_UPSERT_METRIC_ARRAYS, {**arrays, "job_id": job_id, "attempt_id": attempt_id}),
+            *bucket_statements(job_id, points),
+            *state.metric_event_statements(job_id, arrays, len(set(steps)), max(steps)),
+        ])
+        session.commit()
+        return
+    # SQLite runs in-process: executemany of one cached statement is as fast as it gets there.
+    statement = dialect_insert(session)(Metric)
+    statement = statement.on_conflict_do_update(
+        index_elements=["job_id", "name", "step"],
+        set_={"value": statement.excluded.value, "attempt_id": statement.excluded.attempt_id},
+    )
+    session.execute(statement, [{"job_id": job_id, "attempt_id": attempt_id, "step": s, "name": n, "value": v} for s, n, v in points])
     refresh_metric_buckets(session, job_id, points)
     by_step: dict[int, dict[str, float | None]] = {}
     for step, name, value in points:

@@ -237,7 +237,7 @@ class Metric(Base):
     """One value of one named series at one step. A step recomputed after a resume overwrites its row."""
 
     __tablename__ = "metrics"
-    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigId, primary_key=True, doc="No foreign key: each batch is an attempt's of the job, found first (migration 0027).")
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     value: Mapped[float | None] = mapped_column(Float, nullable=True, doc="NULL for a NaN or infinite value.")

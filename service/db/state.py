@@ -20,8 +20,8 @@ from sqlalchemy.orm.attributes import set_committed_value
 
 from api_schemas import AttemptStatus, JobEventType, JobSpec, JobStatus
 from api_schemas.host_api import Rollback
-from service.db.dialect import is_postgresql, list_param, one_of
-from service.db.doorbell import ring, tell_followers
+from service.db.dialect import Statement, is_postgresql, list_param, one_of
+from service.db.doorbell import followers_told, ring, tell_followers
 from service.db.models import Attempt, Job, JobEvent, utcnow
 
 ACTIVE_JOB = (JobStatus.queued, JobStatus.scheduled, JobStatus.running)
@@ -321,6 +321,32 @@ def append_events(
         return
     last = session.execute(_TAKE_EVENT_NUMBERS, {"job_id": job_id, "count": len(events), "at_least": step}).scalar_one()
     _insert_events(session, job_id, last - len(events) + 1, events, now or utcnow())
+
+
+def metric_event_statements(job_id: int, arrays: dict, steps: int, last_step: int) -> list[Statement]:
+    """append_events of a metrics batch on PostgreSQL, as statements to run once its points are
+    stored (service/db/metrics.py): its events (one per step, as the batch's arrays `steps`, `names`
+    and `values` say) built by the server, numbered from the job's counter in the same statement,
+    and the followers told. Nothing is read back, so the batch goes in one round trip."""
+    parameters = {**arrays, "job_id": job_id, "count": steps, "at_least": last_step, "type": JobEventType.metrics.value, "at": utcnow()}
+    return [(_INSERT_METRIC_EVENTS, parameters), followers_told(job_id)]
+
+
+# As _TAKE_EVENT_NUMBERS then _INSERT_EVENTS_JSON, with each step's event made of its points:
+# {"step": 7, "values": {"train_loss": 2.1, "lr": 0.001}}, a NaN (stored as NULL) as null.
+_INSERT_METRIC_EVENTS = text("""
+    WITH numbered AS (
+        UPDATE jobs SET last_event_seq = last_event_seq + :count, step = GREATEST(step, :at_least)
+        WHERE id = :job_id RETURNING last_event_seq
+    ), per_step AS (
+        SELECT step, json_build_object('step', step, 'values', json_object_agg(name, value)) AS data
+        FROM unnest(CAST(:steps AS integer[]), CAST(:names AS varchar[]), CAST(:values AS double precision[])) AS point(step, name, value)
+        GROUP BY step
+    )
+    INSERT INTO job_events (job_id, seq, type, data, created_at)
+    SELECT :job_id, numbered.last_event_seq - :count + row_number() OVER (ORDER BY per_step.step), :type, per_step.data, :at
+    FROM per_step CROSS JOIN numbered
+""")
 
 
 def _insert_events(session: Session, job_id: int, first: int, events: list[tuple[JobEventType, dict]], at: datetime) -> None:

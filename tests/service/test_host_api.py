@@ -222,7 +222,8 @@ def test_a_renewing_report_costs_the_database_less_than_the_lease_request_and_re
     renewing = cost(lambda: a.report(claimed, [(2, name, value) for _, name, value in points], [], renew=True))
     assert renewing[0] < lease[0] + plain[0] and renewing[1] < lease[1] + plain[1], (renewing, lease, plain)
     # The renewal and the lease's read on top of a report, the heartbeat in the report's own commit
-    # (PostgreSQL: 13 statements and 2 commits; before, 14 and 3, and 4 statements for a lease request, now 3).
+    # (PostgreSQL: 13 statements and 2 commits; before, 14 and 3, and 4 statements for a lease request,
+    # now 3). On PostgreSQL a metrics batch's statements go in one pipeline, which these events don't see.
     assert renewing[0] <= plain[0] + 2 and renewing[1] == plain[1], (renewing, plain)
 
 
