@@ -128,11 +128,14 @@ def _named(session: Session, name: str):
     return user
 
 
-def _positive_float(text: str) -> float:
+def _lifetime_days(text: str) -> float:
     value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, not {text}")
+    if not 0 < value <= MAX_LIFETIME_DAYS:  # a date past year 9999 can't be stored: it was a traceback
+        raise argparse.ArgumentTypeError(f"must be more than 0 and at most {MAX_LIFETIME_DAYS:,} (leave it out: never), not {text}")
     return value
+
+
+MAX_LIFETIME_DAYS = 36_500
 
 
 def _name_of_a(what: str, pattern: str, punctuation: str) -> Callable[[str], str]:
@@ -161,7 +164,7 @@ def add_user_commands(parser: argparse.ArgumentParser, settings: Callable[[], Se
     new.add_argument("--admin", action="store_true")
     new.add_argument("--can-run-code", action="store_true", help="may submit `script` jobs and `environment.pip`, which run the user's own code on worker hosts")
     new.add_argument(
-        "--token-lifetime-days", type=_positive_float, help="each token of this user stops working this many days after it is issued (default: never)"
+        "--token-lifetime-days", type=_lifetime_days, help="each token of this user stops working this many days after it is issued (default: never)"
     )
     change = command("set", set_permissions, "change a user's permissions")
     change.add_argument("--admin", action=argparse.BooleanOptionalAction, default=None)

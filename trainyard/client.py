@@ -79,7 +79,7 @@ def read_config() -> dict[str, str]:
         config = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise TrainyardError(f"cannot read the config file {path}: {exc}") from None
     if config is None:
         return {}
@@ -99,8 +99,20 @@ def _server_from_file() -> str | None:
 def _token_from_file() -> str | None:
     try:
         return token_file().read_text().strip() or None
+    except UnicodeDecodeError:
+        raise TrainyardError(f"the token file {token_file()} is not text: `trainyard up` writes a new one") from None
     except OSError:
         return None
+
+
+def _usable_token(where: str, token: str) -> str:
+    """The token, without the spaces and line ends a paste brings; a clear error for what no token
+    holds (a typographic character pasted from a page), which HTTP headers can't carry."""
+    token = token.strip()
+    if not token.isascii() or not token.isprintable() or " " in token:
+        odd = next(c for c in token if not (c.isascii() and c.isprintable()) or c == " ")
+        raise TrainyardError(f"the token from the {where} holds {odd!r}, which no token has: tokens are letters, digits and _ (ty_…)")
+    return token
 
 
 # Not sent in a code bundle: version control, caches and virtual environments.
@@ -165,7 +177,10 @@ class Client:
         config = {} if server and token else read_config()
         self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file() or DEFAULT_SERVER).rstrip("/")
         found = [("argument", token), ("environment", os.environ.get("TRAINYARD_TOKEN")), ("config", config.get("token")), ("file", _token_from_file())]
-        self.token_source, self.token = next(((where, value) for where, value in found if value), (None, None))  # where: for `token rotate`
+        self.token_source, self.token = next(((where, value) for where, value in found if value and value.strip()), (None, None))  # where: for `token rotate`
+        if self.token is not None:
+            where = {"argument": "--token argument", "environment": "environment (TRAINYARD_TOKEN)", "config": "config file"}
+            self.token = _usable_token(where.get(self.token_source, f"token file {token_file()}"), self.token)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self._http = httpx.Client(base_url=self.server, headers=headers, timeout=timeout)
 

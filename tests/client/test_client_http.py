@@ -89,6 +89,8 @@ def test_server_and_token_come_from_args_then_env_then_config_file_then_token_fi
     monkeypatch.setenv("TRAINYARD_SERVER", "http://trainyard.example:9000/")
     assert (Client().server, Client().token) == ("http://trainyard.example:9000", "from-env")
     assert (Client("http://a:1", "from-arg").server, Client("http://a:1", "from-arg").token) == ("http://a:1", "from-arg")
+    monkeypatch.setenv("TRAINYARD_TOKEN", " from-env\u00a0\n")  # as pasted: spaces and a line end left out
+    assert Client().token == "from-env"
 
 
 def test_the_token_of_trainyard_up_is_found_from_a_folder_below_the_one_it_ran_in(monkeypatch, tmp_path):
@@ -108,10 +110,11 @@ def test_the_token_of_trainyard_up_is_found_from_a_folder_below_the_one_it_ran_i
 @pytest.mark.parametrize(
     "text, reason",
     [("server: [unclosed", "cannot read the config file"), ("- a list", "expected only `server:` and `token:`"),
-     ("sever: https://typo.example", "expected only `server:` and `token:`")],
+     ("sever: https://typo.example", "expected only `server:` and `token:`"),
+     (b"\xff\xfe", "cannot read the config file"), ("token: ty_\u2026", "holds '…', which no token has")],  # were tracebacks
 )
 def test_a_config_file_that_cannot_be_used_says_why(monkeypatch, tmp_path, text, reason):
-    (tmp_path / "config.yaml").write_text(text)
+    (tmp_path / "config.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
     monkeypatch.setenv("TRAINYARD_CONFIG", str(tmp_path / "config.yaml"))
     with pytest.raises(TrainyardError, match=reason):
         Client()
