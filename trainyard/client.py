@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -119,20 +119,28 @@ def _usable_token(where: str, token: str) -> str:
 BUNDLE_SKIPPED = {"__pycache__", ".git", ".venv", "venv", "node_modules", ".mypy_cache", ".pytest_cache"}
 
 
-def bundle_code(source: Path) -> bytes:
+def bundle_code(source: Path, left_out: list[str] | None = None) -> bytes:
     """A tar.gz of a directory (without BUNDLE_SKIPPED or hidden entries), or of one file; paths
-    inside it are relative to the directory (or are the file's name)."""
+    inside it are relative to the directory (or are the file's name). A link to a file is sent as
+    the file it names (a data file linked in beside the script: the job found nothing there). What
+    else is not sent is added to `left_out`: hidden entries (each left-out tree once) and links to
+    directories."""
     out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w:gz") as tar:
+    with tarfile.open(fileobj=out, mode="w:gz", dereference=True) as tar:
         if source.is_file():
             tar.add(source, arcname=source.name)
         else:
             for path in sorted(source.rglob("*")):
                 relative = path.relative_to(source)
-                if any(part in BUNDLE_SKIPPED or part.startswith(".") for part in relative.parts):
-                    continue
-                if path.is_file() and not path.is_symlink():
+                skipped = next((i for i, part in enumerate(relative.parts) if part in BUNDLE_SKIPPED or part.startswith(".")), None)
+                if skipped is not None:
+                    top = PurePosixPath(*relative.parts[: skipped + 1]).as_posix()
+                    if left_out is not None and relative.parts[skipped] not in BUNDLE_SKIPPED and top not in left_out:
+                        left_out.append(top)  # a hidden file or folder (what BUNDLE_SKIPPED names goes unsaid)
+                elif path.is_file():  # a link to a file too (not to a directory: its files come by their own paths)
                     tar.add(path, arcname=relative.as_posix())
+                elif path.is_symlink() and left_out is not None:  # a link to a directory, or to nothing
+                    left_out.append(f"{relative.as_posix()} (a link to {'a directory' if path.is_dir() else 'nothing'})")
     return out.getvalue()
 
 
@@ -321,16 +329,17 @@ class Client:
     def datasets(self) -> list[UploadOut]:
         return self._call(list[UploadOut], "GET", "/v1/datasets")
 
-    def upload_code(self, source: Path, name: str | None = None) -> UploadOut:
-        """Upload a code bundle: a directory or a single file, sent as a tar.gz (see `bundle_code`)."""
+    def upload_code(self, source: Path, name: str | None = None, left_out: list[str] | None = None) -> UploadOut:
+        """Upload a code bundle: a directory or a single file, sent as a tar.gz (see `bundle_code`,
+        which lists in `left_out` what it did not send)."""
         source = Path(source)
-        return self._upload("/v1/code", io.BytesIO(bundle_code(source)), name or f"{source.resolve().name}.tar.gz")
+        return self._upload("/v1/code", io.BytesIO(bundle_code(source, left_out)), name or f"{source.resolve().name}.tar.gz")
 
     def code_bundles(self) -> list[UploadOut]:
         return self._call(list[UploadOut], "GET", "/v1/code")
 
     def submit_script(
-        self, script: Path, args: Sequence[str] = (), *, code_dir: Path | None = None, **spec: Any
+        self, script: Path, args: Sequence[str] = (), *, code_dir: Path | None = None, left_out: list[str] | None = None, **spec: Any
     ) -> JobOut:
         """Bundle `code_dir` (default: just the script), upload it and submit a `script` job running
         `script` (a path inside `code_dir`) with `args`. `spec` adds job spec sections, e.g.
@@ -338,7 +347,7 @@ class Client:
         `script_resume_args=[…]`, `script_outputs=["out"]`."""
         script = Path(script).resolve()
         root = Path(code_dir).resolve() if code_dir is not None else script.parent
-        bundle = self.upload_code(root if code_dir is not None else script)
+        bundle = self.upload_code(root if code_dir is not None else script, left_out=left_out)
         entrypoint = script.relative_to(root).as_posix()
         script_fields = {key.removeprefix("script_"): spec.pop(key) for key in list(spec) if key.startswith("script_")}
         name = re.sub(r"[^A-Za-z0-9._-]", "-", script.stem).lstrip("._-") or "script"

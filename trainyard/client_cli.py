@@ -184,8 +184,11 @@ def submit_script(client: Client, args: argparse.Namespace) -> JobOut:
     }
     if args.name:
         spec["name"] = args.name
-    code_dir = None if args.file_only else script.resolve().parent
-    return client.submit_script(script, script_args, code_dir=code_dir, **spec)
+    code_dir, left_out = None if args.file_only else script.resolve().parent, []
+    job = client.submit_script(script, script_args, code_dir=code_dir, left_out=left_out, **spec)
+    if left_out:  # the job may look for them: say so now, not in its traceback
+        print(f"not sent with the script (hidden, or a link to a directory): {', '.join(left_out)}", file=sys.stderr)
+    return job
 
 
 def cmd_datasets_upload(args: argparse.Namespace) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import tarfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +22,7 @@ from service.db.outputs import record_output
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from trainyard.cli import main
+from trainyard.client import bundle_code
 from trainyard.client_cli import SpecFileError, load_spec_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -293,3 +296,22 @@ def test_a_scripts_argument_given_before_dashes_is_refused_saying_where_it_goes(
     assert (code, out) == (2, "")
     assert f"unrecognized arguments: --max_steps (a script's own arguments go after `--`: trainyard submit --script {tmp_path / 'train.py'} -- --max_steps 20)" in err, err
     assert "unrecognized arguments: --nope" in trainyard("ls", "--nope")[2]  # other commands: argparse's words
+
+
+def test_a_code_bundle_sends_linked_files_and_names_what_it_leaves_out(tmp_path):
+    # Found by a new user: a corpus linked in beside the script was left out without a word, and
+    # the job failed on FileNotFoundError.
+    (elsewhere := tmp_path / "elsewhere").mkdir()
+    (elsewhere / "corpus.txt").write_text("to be or not to be\n")
+    (project := tmp_path / "project").mkdir()
+    (project / "train.py").write_text("print('trained')\n")
+    (project / "corpus.txt").symlink_to(elsewhere / "corpus.txt")
+    (project / "data").symlink_to(elsewhere)
+    (project / ".env").write_text("SECRET=1\n")
+    (project / ".git").mkdir()
+    (project / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    left_out: list[str] = []
+    with tarfile.open(fileobj=io.BytesIO(bundle_code(project, left_out))) as tar:
+        assert sorted(tar.getnames()) == ["corpus.txt", "train.py"]
+        assert tar.getmember("corpus.txt").isfile() and tar.extractfile("corpus.txt").read() == b"to be or not to be\n"
+    assert left_out == [".env", "data (a link to a directory)"]  # .git goes unsaid: version control is never sent
