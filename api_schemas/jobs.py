@@ -820,6 +820,11 @@ class JobSpec(SpecModel):
         """What the built-in loop's evaluation reports for this job's model (workers/training/evaluate.py)."""
         return ("eval_loss", "eval_accuracy") if self.model.task == "classify" else ("eval_loss",)
 
+    def reported_metrics(self) -> tuple[str, ...]:
+        """What the built-in loop reports for this job's model: each step's (workers/training/loop.py)
+        and its evaluation's. (The worker adds its samples of the machine, `sys/…`.)"""
+        return ("train_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_mb", *self.evaluated_metrics())
+
     def elastic_sizes(self) -> list[int]:
         """The process counts this job may run on, largest first: its own, and with `resources.elastic`
         each smaller one down to `min_processes` that keeps its optimizer step in whole micro-batches."""

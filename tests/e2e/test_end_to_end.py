@@ -112,6 +112,8 @@ def test_a_job_trains_reports_every_step_and_its_checkpoint_downloads_and_loads(
     series = client.get(f"/v1/jobs/{job_id}/metrics").json()["series"]
     for name in ("train_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_mb"):
         assert series[name]["steps"] == list(range(1, 13)), name
+    # What the spec says the loop reports (a sweep's objective is checked against it) is what it reports.
+    assert {name for name in series if not name.startswith("sys/")} == set(JobSpec.model_validate(spec).reported_metrics())
     assert series["eval_loss"]["steps"] == [6, 12]
     assert client.get(f"/v1/jobs/{job_id}/metrics", params={"names": "eval_loss", "from_step": 7}).json()["series"] == {
         "eval_loss": {"steps": [12], "values": [series["eval_loss"]["values"][1]]}

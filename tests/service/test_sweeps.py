@@ -137,10 +137,15 @@ def test_a_sweep_no_job_could_run_gets_422_naming_the_field(api, tokens, overrid
 
 @pytest.mark.parametrize(
     ("space", "says"),
-    [({"optimizer.lr": {"log_uniform": [1e-4, 1e-2]}}, "continuous"), ({"name": {"choice": ["a", "b"]}}, "each trial is named")],
+    [
+        ({"search_space": {"optimizer.lr": {"log_uniform": [1e-4, 1e-2]}}}, "continuous"),
+        ({"search_space": {"name": {"choice": ["a", "b"]}}}, "each trial is named"),
+        # Found by a new user: every trial ran, none reported it, and the sweep "succeeded" with no best.
+        ({"objective": {"metric": "val_loss"}}, "objective.metric: the built-in loop reports train_loss"),
+    ],
 )
-def test_a_grid_over_a_continuous_range_or_the_trials_name_gets_422(api, tokens, space, says):
-    response = api.post("/v1/sweeps", json=sweep_spec(search_space=space), headers=auth(tokens["alice"]))
+def test_a_sweep_that_could_never_work_gets_422_saying_why(api, tokens, space, says):
+    response = api.post("/v1/sweeps", json=sweep_spec(**space), headers=auth(tokens["alice"]))
     assert response.status_code == 422 and says in response.text, response.text
 
 
