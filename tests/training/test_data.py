@@ -32,6 +32,17 @@ def test_validation_is_the_tail_of_the_corpus(tmp_path):
         load_text_corpus(DatasetConfig(kind="text", path="absent.txt"), tmp_path)
 
 
+def test_a_corpus_that_is_not_utf8_is_the_specs_mistake_for_chars_and_bytes_as_they_are_for_bytes(tmp_path):
+    # Found by a new user: a Latin-1 corpus failed each attempt with a UnicodeDecodeError traceback,
+    # and was retried; the byte tokenizer, which takes any bytes, failed the same way.
+    data = "café, naïve\n".encode("latin-1") * 20
+    (tmp_path / "latin.txt").write_bytes(data)
+    with pytest.raises(SpecError, match=r"latin.txt is not UTF-8 text \(byte 3 is not\), which the char tokenizer reads: .*tokenizer: byte"):
+        load_text_corpus(DatasetConfig(kind="text", path="latin.txt"), tmp_path)
+    corpus = load_text_corpus(DatasetConfig(kind="text", path="latin.txt", tokenizer="byte", val_fraction=0.25), tmp_path)
+    assert torch.cat([corpus.train, corpus.val]).tolist() == list(data)
+
+
 def test_aligned_windows_are_a_permutation_fixed_by_seed_and_epoch():
     tokens = torch.arange(161)
     windows = TokenWindows(tokens, block_size=8, seed=7)

@@ -65,7 +65,7 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if self.kind == "file":
             return self._file.encode(text, add_special_tokens=False).ids
-        return [self._ids[c] for c in text] if self.kind == "char" else list(text.encode("utf-8"))
+        return [self._ids[c] for c in text] if self.kind == "char" else list(text.encode("utf-8", "surrogateescape"))
 
     def decode(self, ids: list[int]) -> str:
         if self.kind == "file":
@@ -184,11 +184,28 @@ def load_text_corpus(config: DatasetConfig | DiskDatasetConfig, data_root: Path)
     if config.kind == "hf_disk":
         text = "\n".join(read_texts(config, data_root, labelled=False)[0])
     else:
-        text = dataset_file(config, data_root).read_text(encoding="utf-8")
+        text = _read_text(dataset_file(config, data_root), config)
     tokenizer = Tokenizer.for_dataset(config, data_root, text)
     tokens = torch.tensor(tokenizer.encode(text), dtype=torch.long)
     split = int(len(tokens) * (1 - config.val_fraction))
     return TextCorpus(train=tokens[:split], val=tokens[split:], tokenizer=tokenizer)
+
+
+def _read_text(path: Path, config: DatasetConfig) -> str:
+    """The corpus as text. The byte tokenizer takes any bytes (those that are no UTF-8 kept as they
+    are: surrogateescape); the others read characters, so a file that is not UTF-8 is the spec's
+    mistake, said once rather than a traceback on each of the job's restarts."""
+    data = path.read_bytes()
+    if config.tokenizer == "byte" and config.tokenizer_file is None:
+        return data.decode("utf-8", "surrogateescape")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        reader = "the tokenizer_file" if config.tokenizer_file else f"the {config.tokenizer} tokenizer"
+        raise SpecError(
+            f"dataset.path: {path.name} is not UTF-8 text (byte {exc.start:,} is not), which {reader} reads: "
+            "save it as UTF-8, or use `tokenizer: byte`"
+        ) from None
 
 
 @dataclass
