@@ -265,6 +265,8 @@ def cluster_text(attempt) -> str:
 
 def cmd_logs(args: argparse.Namespace) -> int:
     with connect(args) as client:
+        # Several processes' lines interleave: each says whose it is (`[rank 1] …`), as the API tags them.
+        tagged = args.rank is None and client.job(args.id).spec.resources.slots > 1
         if args.follow:
             lines = client.follow_logs(args.id, tail=args.tail, rank=args.rank)
         else:
@@ -274,7 +276,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
             if line.attempt != attempt:
                 attempt = line.attempt
                 print(f"--- attempt {attempt} ---")
-            print(line.line, flush=True)
+            print(f"[rank {line.rank}] {line.line}" if tagged and line.rank is not None else line.line, flush=True)
     return 0
 
 

@@ -18,6 +18,7 @@ from tests.client.conftest import run_next_job
 from tests.helpers import EXAMPLE_SPEC, start_job, tiny_spec
 from tests.sweep_helpers import run_sweep, sweep_spec
 from service.db.hosts import register_host
+from service.db.log_lines import record_logs
 from service.db.outputs import record_output
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
@@ -315,3 +316,17 @@ def test_a_code_bundle_sends_linked_files_and_names_what_it_leaves_out(tmp_path)
         assert sorted(tar.getnames()) == ["corpus.txt", "train.py"]
         assert tar.getmember("corpus.txt").isfile() and tar.extractfile("corpus.txt").read() == b"to be or not to be\n"
     assert left_out == [".env", "data (a link to a directory)"]  # .git goes unsaid: version control is never sent
+
+
+def test_logs_of_a_job_of_several_processes_say_each_lines_rank(trainyard, settings, tmp_path):
+    # Found by a new user: two processes' lines interleaved with nothing to tell them apart.
+    (tmp_path / "spec.json").write_text(json.dumps(tiny_spec(**{"resources.processes_per_node": 2})))
+    code, out, _ = trainyard("submit", str(tmp_path / "spec.json"))
+    job_id = int(out.split()[2])  # "submitted job N (…): queued"
+    claimed = start_job(settings, job_id, slots=2)
+    with session_factory(settings.resolved_database_url)() as session:
+        record_logs(session, job_id, claimed, [(1, 0, "step 1 on 0"), (2, 1, "step 1 on 1"), (3, None, "launcher says")])
+    code, out, _ = trainyard("logs", str(job_id))
+    assert code == 0 and out.splitlines() == ["--- attempt 1 ---", "[rank 0] step 1 on 0", "[rank 1] step 1 on 1", "launcher says"]
+    code, out, _ = trainyard("logs", str(job_id), "--rank", "1")
+    assert code == 0 and out.splitlines() == ["--- attempt 1 ---", "step 1 on 1"]
