@@ -60,6 +60,10 @@ def test_every_v1_route_needs_a_valid_token(settings):
         assert api.request(method, path).status_code == 401, (method, template)
         assert api.request(method, path, headers=auth("not-a-token")).status_code == 401, (method, template)
     assert api.get("/healthz").json() == {"status": "ok"}
+    # The server's address opened in a browser: the page, which asks for a sign-in itself (was "Not Found").
+    home = api.get("/", follow_redirects=False)
+    assert home.status_code == 307 and home.headers["location"] == "/dashboard"
+    assert api.get("/").headers["content-type"].startswith("text/html")
 
 
 def test_submit_returns_a_queued_job(api, tokens):

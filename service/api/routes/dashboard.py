@@ -3,7 +3,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse
 
 from api_schemas import DashboardOut, HostAttemptOut, PoolOut, RunningJobOut, WorkerOut
 from service.api.deps import NEEDS_TOKEN, CurrentUser, SessionDep, SessionsEndWithRoute, SettingsDep
@@ -82,3 +82,9 @@ def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> 
 def dashboard_page() -> FileResponse:
     """The web page; it logs in with a token and reads the /v1 API like any other client."""
     return FileResponse(DASHBOARD_PAGE, media_type="text/html")
+
+
+@page_router.get("/", include_in_schema=False)
+def root() -> RedirectResponse:
+    """The server's address opened in a browser: the page (it was a bare "Not Found")."""
+    return RedirectResponse("/dashboard")
