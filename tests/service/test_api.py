@@ -630,3 +630,12 @@ def test_restarts_counts_the_times_a_job_was_started_again_not_its_failures(api,
             finish_attempt(session, claimed, AttemptStatus.failed, "boom")
     job = api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()
     assert job["restarts"] == shown and job["status"] == ("failed" if failures > max_restarts else "queued"), job
+
+
+def test_a_cancels_answer_describes_the_job_as_get_does(api, tokens, settings):
+    # Found by a new user: the answer to a finished job's cancel said last_train_loss null.
+    job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    finish_job(settings, start_job(settings, job_id))
+    answer = api.post(f"/v1/jobs/{job_id}/cancel", headers=auth(tokens["alice"]))
+    shown = api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()
+    assert answer.status_code == 200 and answer.json() == shown and shown["last_train_loss"] == 2.0 and shown["status"] == "succeeded"

@@ -69,9 +69,11 @@ def get_job(job: VisibleJob, session: SessionDep) -> JobOut:
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
-def cancel_job(request: Request, job_id: RowId, session: WriteSessionDep, user: CurrentUser) -> JobOut:
+def cancel_job(request: Request, job_id: RowId, session: SessionDep, writes: WriteSessionDep, user: CurrentUser) -> JobOut:
     note(request, job_id=job_id, detail="cancel")
-    return job_out(request_cancel(session, visible_job(session, user, job_id)))
+    request_cancel(writes, visible_job(writes, user, job_id))
+    # Described as GET describes it (its last loss too), from a read, as a submit's answer is.
+    return job_outs(session, [visible_job(session, user, job_id)])[0]
 
 
 @router.get("/{job_id}/metrics", response_model=MetricsOut)
