@@ -184,6 +184,7 @@ class Client:
         # Each from the first place that has it: argument, environment, config file, then defaults.
         config = {} if server and token else read_config()
         self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file() or DEFAULT_SERVER).rstrip("/")
+        self.server_is_default = not (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file())
         found = [("argument", token), ("environment", os.environ.get("TRAINYARD_TOKEN")), ("config", config.get("token")), ("file", _token_from_file())]
         self.token_source, self.token = next(((where, value) for where, value in found if value and value.strip()), (None, None))  # where: for `token rotate`
         if self.token is not None:
@@ -540,7 +541,9 @@ class Client:
                     raise TrainyardError(error_message(response, self.token_source), status_code=response.status_code)
                 yield response
         except httpx.ConnectError as exc:
-            raise TrainyardError(f"cannot reach Trainyard at {self.server} — is `trainyard up` running?") from exc
+            where = (" (the default: no `.trainyard/` here or above, where `trainyard up` notes its address; run this under the folder "
+                     "it ran in, or pass --server)") if self.server_is_default else ""
+            raise TrainyardError(f"cannot reach Trainyard at {self.server}{where} — is `trainyard up` running?") from exc
         except httpx.TimeoutException as exc:
             raise TrainyardError(f"Trainyard at {self.server} did not answer in time ({type(exc).__name__})") from exc
         except httpx.TransportError as exc:  # e.g. the connection dropped mid-response

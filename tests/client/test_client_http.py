@@ -76,6 +76,16 @@ def test_an_unreachable_server_gets_a_hint_not_a_traceback():
             Client(url, "any-token").job(1)
 
 
+
+def test_a_client_that_found_no_server_says_it_tried_the_default(monkeypatch, tmp_path):
+    # Found by a new user: run outside `trainyard up`'s folder, the CLI tried port 8000 while the
+    # stack was on 8765, and said only that nothing answered.
+    monkeypatch.delenv("TRAINYARD_DATA_DIR")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TrainyardError, match=r"at http://127.0.0.1:8000 \(the default: no `.trainyard/` here or above.*or pass --server\)"):
+        Client(token="any-token").job(1)
+
+
 def test_server_and_token_come_from_args_then_env_then_config_file_then_token_file(monkeypatch, tmp_path):
     assert Client().server == "http://127.0.0.1:8000" and Client().token is None
     monkeypatch.setenv("TRAINYARD_DATA_DIR", str(tmp_path))
