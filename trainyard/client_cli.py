@@ -326,7 +326,7 @@ def cmd_spec(args: argparse.Namespace) -> int:
     if args.json:
         print_json(spec)
     else:
-        sys.stdout.write(yaml.safe_dump(spec, sort_keys=False))
+        sys.stdout.write(yaml.safe_dump(spec, sort_keys=False, allow_unicode=True))  # "héllo", not "h\xE9llo"
     return 0
 
 

@@ -35,7 +35,7 @@ def shown(value: Any) -> str:
     """A spec's value as written (every digit: two learning rates may differ past the fourth)."""
     if value is ABSENT:
         return "-"
-    return value if isinstance(value, str) else json.dumps(value)
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 def shown_metric(value: float | None) -> str:
