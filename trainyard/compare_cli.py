@@ -54,7 +54,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     else:
         print("the specs are the same")
     print()
-    names = sorted(finals[0].keys() | finals[1].keys())
+    names = sorted(name for name in finals[0].keys() | finals[1].keys() if not name.startswith("sys/"))  # results, not the machine's samples
     print_table(["FINAL METRIC", *titles], [[name, *(shown_metric(final.get(name)) for final in finals)] for name in names])
     return 0
 

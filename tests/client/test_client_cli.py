@@ -210,7 +210,8 @@ def test_compare_prints_the_spec_fields_that_differ_and_the_final_metrics_side_b
         ids.append(int(trainyard("submit", str(tmp_path / "spec.json"))[1].split()[2]))
         claimed = start_job(settings, ids[-1])
         with session_factory(settings.resolved_database_url)() as session:
-            record_metrics(session, ids[-1], claimed.attempt_id, [(6, "train_loss", 9.0), (12, "train_loss", loss), (12, "eval_loss", loss + 0.25)])
+            points = [(6, "train_loss", 9.0), (12, "train_loss", loss), (12, "eval_loss", loss + 0.25), (12, "sys/cpu_percent", 0.0)]
+            record_metrics(session, ids[-1], claimed.attempt_id, points)  # the worker's sample of the machine is no result: not shown
             finish_attempt(session, claimed, AttemptStatus.succeeded, None)  # its slot free for the next
     code, out, _ = trainyard("compare", str(ids[0]), str(ids[1]))
     assert code == 0
