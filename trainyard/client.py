@@ -473,8 +473,19 @@ class Client:
 
     def download_state(self, checkpoint_id: int, dest: Path) -> Path:
         """The checkpoint's whole directory (Accelerate state, weights, spec, manifest) unpacked
-        under `dest`, verified against its manifest; returns that directory. What a run resumes from."""
-        return self._download_tree(f"/v1/checkpoints/{checkpoint_id}/download", {"format": "tar"}, Path(dest), f"checkpoint {checkpoint_id}")
+        under `dest`, verified against its manifest; returns that directory. What a run resumes from.
+        An existing directory of that name is left alone (an error), as `download_output` leaves one:
+        unpacked over, it kept files of another download beside this one's."""
+        dest = Path(dest)
+        if dest.exists() and not dest.is_dir():
+            raise TrainyardError(f"{dest} is not a directory: the download unpacks a folder into one")
+        dest.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=dest, prefix=".trainyard-") as unpacking:
+            top = self._download_tree(f"/v1/checkpoints/{checkpoint_id}/download", {"format": "tar"}, Path(unpacking), f"checkpoint {checkpoint_id}")
+            if (target := dest / top.name).exists():
+                raise TrainyardError(f"{target} exists already; remove it or unpack somewhere else")
+            os.rename(top, target)
+        return target
 
     def download_output(self, job_id: int, name: str, dest: Path) -> Path:
         """A script job's output directory unpacked as `dest/<name>`, every file verified against

@@ -46,8 +46,14 @@ def test_the_whole_state_arrives_unpacked_and_verified_against_its_manifest(stor
     checkpoint_id = record(12, files)
     with serve_app(create_app(settings)) as url, Client(url, token) as client:
         directory = client.download_state(checkpoint_id, tmp_path / "out")
-    assert {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()} == set(files) | {"manifest.json"}
-    assert all((directory / name).read_bytes() == content for name, content in files.items())
+        assert {str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file()} == set(files) | {"manifest.json"}
+        assert all((directory / name).read_bytes() == content for name, content in files.items())
+        # Again into the same place: refused, the first left as it was (unpacked over it, another
+        # download's files would have stayed beside this one's).
+        (directory / "notes.txt").write_text("mine")
+        with pytest.raises(TrainyardError, match=f"{directory} exists already"):
+            client.download_state(checkpoint_id, tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [directory.name] and (directory / "notes.txt").read_text() == "mine"
 
 
 def test_a_state_that_does_not_match_its_manifest_is_refused_and_removed(stored, tmp_path):
