@@ -128,11 +128,11 @@ def run_up(args: argparse.Namespace) -> int:
     # Ctrl-C stops it, whatever it inherited: a shell starts a background command (`make test &`) with
     # SIGINT ignored, and Python then installs no KeyboardInterrupt of its own (its children exited, it didn't).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from stack.embedded import StackRefused  # here, not above: every server command, a Slurm node's agent too, imports this module
+    from stack.embedded import StackRefused, StartFailed  # here, not above: every server command, a Slurm node's agent too, imports this module
 
     try:
         return _run_stack(args)
-    except StackRefused as refused:
+    except (StackRefused, StartFailed) as refused:
         print(f"trainyard up: {refused}", file=sys.stderr)
         return 1
 
@@ -141,7 +141,7 @@ def _run_stack(args: argparse.Namespace) -> int:
     from stack.embedded import embedded_stack
 
     with embedded_stack(
-        Path(args.data_dir), args.port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox
+        Path(args.data_dir), args.port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox, die_with_parent=True,
     ) as stack:
         with Client(server=stack.url, token=stack.token) as client:
             link, _ = client.login_link()
@@ -150,14 +150,58 @@ def _run_stack(args: argparse.Namespace) -> int:
         print(f"data in {stack.data_dir}; admin token in {stack.data_dir / 'token'}; Ctrl-C stops everything")
         if Path(stack.data_dir).name != ".trainyard":  # the CLI finds a `.trainyard/` above its folder by itself, not this one
             print(f"  in another shell, `export TRAINYARD_DATA_DIR={stack.data_dir}` lets the CLI find its server and token")
-        stop = []
+        stop, started_again = [], {}
         signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
         try:
             while not stop:
                 time.sleep(0.5)
+                _start_what_died(stack, started_again)
         except KeyboardInterrupt:
             pass
     return 0
+
+
+RESTART_PAUSE_SECONDS = 10.0  # a process that dies again within this of its restart is given up on
+
+
+def _start_what_died(stack, started_again: dict[str, float]) -> None:
+    """A process of the stack that died (killed, or out of memory) is started again, saying so: a
+    dead worker left its jobs queued for ever, "waiting for a worker host". One that dies again at
+    once would only die again: `up` stops, saying why."""
+    from stack.embedded import StartFailed
+
+    for name, code in stack.exited().items():
+        log = stack.log_dir / f"{name}.log"
+        if time.monotonic() - started_again.get(name, -RESTART_PAUSE_SECONDS) < RESTART_PAUSE_SECONDS:
+            raise StartFailed(f"the {name} process exited again (code {code}) right after it was started again; see {log}")
+        print(f"trainyard up: the {name} process exited (code {code}); starting it again (its log: {log})", file=sys.stderr, flush=True)
+        started_again[name] = time.monotonic()
+        stack.start(name)
+
+
+def port_number(text: str) -> int:
+    """argparse's type for --port (was an OverflowError traceback past 65535)."""
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"a port is a number from 1 to 65535, not {text!r}")
+    return int(text)
+
+
+def worker_count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a number of worker hosts, 0 or more, not {text!r}")
+    return int(text)
+
+
+def devices_of_a_host(text: str) -> str:
+    """argparse's type for --devices, checked as the worker will (`cpu:0`, or `cuda` on a host
+    without a GPU, was a worker that died as `up` started it, its reason in its log alone)."""
+    from workers.host import parse_devices
+
+    try:
+        parse_devices(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--devices {text!r}: ").removeprefix("--devices cuda: ")) from None
+    return text
 
 
 UNSAFE_NO_SANDBOX_HELP = (
@@ -175,9 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = command("up")
     up.add_argument("--data-dir", default=os.environ.get("TRAINYARD_DATA_DIR", ".trainyard"))
-    up.add_argument("--port", type=int, default=8000)
-    up.add_argument("--workers", type=int, default=1, help="local worker hosts to start")
-    up.add_argument("--devices", help="devices of each local worker: cpu:N (default: all cores), cuda:all or cuda:0,1")
+    up.add_argument("--port", type=port_number, default=8000)
+    up.add_argument("--workers", type=worker_count, default=1, help="local worker hosts to start (0: none; hosts of your own join with host tokens)")
+    up.add_argument("--devices", type=devices_of_a_host, help="devices of each local worker: cpu:N (default: all cores), cuda:all or cuda:0,1")
     up.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)
     up.set_defaults(func=run_up)
 
@@ -190,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = command("worker")
     worker.add_argument("--host-name", required=True, type=host_name, help="unique name of this host")
-    worker.add_argument("--devices", default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
+    worker.add_argument("--devices", type=devices_of_a_host, default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
     worker.add_argument("--address", help="where the other hosts of a multi-node job reach this one (default: this host's IP)")
     worker.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)
     worker.set_defaults(func=run_worker_command)

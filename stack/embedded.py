@@ -5,11 +5,13 @@ given the URLs of others)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +37,8 @@ class StackInfo:
     restart: Callable[[str], None]  # restart("api"): stop that process and start it again, as an operator would
     stop: Callable[[str], None]  # stop("api"): stop that process (an outage), until start("api")
     start: Callable[[str], None]
+    exited: Callable[[], dict[str, int]]  # the processes that have exited, by name, with their exit codes
+    log_dir: Path
 
 
 def prepare_embedded(settings: Settings) -> str:
@@ -108,23 +112,43 @@ def embedded_stack(
     devices: str | None = None,
     unsafe_no_sandbox: bool = False,
     worker_settings: dict[str, str] | None = None,
+    die_with_parent: bool = False,
 ) -> Iterator[StackInfo]:
     """API, scheduler and `workers` local worker hosts as child processes; stopped on exit.
 
     By default on SQLite and the SQLAlchemy broker transport in `data_dir`; given URLs, the same
     processes run on PostgreSQL and Redis (the tests use this for the production backends).
     `worker_settings`: TRAINYARD_* variables for the workers only (a host that doesn't mount the store, say).
+    `die_with_parent` (`trainyard up`, which starts them all from its main thread): the children
+    are stopped by the kernel if this process dies without stopping them (`kill -9`), as they would
+    otherwise go on, a second stack beside them. Either way they hold the data directory's lock.
     Raises StackRefused, having started nothing, if another stack runs on `data_dir` or `port` is taken."""
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    with _sole_stack_on(data_dir):
+    with _sole_stack_on(data_dir) as lock:
         _refuse_taken_port(port)
-        with _running_stack(data_dir, port, workers, database_url, broker_url, devices, unsafe_no_sandbox, worker_settings or {}) as info:
+        options = ChildOptions(inherited_lock=lock, die_with_parent=die_with_parent)
+        with _running_stack(data_dir, port, workers, database_url, broker_url, devices, unsafe_no_sandbox, worker_settings or {}, options) as info:
             yield info
 
 
+@dataclass(frozen=True)
+class ChildOptions:
+    inherited_lock: int  # the data directory's lock: held while any child lives, though this process died
+    die_with_parent: bool
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: SIGTERM it when its parent's thread that started it ends (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 @contextlib.contextmanager
-def _sole_stack_on(data_dir: Path) -> Iterator[None]:
+def _sole_stack_on(data_dir: Path) -> Iterator[int]:
     """Hold the data directory's lock while the stack runs. A second stack on it would start a
     second scheduler and worker under the same host names and, on exit, delete the first's hosts:
     every job after would wait for ever, with nothing saying why."""
@@ -138,7 +162,7 @@ def _sole_stack_on(data_dir: Path) -> Iterator[None]:
                 f"Trainyard is already running on {data_dir}{where}: use it, or stop it first (Ctrl-C where it runs), "
                 "or start another with its own --data-dir and --port"
             ) from None
-        yield  # the lock goes with the file's close, or with this process
+        yield lock.fileno()  # the lock goes with the file's close, or with this process and its children
 
 
 def _refuse_taken_port(port: int) -> None:
@@ -155,7 +179,7 @@ def _refuse_taken_port(port: int) -> None:
 @contextlib.contextmanager
 def _running_stack(
     data_dir: Path, port: int, workers: int, database_url: str | None, broker_url: str | None, devices: str | None,
-    unsafe_no_sandbox: bool, worker_settings: dict[str, str],
+    unsafe_no_sandbox: bool, worker_settings: dict[str, str], options: ChildOptions,
 ) -> Iterator[StackInfo]:
     overrides = {"TRAINYARD_DATA_DIR": str(data_dir)}
     if "TRAINYARD_GANG_NETWORK" not in os.environ:
@@ -202,8 +226,10 @@ def _running_stack(
             # -P: not the working directory first on the path, where a project of the user's may have a
             # `common/` or `workers/` package of its own, which the child would import instead of ours.
             children[name] = subprocess.Popen(
-                [sys.executable, "-P", "-m", "trainyard", *commands[name]], env=env, stdout=out, stderr=subprocess.STDOUT
+                [sys.executable, "-P", "-m", "trainyard", *commands[name]], env=env, stdout=out, stderr=subprocess.STDOUT,
+                pass_fds=(options.inherited_lock,), preexec_fn=_die_with_parent if options.die_with_parent else None,
             )
+        children[name].log_file = log_dir / f"{name}.log"  # what _wait_for quotes when it exits during start-up
         if name.startswith("worker-") and cores:  # before it starts any process of its own: they inherit it
             os.sched_setaffinity(children[name].pid, cores[int(name.removeprefix("worker-"))])
 
@@ -231,7 +257,8 @@ def _running_stack(
         # refused as one that could never fit.
         wait_for_workers(url, token, host_names, list(children.values()), log_dir)
         (data_dir / "server").write_text(url + "\n")  # beside the token: the CLI below this folder finds both
-        yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart, stop=stop, start=start_again)
+        exited = lambda: {name: child.returncode for name, child in children.items() if child.poll() is not None}
+        yield StackInfo(url=url, token=token, data_dir=data_dir, restart=restart, stop=stop, start=start_again, exited=exited, log_dir=log_dir)
     finally:
         # The workers first, while the API is there to hear them: each stops its running attempts
         # at a checkpoint and reports it. With the API gone at the same moment, a worker retried it
@@ -279,16 +306,29 @@ def wait_for_workers(url: str, token: str, hosts: list[str], children: list[subp
     _wait_for(registered, "the workers did not register", children, log_dir, timeout)
 
 
+class StartFailed(RuntimeError):
+    """A process of the stack exited as it started, or never became ready; the message says which and why."""
+
+
 def _wait_for(ready, failure: str, children: list[subprocess.Popen], log_dir: Path | None, timeout: float) -> None:
     see_logs = f"; see the logs in {log_dir}" if log_dir else ""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(child.poll() is not None for child in children):
-            raise RuntimeError(f"a Trainyard process exited during start-up{see_logs}")
+        if exited := next((child for child in children if child.poll() is not None), None):
+            raise StartFailed(f"`trainyard {' '.join(map(str, exited.args[4:]))}` exited during start-up ({last_words(exited)}){see_logs}")
         try:
             if ready():
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"{failure} within {timeout:.0f} s{see_logs}")
+    raise StartFailed(f"{failure} within {timeout:.0f} s{see_logs}")
+
+
+def last_words(child: subprocess.Popen) -> str:
+    """Why a child of the stack exited: its log's last line (an error says what it refused), else its exit code."""
+    try:
+        lines = [line for line in Path(child.log_file).read_text(errors="replace").splitlines() if line.strip()]
+    except (AttributeError, OSError):
+        lines = []
+    return lines[-1].strip()[:300] if lines else f"exit code {child.returncode}"
