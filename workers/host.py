@@ -156,6 +156,8 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         stop.set()
         try:
             service.deregister()
+        except NotOurs:  # its token revoked (said already, in its stop's reason): the service took it out itself
+            pass
         except ServiceError:
             log.exception("could not deregister %s; its heartbeat stops, so it goes offline anyway", host_name)
         runner.preempt_all()
