@@ -24,6 +24,11 @@ class RunEnvironment(BaseModel):
     python: str = Field(max_length=100, description="The Python version the training ran on, e.g. 3.11.7.")
     platform: str = Field(max_length=200, description="The host's operating system and machine, e.g. Linux-6.1.0-x86_64.")
     device: str = Field(max_length=300, description="The device model: the CPU's name, or each GPU's.")
+    cpu_threads: int | None = Field(
+        None, ge=1, le=65536,
+        description="Threads of each CPU process (its slots' cores): a CPU run's sums are added in other orders with "
+        "another count, so its weights match a run's bit for bit only with the same. Null on a GPU, or from an older worker.",
+    )
     packages: dict[str, str] = Field(
         max_length=MAX_PACKAGES, description="Every package of the worker's interpreter and its version (torch, accelerate, …)."
     )

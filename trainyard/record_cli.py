@@ -47,7 +47,7 @@ def environment_differences(first: RunEnvironment | None, second: RunEnvironment
     """(what, first's, second's) for each part of two attempts' environments that differs (ABSENT where only one has it)."""
     if first is None or second is None:
         return [] if first is second else [("environment", ABSENT if first is None else "reported", ABSENT if second is None else "reported")]
-    rows = [(field, getattr(first, field), getattr(second, field)) for field in ("python", "platform", "device")]
+    rows = [(field, getattr(first, field), getattr(second, field)) for field in ("python", "platform", "device", "cpu_threads")]
     for kind in ("inputs", "packages", "environment_packages"):
         a, b = getattr(first, kind), getattr(second, kind)
         rows += [(f"{kind}.{name}", a.get(name, ABSENT), b.get(name, ABSENT)) for name in sorted(a.keys() | b.keys())]
@@ -68,7 +68,8 @@ def cmd_record(args: argparse.Namespace) -> int:
             print(f"{where}: no environment reported")
             continue
         versions = ", ".join(f"{name} {env.packages[name]}" for name in ("torch", "accelerate") if name in env.packages)
-        print(f"{where}: {env.device}; Python {env.python}, {versions}; {env.platform}")
+        threads = f" ({env.cpu_threads} thread{'s' if env.cpu_threads > 1 else ''} a process)" if env.cpu_threads else ""
+        print(f"{where}: {env.device}{threads}; Python {env.python}, {versions}; {env.platform}")
         for name, sha256 in sorted(env.inputs.items()):
             print(f"  input {name}: sha256 {sha256}")
         if env.environment_packages:
@@ -102,7 +103,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print_json([{"what": what, **{key: value for key, value in (("first", a), ("second", b)) if value is not ABSENT}} for what, a, b in rows])
         return 0
     if not rows:
-        print(f"jobs {args.first} and {args.second} ran the same spec on the same inputs, packages and kind of device")
+        print(f"jobs {args.first} and {args.second} ran the same spec on the same inputs, packages and kind of device (and CPU threads)")
         return 0
     print_table(["WHAT", *titles], [(what, shown(a), shown(b)) for what, a, b in rows])
     return 0

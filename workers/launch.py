@@ -130,6 +130,14 @@ def script_environment(spec: JobSpec, run_dir: Path, resume_from: Path | None) -
     return env
 
 
+def process_threads(spec: JobSpec, cpu_threads: int | None) -> int:
+    """Each CPU process's threads: the cores of its slot (`cpu_threads`, as the worker knows them),
+    else this machine's cores shared among the job's processes. Never more than the cores a process's
+    slot stands for: two 2-thread processes sharing 2 cores stepped 22x slower than 1-thread ones
+    (each thread's barrier spins while the other process holds its core)."""
+    return cpu_threads or max(1, (os.cpu_count() or 1) // spec.resources.processes_per_node)
+
+
 def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank: int, python: str, cpu_threads: int | None) -> list[str]:
     resources = spec.resources
     address, _, port = rendezvous.rpartition(":")
@@ -144,11 +152,8 @@ def _accelerate_launch(spec: JobSpec, run_dir: Path, rendezvous: str, node_rank:
         "--dynamo_backend", "no",
     ]
     if resources.device == "cpu":
-        # Passed explicitly (the launcher warns otherwise). Never more than the cores the process's
-        # slot stands for: two 2-thread processes sharing 2 cores stepped 22x slower than 1-thread ones
-        # (each thread's barrier spins while the other process holds its core).
-        threads = cpu_threads or max(1, (os.cpu_count() or 1) // resources.processes_per_node)
-        command += ["--num_cpu_threads_per_process", str(threads)]
+        # Passed explicitly (the launcher warns otherwise).
+        command += ["--num_cpu_threads_per_process", str(process_threads(spec, cpu_threads))]
     if spec.world_size > 1:
         # torchrun prefixes each process's output with `[default<local rank>]:` (see supervisor.split_rank).
         command += ["--tee", "3", "--log_dir", str(run_dir / "rank-logs")]

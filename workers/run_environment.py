@@ -85,8 +85,10 @@ def device_model(spec: JobSpec, device_ids: list[int] | None) -> str:
     return f"cpu: {names[0] if names else platform.processor() or 'unknown model'}"
 
 
-def run_environment(spec: JobSpec, inputs: dict[str, str], device_ids: list[int] | None, site_packages: Path | None) -> RunEnvironment:
+def run_environment(
+    spec: JobSpec, inputs: dict[str, str], device_ids: list[int] | None, site_packages: Path | None, cpu_threads: int | None = None,
+) -> RunEnvironment:
     return RunEnvironment(
-        python=platform.python_version(), platform=platform.platform(), device=device_model(spec, device_ids)[:300],
+        python=platform.python_version(), platform=platform.platform(), device=device_model(spec, device_ids)[:300], cpu_threads=cpu_threads,
         packages=packages(), environment_packages=packages([str(site_packages)]) if site_packages else {}, inputs=inputs,
     )

@@ -47,7 +47,7 @@ from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
 from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable
 from workers.launch import (
-    EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, training_environment, working_dir,
+    EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, process_threads, training_environment, working_dir,
 )
 from workers.limits import AttemptLimits, Bounds, DiskWatch, SlotShare, limited
 from workers.sandbox import (
@@ -425,7 +425,8 @@ class AttemptRunner:
         """Its part of the job's run record; one that can't be sent is logged, the attempt goes on."""
         try:
             site_packages = environment.site_packages if environment is not None else None
-            self.service.environment(claimed, run_environment(spec, inputs, claimed.device_ids, site_packages))
+            threads = process_threads(spec, self.cpu_threads) if spec.resources.device == "cpu" else None
+            self.service.environment(claimed, run_environment(spec, inputs, claimed.device_ids, site_packages, threads))
         except (ServiceError, OSError, ValueError):
             log.exception("job %s attempt %s: its run environment was not recorded", claimed.job_id, claimed.number)
 

@@ -334,6 +334,7 @@ def test_a_rerun_from_the_run_record_trains_the_same_weights_and_refuses_a_chang
     environment = attempt["environment"]
     assert environment["inputs"] == {corpus.name: hashlib.sha256(corpus.read_bytes()).hexdigest()}
     assert environment["packages"]["torch"] == importlib.metadata.version("torch") and environment["device"].startswith("cpu: ")
+    assert environment["cpu_threads"] >= 1  # its sums' order: weights match bit for bit only with the same
 
     # `trainyard rerun`: the same weights, bit for bit; `trainyard diff` finds nothing that differs.
     cli = ["--server", info.url, "--token", info.token]

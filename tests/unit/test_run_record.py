@@ -71,6 +71,10 @@ def test_a_rerun_holds_the_inputs_it_read_and_pins_its_environment_to_what_it_re
     assert rerun_spec(failed_rerun)["inputs_sha256"] == {"corpus.txt": "a" * 64}
     other = ran.model_copy(update={"packages": {"torch": "2.14.1"}, "inputs": {}})
     assert environment_differences(ran, other) == [("inputs.corpus.txt", "a" * 64, ABSENT), ("packages.torch", "2.13.0", "2.14.1")]
+    # Found by a new user: a rerun on a host of 1 thread a slot trained other weights than the run on
+    # 2, and diff said nothing differed.
+    two, one = ran.model_copy(update={"cpu_threads": 2}), ran.model_copy(update={"cpu_threads": 1})
+    assert environment_differences(two, one) == [("cpu_threads", 2, 1)]
 
 
 def test_a_rerun_of_a_job_whose_input_changed_between_attempts_says_so(capsys):
