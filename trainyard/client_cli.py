@@ -243,16 +243,27 @@ def cmd_status(args: argparse.Namespace) -> int:
         pooled = any(a.pool for a in job.attempts)
         # A multi-node job's attempt is one row per node: which node each is.
         nodes = any(a.node_rank for a in job.attempts)
+        # Why an attempt ended other than succeeded (lost with its host, killed for memory): once the job
+        # succeeds its own reason is gone, and this was said only by --json.
+        reasons = any(a.failure_reason for a in job.attempts)
         print()
         print_table(
-            ["ATTEMPT", *(["NODE"] if nodes else []), "HOST", "PROCESSES", "STATUS", *(["CLUSTER"] if pooled else []), "RESUMED FROM", "STARTED", "FINISHED"],
+            ["ATTEMPT", *(["NODE"] if nodes else []), "HOST", "PROCESSES", "STATUS", *(["CLUSTER"] if pooled else []), "RESUMED FROM", "STARTED", "FINISHED",
+             *(["REASON"] if reasons else [])],
             [
                 [a.number, *([a.node_rank] if nodes else []), a.host_name, a.processes, a.status.value, *([cluster_text(a)] if pooled else []),
-                 "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}", local_time(a.started_at), local_time(a.finished_at)]
+                 "-" if a.resumed_from_step is None else f"step {a.resumed_from_step}", local_time(a.started_at), local_time(a.finished_at),
+                 *([shortened(a.failure_reason or "-", 80)] if reasons else [])]
                 for a in job.attempts
             ],
         )
     return 0
+
+
+def shortened(text: str, most: int) -> str:
+    """Its first line, cut to `most` characters (…) for a table's cell."""
+    line = text.splitlines()[0] if text else text
+    return line if len(line) <= most and line == text else line[: most - 1] + "…"
 
 
 def cluster_text(attempt) -> str:

@@ -17,6 +17,7 @@ from common.artifacts import ArtifactStore
 from tests.client.conftest import run_next_job
 from tests.helpers import EXAMPLE_SPEC, start_job, tiny_spec
 from tests.sweep_helpers import run_sweep, sweep_spec
+from service.db.attempts import finish_attempt
 from service.db.hosts import register_host
 from service.db.log_lines import record_logs
 from service.db.outputs import record_output
@@ -166,6 +167,21 @@ def test_status_of_a_multi_node_job_shows_which_node_each_attempt_row_is(trainya
     assert sorted(a["node_rank"] for a in job["attempts"]) == [0, 1]
     code, out, _ = trainyard("ls", "--json")
     assert code == 0 and [(j["id"], j["status"]) for j in json.loads(out)] == [(job_id, job["status"])]
+
+
+def test_status_says_why_each_attempt_that_did_not_succeed_ended(trainyard, settings, tmp_path):
+    # Found by a new user: once the job succeeded, its lost attempt's reason was shown by --json alone.
+    (tmp_path / "job.json").write_text(json.dumps(tiny_spec()))
+    job_id = int(trainyard("submit", str(tmp_path / "job.json"))[1].split()[2])
+    claimed = start_job(settings, job_id)
+    with session_factory(settings.resolved_database_url)() as session:
+        finish_attempt(session, claimed, AttemptStatus.failed, "training process exited with code 137 (killed)\nits last line")
+        assert len(schedule_pass(session, settings)) == 1
+    code, out, _ = trainyard("status", str(job_id))
+    table = out.split("\n\n", 1)[1].splitlines()
+    assert code == 0 and table[0].split()[-1] == "REASON"
+    assert table[1].split()[:5] == ["1", "host-a", "1", "failed", "-"] and table[1].endswith("training process exited with code 137 (killed)…")
+    assert table[2].split()[3] == "scheduled" and table[2].rstrip().endswith("-")
 
 
 def test_a_sweep_submitted_listed_and_shown_prints_its_best_spec_ready_to_submit(trainyard, settings, tmp_path):
