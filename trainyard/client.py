@@ -183,7 +183,9 @@ class Client:
     def __init__(self, server: str | None = None, token: str | None = None, timeout: float = 30.0):
         # Each from the first place that has it: argument, environment, config file, then defaults.
         config = {} if server and token else read_config()
-        self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file() or DEFAULT_SERVER).rstrip("/")
+        # The server's base address; one given with the API's `/v1` (as the API reference writes its
+        # routes) is taken as meant, not answered "Not Found" on every command.
+        self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file() or DEFAULT_SERVER).rstrip("/").removesuffix("/v1")
         self.server_is_default = not (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file())
         found = [("argument", token), ("environment", os.environ.get("TRAINYARD_TOKEN")), ("config", config.get("token")), ("file", _token_from_file())]
         self.token_source, self.token = next(((where, value) for where, value in found if value and value.strip()), (None, None))  # where: for `token rotate`

@@ -99,6 +99,7 @@ def test_server_and_token_come_from_args_then_env_then_config_file_then_token_fi
     monkeypatch.setenv("TRAINYARD_SERVER", "http://trainyard.example:9000/")
     assert (Client().server, Client().token) == ("http://trainyard.example:9000", "from-env")
     assert (Client("http://a:1", "from-arg").server, Client("http://a:1", "from-arg").token) == ("http://a:1", "from-arg")
+    assert Client("http://a:1/v1/", "from-arg").server == "http://a:1"  # the API's prefix given too: taken as meant
     monkeypatch.setenv("TRAINYARD_TOKEN", " from-env\u00a0\n")  # as pasted: spaces and a line end left out
     assert Client().token == "from-env"
 
