@@ -73,7 +73,10 @@ def resolve_dataset(data_root: Path, relative: str) -> Path:
     """The dataset file under `data_root`."""
     path = resolve_under_root(data_root, relative)
     if not path.is_file():
-        raise DatasetError(f"no dataset file {relative!r} under the data root")
+        raise DatasetError(
+            f"no dataset file {relative!r} under the data root (`trainyard datasets upload FILE` sends one and names its "
+            "upload_id; `trainyard up` keeps its data root in .trainyard/data)"
+        )
     if path.stat().st_size == 0:
         raise DatasetError(f"dataset file {relative!r} is empty")
     return path
