@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from common.settings import Settings
 from service.user_commands import add_host_commands, add_user_commands, host_name
@@ -140,8 +141,11 @@ def run_up(args: argparse.Namespace) -> int:
 def _run_stack(args: argparse.Namespace) -> int:
     from stack.embedded import embedded_stack
 
+    # The port of the last `up` in this folder, unless told: hosts of the user's own, started with
+    # its address, would otherwise lose it when `up` ran again without --port.
+    port = args.port or _last_port(Path(args.data_dir)) or DEFAULT_PORT
     with embedded_stack(
-        Path(args.data_dir), args.port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox, die_with_parent=True,
+        Path(args.data_dir), port, args.workers, devices=args.devices, unsafe_no_sandbox=args.unsafe_no_sandbox, die_with_parent=True,
     ) as stack:
         with Client(server=stack.url, token=stack.token) as client:
             link, _ = client.login_link()
@@ -159,6 +163,17 @@ def _run_stack(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+DEFAULT_PORT = 8000
+
+
+def _last_port(data_dir: Path) -> int | None:
+    """The port `trainyard up` last ran on with this data directory (its `server` file), if any."""
+    try:
+        return urlsplit((data_dir / "server").read_text().strip()).port
+    except (OSError, ValueError):
+        return None
 
 
 RESTART_PAUSE_SECONDS = 10.0  # a process that dies again within this of its restart is given up on
@@ -219,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = command("up")
     up.add_argument("--data-dir", default=os.environ.get("TRAINYARD_DATA_DIR", ".trainyard"))
-    up.add_argument("--port", type=port_number, default=8000)
+    up.add_argument("--port", type=port_number, help="default: the port it ran on last in this folder, else 8000")
     up.add_argument("--workers", type=worker_count, default=1, help="local worker hosts to start (0: none; hosts of your own join with host tokens)")
     up.add_argument("--devices", type=devices_of_a_host, help="devices of each local worker: cpu:N (default: all cores), cuda:all or cuda:0,1")
     up.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)

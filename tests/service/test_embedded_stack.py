@@ -62,6 +62,12 @@ def test_up_starts_a_killed_process_again_and_its_processes_end_with_it_even_whe
         _, still_running = psutil.wait_procs(children, timeout=30)
         assert still_running == []
         assert "the worker-0 process exited (code -9); starting it again" in up.stderr.read()
+        # The folder is free again once they are gone; `up` without --port takes the port it ran on.
+        up = subprocess.Popen(command[:-4] + command[-2:], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert f"Trainyard is up at http://127.0.0.1:{port}" in up.stdout.readline()
+        children = psutil.Process(up.pid).children()
+        up.terminate()
+        assert up.wait(timeout=60) == 0
     finally:
         up.kill()
         for child in children:
