@@ -66,6 +66,25 @@ def create(args: argparse.Namespace, session: Session) -> str:
     return token
 
 
+def list_users(args: argparse.Namespace, session: Session) -> str:
+    """Every user, with what it may do and whether its token works: what an operator checks before `set` or `revoke`."""
+    from sqlalchemy import select
+
+    from service.db.models import User
+
+    def token(user: User) -> str:
+        if user.revoked_at is not None:
+            return f"revoked {user.revoked_at:%Y-%m-%d}"
+        return f"expires {user.token_expires_at:%Y-%m-%d %H:%M}" if user.token_expires_at else "never expires"
+
+    rows = [["NAME", "ADMIN", "CAN RUN CODE", "TOKEN", "CREATED"]] + [
+        [user.name, "yes" if user.is_admin else "-", "yes" if user.can_run_code else "-", token(user), f"{user.created_at:%Y-%m-%d}"]
+        for user in session.scalars(select(User).order_by(User.name))
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
 def set_permissions(args: argparse.Namespace, session: Session) -> str:
     user = _named(session, args.name)
     changes = {name: value for name, value in (("is_admin", args.admin), ("can_run_code", args.can_run_code)) if value is not None}
@@ -170,6 +189,8 @@ def add_user_commands(parser: argparse.ArgumentParser, settings: Callable[[], Se
     change.add_argument("--admin", action=argparse.BooleanOptionalAction, default=None)
     change.add_argument("--can-run-code", action=argparse.BooleanOptionalAction, default=None)
     command("revoke", revoke, "stop a user's token from working (until `user rotate`)")
+    listing = commands.add_parser("ls", help="every user: admin, may run code, whether its token works")
+    listing.set_defaults(func=lambda args: run(list_users, args, settings()))
     command("rotate", rotate, "print a new token for a user (a revoked one too); the old one stops working")
 
 

@@ -44,6 +44,12 @@ def test_an_admin_revokes_a_user_and_rotates_them_a_new_token(run, api_url):
     assert run("user", "revoke", "carol")[0] == 0
     code, _, err = run("ls", "--token", carol)
     assert code == 1 and "token revoked" in err
+    # What an operator checks before `set` or `revoke` (there was no way to list users).
+    code, out, _ = run("user", "ls")
+    rows = [line.split() for line in out.splitlines()]
+    assert code == 0 and rows[0] == ["NAME", "ADMIN", "CAN", "RUN", "CODE", "TOKEN", "CREATED"]
+    carol_row = next(row for row in rows if row[0] == "carol")
+    assert carol_row[1:4] == ["-", "-", "revoked"]
 
     code, out, _ = run("user", "rotate", "carol")
     assert code == 0 and run("ls", "--token", out.strip())[0] == 0
