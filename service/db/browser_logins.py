@@ -29,9 +29,9 @@ def issue_login_code(session: Session, user: User, lifetime: timedelta) -> tuple
     return code, expires_at
 
 
-def redeem_login_code(session: Session, code: str, lifetime: timedelta) -> tuple[str, datetime] | None:
-    """A browser session's token for a code that is unused and unexpired, and when it expires; the
-    code is used up. None for any other string (or the code's user revoked meanwhile)."""
+def redeem_login_code(session: Session, code: str, lifetime: timedelta) -> tuple[str, datetime, User] | None:
+    """A browser session's token for a code that is unused and unexpired, when it expires, and whose
+    it is; the code is used up. None for any other string (or the code's user revoked meanwhile)."""
     now = utcnow()
     # One UPDATE claims it: of two exchanges of one code at once, one finds it already used.
     user_id = session.scalar(
@@ -40,14 +40,15 @@ def redeem_login_code(session: Session, code: str, lifetime: timedelta) -> tuple
         .values(used_at=now)
         .returning(LoginCode.user_id)
     )
-    if user_id is None or session.get_one(User, user_id).revoked_at is not None:
+    user = session.get(User, user_id) if user_id is not None else None
+    if user is None or user.revoked_at is not None:
         session.rollback()
         return None
     token = SESSION_PREFIX + secrets.token_urlsafe(32)
     expires_at = now + lifetime
     session.add(BrowserSession(user_id=user_id, token_hash=hash_token(token), created_at=now, expires_at=expires_at))
     session.commit()
-    return token, expires_at
+    return token, expires_at, user
 
 
 def user_by_browser_token(session: Session, token: str) -> User | None:

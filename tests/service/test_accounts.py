@@ -86,6 +86,8 @@ def test_the_audit_trail_names_who_did_what_from_where_and_the_answer(api, token
     assert api.post("/v1/jobs", json=tiny_spec(), headers=auth("ty_wrong")).status_code == 401
     assert api.post(f"/v1/jobs/{job_id}/cancel", headers=auth("ty_wrong")).status_code == 401
     api.get("/v1/jobs", headers=alice)  # reads are not audited
+    code = api.post("/v1/login-codes", headers=alice).json()["code"]
+    assert api.post("/v1/login", json={"code": code}).status_code == 200  # whose browser signed in: was "-"
 
     assert api.get("/v1/audit", headers=alice).status_code == 403
     page = api.get("/v1/audit", headers=auth(tokens["root"]))
@@ -99,6 +101,8 @@ def test_the_audit_trail_names_who_did_what_from_where_and_the_answer(api, token
         ("alice", "POST", f"/v1/jobs/{job_id}/cancel", 200, job_id, "cancel"),
         (None, "POST", "/v1/jobs", 401, None, None),
         (None, "POST", f"/v1/jobs/{job_id}/cancel", 401, job_id, None),
+        ("alice", "POST", "/v1/login-codes", 201, None, "made a one-time login link"),
+        ("alice", "POST", "/v1/login", 200, None, "signed a browser in"),
     ]
     entries = page.json()["items"]
     assert all(e["client_address"] == "testclient" for e in entries)

@@ -35,5 +35,6 @@ def login(body: LoginRequest, request: Request, session: WriteSessionDep, settin
     if signed_in is None:
         refuse_a_guesser(request, guessed=True)
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, "this login link was used already, has expired or is not one: `trainyard open` makes a new one")
-    token, expires_at = signed_in
+    token, expires_at, request.state.caller = signed_in  # the audit trail's: whose browser signed in
+    note(request, detail="signed a browser in")
     return TokenOut(token=token, expires_at=expires_at)
