@@ -367,9 +367,14 @@ def cmd_outputs(args: argparse.Namespace) -> int:
             raise TrainyardError(f"job {args.id} has no collected outputs (a script job's `script.outputs` names the directories collected)")
         if missing := sorted(set(names) - {output.name for output in outputs}):
             raise TrainyardError(f"job {args.id} has no collected output {', '.join(missing)}" if outputs else f"job {args.id} has no collected outputs")
+        files = {output.name: output.files for output in outputs}
         for name in names:
             directory = client.download_output(args.id, name, dest)
-            print(f"saved {directory}/ (every file verified against its manifest)")
+            if files[name]:
+                print(f"saved {directory}/ (every file verified against its manifest)")
+            else:  # said, not an empty folder called "verified"
+                print(f"saved {directory}/: empty, as collected (its folders that were the script's `save_state` checkpoints are "
+                      f"listed apart: `trainyard checkpoints {args.id}`)")
     return 0
 
 

@@ -296,7 +296,8 @@ def test_outputs_unpacks_an_output_of_no_files_as_an_empty_directory(trainyard, 
     with session_factory(settings.resolved_database_url)() as session:
         record_output(session, job_id, claimed.attempt_id, "out", 20, *stored)
     code, out, err = trainyard("outputs", str(job_id), "-o", str(tmp_path / "results"))
-    assert (code, err) == (0, "") and out.startswith(f"saved {tmp_path / 'results' / 'out'}/")
+    assert (code, err) == (0, "") and out.startswith(f"saved {tmp_path / 'results' / 'out'}/: empty, as collected")
+    assert f"`trainyard checkpoints {job_id}`" in out  # where its save_state folders went
     assert (tmp_path / "results" / "out").is_dir() and not any((tmp_path / "results" / "out").iterdir())
 
 
