@@ -148,8 +148,11 @@ def cmd_submit(args: argparse.Namespace) -> int:
     with connect(args) as client:
         if args.script is not None:
             job = submit_script(client, args)
-        elif args.file is None or args.script_args:
+        elif args.file is None:
             raise SpecFileError("give a job spec file, or --script FILE [-- ARGS…]")
+        elif args.script_args:  # words after a spec file: arguments only a script takes
+            raise SpecFileError(f"a spec file takes no more arguments ({' '.join(args.script_args)}): "
+                                "change the spec (`trainyard spec ID` prints one), or give --script FILE -- ARGS…")
         else:
             job = client.submit(load_spec_file(Path(args.file)))
         print(f"submitted job {job.id} ({job.name}): {job.status.value}")

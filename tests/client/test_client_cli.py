@@ -309,6 +309,15 @@ def test_a_spec_file_given_with_script_is_refused_not_taken_for_the_scripts_argu
     assert (code, out) == (2, "") and "error: a spec file" in err and "and --script are two ways to submit: give one" in err, err
 
 
+def test_words_after_a_spec_file_are_refused_saying_a_spec_file_takes_none(trainyard, tmp_path):
+    # It said "give a job spec file", one having been given.
+    (tmp_path / "spec.json").write_text(json.dumps(tiny_spec()))
+    code, out, err = trainyard("submit", str(tmp_path / "spec.json"), "extra", "args")
+    assert (code, out) == (2, "") and "a spec file takes no more arguments (extra args)" in err, err
+    code, out, err = trainyard("submit")
+    assert (code, out) == (2, "") and "give a job spec file, or --script FILE" in err, err
+
+
 def test_a_scripts_argument_given_before_dashes_is_refused_saying_where_it_goes(trainyard, tmp_path):
     (tmp_path / "train.py").write_text("print('trained')\n")
     code, out, err = trainyard("submit", "--script", str(tmp_path / "train.py"), "--max_steps", "20")
