@@ -554,6 +554,8 @@ class Client:
                     raise TrainyardError(error_message(response, self.token_source), status_code=response.status_code)
                 yield response
         except httpx.ConnectError as exc:
+            if self.server.startswith("https://") and "SSL" in str(exc):  # something answered, not in TLS
+                raise TrainyardError(f"Trainyard at {self.server} does not answer in HTTPS ({exc}): is its address http://?") from exc
             where = (" (the default: no `.trainyard/` here or above, where `trainyard up` notes its address; run this under the folder "
                      "it ran in, or pass --server)") if self.server_is_default else ""
             raise TrainyardError(f"cannot reach Trainyard at {self.server}{where} — is `trainyard up` running?") from exc

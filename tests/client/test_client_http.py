@@ -77,6 +77,12 @@ def test_an_unreachable_server_gets_a_hint_not_a_traceback():
 
 
 
+def test_https_to_a_server_of_plain_http_says_so(api_url):
+    # It said "cannot reach Trainyard — is `trainyard up` running?", while it ran.
+    with pytest.raises(TrainyardError, match=r"does not answer in HTTPS .*: is its address http://\?"):
+        Client(api_url.replace("http://", "https://"), "any-token").job(1)
+
+
 def test_a_client_that_found_no_server_says_it_tried_the_default(monkeypatch, tmp_path):
     # Found by a new user: run outside `trainyard up`'s folder, the CLI tried port 8000 while the
     # stack was on 8765, and said only that nothing answered.
