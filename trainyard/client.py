@@ -111,7 +111,7 @@ def _usable_token(where: str, token: str) -> str:
     token = token.strip()
     if not token.isascii() or not token.isprintable() or " " in token:
         odd = next(c for c in token if not (c.isascii() and c.isprintable()) or c == " ")
-        raise TrainyardError(f"the token from the {where} holds {odd!r}, which no token has: tokens are letters, digits and _ (ty_…)")
+        raise TrainyardError(f"the token from the {where} holds {odd!r}, which no token has: tokens are letters, digits, - and _ (ty_…)")
     return token
 
 
