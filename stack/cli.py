@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = command("worker")
     worker.add_argument("--host-name", required=True, type=host_name, help="unique name of this host")
-    worker.add_argument("--devices", type=devices_of_a_host, default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
+    worker.add_argument("--devices", default=f"cpu:{os.cpu_count() or 1}", help="cpu:N, cuda:all or cuda:0,1 (default: cpu:<cores>)")
     worker.add_argument("--address", help="where the other hosts of a multi-node job reach this one (default: this host's IP)")
     worker.add_argument("--unsafe-no-sandbox", action="store_true", help=UNSAFE_NO_SANDBOX_HELP)
     worker.set_defaults(func=run_worker_command)
