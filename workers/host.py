@@ -126,7 +126,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
                 wait = min(wait, due_in)
                 continue  # heard lately: a heartbeat, or an attempt's lease renewal, which the service takes for one
             try:
-                if not service.heartbeat():  # taken out of the pool meanwhile (e.g. the service's database restored)
+                if not service.heartbeat() and not stop.is_set():  # taken out of the pool meanwhile (e.g. the service's database restored)
                     service.register(registration)
             except NotOurs as exc:
                 if exc.status == 401:  # revoked, or replaced by a new one: the host may not act any more
@@ -143,7 +143,8 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     # Each slot's share of the host's cores and memory: a CPU process's threads, and what an attempt is bounded by.
     share = SlotShare.of_host(slots, settings.memory_gb_per_slot)
     runner = AttemptRunner(settings, service, host_name, address, sandbox, warm, share.cores if device == "cpu" else None, share)
-    threading.Thread(target=heartbeat, name="heartbeat", daemon=True).start()  # also sweeps ended attempts' directories
+    heartbeats = threading.Thread(target=heartbeat, name="heartbeat", daemon=True)  # also sweeps ended attempts' directories
+    heartbeats.start()
 
     @app.task(name=RUN_ATTEMPT_TASK)
     def run_attempt(attempt_id: int) -> None:
@@ -154,6 +155,9 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     # checkpoint, so they resume elsewhere with no step lost.
     def shutting_down(**_) -> None:
         stop.set()
+        # A heartbeat on its way as the host leaves: answered 404 once it has left, and taken for a
+        # host the service forgot, it registered the leaving host again (jobs were placed on it).
+        heartbeats.join(timeout=settings.heartbeat_seconds)
         try:
             service.deregister()
         except NotOurs:  # its token revoked (said already, in its stop's reason): the service took it out itself
