@@ -96,13 +96,20 @@ class SweepSpec(SpecModel):
     pruner: PrunerConfig = Field(default_factory=lambda: PrunerConfig())
 
     @model_validator(mode="after")
-    def _grid_is_discrete(self, info: ValidationInfo) -> SweepSpec:
-        if "name" in self.search_space and not stored(info):  # (a sweep stored before this check still reads)
+    def _trials_can_tell(self, info: ValidationInfo) -> SweepSpec:
+        """What no trial could search or report. (A sweep stored before these checks still reads.)"""
+        if stored(info):
+            return self
+        if "name" in self.search_space:
             raise ValueError("search_space: `name` can't be searched: each trial is named NAME-tN")
         metric, built_in = self.objective.metric, self.base.script is None and self.base.model.kind != "custom"
-        if built_in and metric not in self.base.reported_metrics() and not metric.startswith("sys/") and not stored(info):
+        if built_in and metric not in self.base.reported_metrics() and not metric.startswith("sys/"):
             # Else every trial ran, none reported it, and the sweep "succeeded" with no best trial.
             raise ValueError(f"objective.metric: the built-in loop reports {', '.join(self.base.reported_metrics())} for this model, not {metric!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _grid_is_discrete(self) -> SweepSpec:
         if self.sampler.kind == "grid":
             if continuous := [path for path, dimension in self.search_space.items() if dimension.grid_values is None]:
                 raise ValueError(f"sampler.kind: a grid needs choice or int_range dimensions; {', '.join(continuous)} is continuous")

@@ -109,8 +109,7 @@ def _usable_token(where: str, token: str) -> str:
     """The token, without the spaces and line ends a paste brings; a clear error for what no token
     holds (a typographic character pasted from a page), which HTTP headers can't carry."""
     token = token.strip()
-    if not token.isascii() or not token.isprintable() or " " in token:
-        odd = next(c for c in token if not (c.isascii() and c.isprintable()) or c == " ")
+    if (odd := next((c for c in token if not c.isascii() or not c.isprintable() or c == " "), None)) is not None:
         raise TrainyardError(f"the token from the {where} holds {odd!r}, which no token has: tokens are letters, digits, - and _ (ty_…)")
     return token
 
@@ -185,8 +184,9 @@ class Client:
         config = {} if server and token else read_config()
         # The server's base address; one given with the API's `/v1` (as the API reference writes its
         # routes) is taken as meant, not answered "Not Found" on every command.
-        self.server = (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file() or DEFAULT_SERVER).rstrip("/").removesuffix("/v1")
-        self.server_is_default = not (server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file())
+        given = server or os.environ.get("TRAINYARD_SERVER") or config.get("server") or _server_from_file()
+        self.server = (given or DEFAULT_SERVER).rstrip("/").removesuffix("/v1")
+        self.server_is_default = not given  # an unreachable default is worth a word on where the address comes from
         found = [("argument", token), ("environment", os.environ.get("TRAINYARD_TOKEN")), ("config", config.get("token")), ("file", _token_from_file())]
         self.token_source, self.token = next(((where, value) for where, value in found if value and value.strip()), (None, None))  # where: for `token rotate`
         if self.token is not None:

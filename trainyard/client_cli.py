@@ -173,7 +173,7 @@ def submit_script(client: Client, args: argparse.Namespace) -> JobOut:
         raise SpecFileError(f"no script {script}")
     # After `--` argparse hands every word to the positionals, the first one to `file`; a `file`
     # given before `--` (or with none) is a spec file, which a script job has no use for.
-    typed = getattr(args, "argv", None) or []
+    typed = args.argv  # as typed (trainyard.cli.main sets it)
     after_dashes = typed[typed.index("--") + 1:] if "--" in typed else []
     if args.file is not None and after_dashes[:1] != [args.file]:
         raise SpecFileError(f"a spec file ({args.file}) and --script are two ways to submit: give one (the script's own arguments go after `--`)")
@@ -265,8 +265,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def shortened(text: str, most: int) -> str:
     """Its first line, cut to `most` characters (…) for a table's cell."""
-    line = text.splitlines()[0] if text else text
-    return line if len(line) <= most and line == text else line[: most - 1] + "…"
+    line = text.split("\n", 1)[0]
+    if len(line) > most:
+        return line[: most - 1] + "…"
+    return line if line == text else line + "…"  # more lines: said to be there
 
 
 def cluster_text(attempt) -> str:

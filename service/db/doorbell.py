@@ -21,9 +21,11 @@ import time
 from pathlib import Path
 
 import psycopg
-from sqlalchemy import TextClause, event, text
+from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
+
+from service.db.dialect import Statement
 
 log = logging.getLogger("trainyard.scheduler")
 
@@ -48,7 +50,7 @@ def tell_followers(session: Session, job_id: int) -> None:
         session.execute(*followers_told(job_id))
 
 
-def followers_told(job_id: int) -> tuple[TextClause, dict]:
+def followers_told(job_id: int) -> Statement:
     """tell_followers on PostgreSQL, as a statement (for service/db/dialect.py's `pipelined`)."""
     return _NOTIFY_FOLLOWERS, {"channel": FOLLOWERS_CHANNEL, "job": str(job_id)}
 

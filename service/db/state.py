@@ -323,12 +323,12 @@ def append_events(
     _insert_events(session, job_id, last - len(events) + 1, events, now or utcnow())
 
 
-def metric_event_statements(job_id: int, arrays: dict, steps: int, last_step: int) -> list[Statement]:
+def metric_event_statements(job_id: int, arrays: dict, step_count: int, last_step: int) -> list[Statement]:
     """append_events of a metrics batch on PostgreSQL, as statements to run once its points are
-    stored (service/db/metrics.py): its events (one per step, as the batch's arrays `steps`, `names`
-    and `values` say) built by the server, numbered from the job's counter in the same statement,
+    stored (service/db/metrics.py): its events (one for each of its `step_count` steps, as the batch's
+    arrays `steps`, `names` and `values` say) built by the server, numbered from the job's counter in the same statement,
     and the followers told. Nothing is read back, so the batch goes in one round trip."""
-    parameters = {**arrays, "job_id": job_id, "count": steps, "at_least": last_step, "type": JobEventType.metrics.value, "at": utcnow()}
+    parameters = {**arrays, "job_id": job_id, "count": step_count, "at_least": last_step, "type": JobEventType.metrics.value, "at": utcnow()}
     return [(_INSERT_METRIC_EVENTS, parameters), followers_told(job_id)]
 
 

@@ -5,7 +5,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, HTTPException, Query, Request, status
 from fastapi.responses import StreamingResponse
 
-from api_schemas import CheckpointConfig, ResourcesConfig, CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut
+from api_schemas import CheckpointConfig, CheckpointOut, JobOut, JobPage, JobSpec, JobStatus, LogsOut, MetricSeries, MetricsOut, ResourcesConfig
 from api_schemas.run_record import RunRecord
 from service.admission import admit
 from service.api.audit import describe, note
