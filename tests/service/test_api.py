@@ -438,7 +438,7 @@ def test_followed_logs_stream_the_tail_then_each_new_line_of_the_rank_asked_for_
     # A rank the job doesn't have is a mistake to say so, not an empty log.
     response = fast.get(f"/v1/jobs/{job_id}/logs", params={"rank": 2}, headers=auth(tokens["alice"]))
     assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["query", "rank"], response.text
-    assert "ranks 0–1" in response.text
+    assert "the job runs 2 processes: ranks 0–1" in response.text
 
 
 def test_a_job_no_registered_host_could_ever_run_is_refused_naming_resources(api, tokens, settings):

@@ -118,7 +118,7 @@ def get_logs(
 ):
     if rank is not None and rank >= (size := ResourcesConfig.from_stored(job.spec.get("resources", {})).slots):
         # Else an empty answer: `trainyard logs N --rank 7` printed nothing, as if rank 7 were quiet.
-        message = f"the job runs {size} process{'es' if size > 1 else ''}: ranks 0–{size - 1}"
+        message = f"the job runs {size} processes: ranks 0–{size - 1}" if size > 1 else "the job runs 1 process: rank 0"
         raise HTTPException(status.HTTP_422_UNPROCESSABLE_CONTENT, [{"loc": ["query", "rank"], "msg": message, "type": "value_error"}])
     limit = min(tail, settings.log_tail_max)
     after = last_event_id if last_event_id is not None else int(cursor) if cursor else None
