@@ -2,7 +2,7 @@
 old design (each host its own database connection) at the size where that still fits.
 
     make .venv/.bench-stamp  # aiohttp, for the simulated hosts
-    PYTHONPATH=$PWD .venv/bin/python bench/agents.py [--hosts 1000] [--seconds 30] [--warmup 0]
+    PYTHONPATH=$PWD .venv/bin/python bench/agents.py [--hosts 1000] [--seconds 30] [--warmup 20]
     PYTHONPATH=$PWD .venv/bin/python bench/agents.py --serial 1000        # the API's and PostgreSQL's CPU per request, one at a time
     PYTHONPATH=$PWD .venv/bin/python bench/agents.py --instructions 100 [--peer-tree DIR]  # its instructions (valgrind)
 
@@ -52,7 +52,7 @@ sys.path.insert(0, str(REPO))
 
 from api_schemas.host_api import HOST_API_PREFIX  # noqa: E402
 from stack.embedded import stop_children, wait_healthy  # noqa: E402
-from workers.supervisor import forward_pause, free_port  # noqa: E402
+from workers.supervisor import forward_pause, free_port, heartbeat_pause  # noqa: E402
 
 ADMIN_URL = os.environ.get("BENCH_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 METRICS = ["train_loss", "lr", "grad_norm", "tokens_per_s", "cpu_percent", "rss_gb", "step_time_s"]
@@ -146,7 +146,9 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
         await post(f"/attempts/{attempt_id}/claim", {"lease_owner": owner, "rendezvous": "127.0.0.1:1"})
     now = time.monotonic()
     step, pending, renewed_at, paced = 0, [], now, False
-    next_step, next_report, next_renew, next_heartbeat = now, now, now + HEARTBEAT_SECONDS, now + idle_heartbeat
+    # Renewals and heartbeats as a worker times them: the first anywhere within the period.
+    next_step, next_report = now, now
+    next_renew, next_heartbeat = now + heartbeat_pause(HEARTBEAT_SECONDS, first=True), now + heartbeat_pause(idle_heartbeat, first=True)
     while (now := time.monotonic()) < stop_at:
         if attempt_id is not None:
             while next_step <= now:
@@ -163,6 +165,7 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
                 took = await post(path, {"lease_owner": owner, "metrics": pending, "renew_lease": renew})
                 if took is not None:  # else kept, and sent again with what comes next
                     stats["ingest"].append(took)
+                    stats["report_times"].append(int(started))
                     stats["points"] += len(pending)
                     pending, renewed = [], renew
                 asked = json.loads(answers[path])["next_report_seconds"] if took is not None else 0.0
@@ -175,10 +178,10 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
                 stats["renewal_gaps"].append(done - renewed_at)
                 renewed_at = done
             if renew:
-                next_renew += HEARTBEAT_SECONDS
+                next_renew += heartbeat_pause(HEARTBEAT_SECONDS)
         if attempt_id is None and now >= next_heartbeat:  # a host renewing a lease sends none: the renewal is its heartbeat
             await post("/heartbeat")
-            next_heartbeat += idle_heartbeat
+            next_heartbeat += heartbeat_pause(idle_heartbeat)
         upcoming = [next_step, next_renew] if attempt_id is not None else [next_heartbeat]
         await asyncio.sleep(max(0.0, min(*upcoming, stop_at) - time.monotonic()))
 
@@ -187,7 +190,7 @@ def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]
     """One process's share of the hosts, spread over the API processes; its stats of the `seconds`
     after the `warmup` (registrations, claims, the first reports before the API paces them) sent to `out`."""
     async def main() -> dict:
-        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0}
+        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0, "report_times": [], "loop_lag": []}
         # aiohttp, not the worker's httpx: a load generator on the machine it measures must cost little
         # (1,000 hosts through httpx's async client took more CPU than the two API processes).
         clients = [
@@ -198,9 +201,16 @@ def run_simulated_hosts(urls: list[str], hosts: list[tuple[str, str, int | None]
 
         async def forget_the_warmup() -> None:
             await asyncio.sleep(warmup)
-            stats.update(ingest=[], renewal_gaps=[], points=0, errors=[], requests=0)  # a renewal's gap still counts from the one before
+            stats.update(ingest=[], renewal_gaps=[], points=0, errors=[], requests=0, report_times=[], loop_lag=[])  # a renewal's gap still counts from the one before
 
-        await asyncio.gather(forget_the_warmup(), *(
+        async def measure_loop_lag() -> None:
+            """How late this process's event loop wakes a task: what the hosts' measured latencies owe to the load generator itself."""
+            while time.monotonic() < stop_at:
+                asleep = time.monotonic()
+                await asyncio.sleep(0.01)
+                stats["loop_lag"].append(time.monotonic() - asleep - 0.01)
+
+        await asyncio.gather(measure_loop_lag(), forget_the_warmup(), *(
             simulated_host(clients[i % len(clients)], name, token, attempt, stop_at, stats) for i, (name, token, attempt) in enumerate(hosts)
         ), return_exceptions=False)
         for client in clients:
@@ -220,7 +230,7 @@ def run_direct_hosts(url: str, hosts: list[tuple[str, str, int | None]], seconds
     from service.db.metrics import record_metrics
     from sqlalchemy.orm import sessionmaker
 
-    stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0}
+    stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0, "report_times": [], "loop_lag": []}
     stop_at = time.monotonic() + seconds
 
     def host(name: str, attempt_id: int | None) -> None:
@@ -234,7 +244,8 @@ def run_direct_hosts(url: str, hosts: list[tuple[str, str, int | None]], seconds
             held = HeldAttempt(attempt_id, claimed.job_id, claimed.number, claimed.lease_owner)
         now = time.monotonic()
         step, pending, renewed_at = 0, [], now
-        next_step, next_report, next_renew, next_heartbeat = now, now, now + HEARTBEAT_SECONDS, now + HEARTBEAT_SECONDS
+        next_step, next_report = now, now
+        next_renew, next_heartbeat = now + heartbeat_pause(HEARTBEAT_SECONDS, first=True), now + heartbeat_pause(HEARTBEAT_SECONDS, first=True)
         while (now := time.monotonic()) < stop_at:
             with sessions() as session:
                 if held is not None:
@@ -246,16 +257,17 @@ def run_direct_hosts(url: str, hosts: list[tuple[str, str, int | None]], seconds
                         start = time.monotonic()
                         record_metrics(session, held.job_id, held.attempt_id, pending)
                         stats["ingest"].append(time.monotonic() - start)
+                        stats["report_times"].append(int(start))
                         stats["points"] += len(pending)
                         pending, next_report = [], time.monotonic() + forward_pause(time.monotonic() - start)
                     if now >= next_renew:
                         renew_lease(session, held, LEASE_SECONDS)
                         done = time.monotonic()
                         stats["renewal_gaps"].append(done - renewed_at)
-                        renewed_at, next_renew = done, next_renew + HEARTBEAT_SECONDS
+                        renewed_at, next_renew = done, next_renew + heartbeat_pause(HEARTBEAT_SECONDS)
                 if now >= next_heartbeat:
                     record_heartbeat(session, name)
-                    next_heartbeat += HEARTBEAT_SECONDS
+                    next_heartbeat += heartbeat_pause(HEARTBEAT_SECONDS)
             upcoming = [next_heartbeat] + ([next_step, next_renew] if held is not None else [])
             time.sleep(max(0.0, min(upcoming) - time.monotonic()))
         engine.dispose()
@@ -326,6 +338,8 @@ def summary(stats: dict, watch: Watch, hosts: int) -> dict:
         "renewal_gap_max_s": round(max(stats["renewal_gaps"], default=0), 2),
         "ingest_p50_ms": percentile(stats["ingest"], 0.5),
         "ingest_p99_ms": percentile(stats["ingest"], 0.99),
+        "reports_busiest_second": max(Counter(stats["report_times"]).values(), default=0),
+        "hosts_loop_lag_p99_ms": percentile(stats["loop_lag"], 0.99),
         "healthz_p99_ms": percentile(watch.healthz, 0.99),
         "jobs_list_p99_ms": percentile(watch.jobs, 0.99),
         "api_cpu_cores": round(watch.cpu_s / watch.wall_s, 2) if watch.apis else None,
@@ -370,7 +384,7 @@ def trainyard_run(hosts: int, seconds: float, processes: int, warmup: float = 0.
             results = [pipe.recv() for pipe in pipes]
             for worker in workers:
                 worker.join()
-        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0}
+        stats = {"ingest": [], "renewal_gaps": [], "points": 0, "errors": [], "requests": 0, "report_times": [], "loop_lag": []}
         for result in results:
             for key in stats:
                 stats[key] += result[key]
@@ -524,7 +538,7 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=1000)
     parser.add_argument("--peer-hosts", type=int, default=90)
     parser.add_argument("--seconds", type=float, default=30)
-    parser.add_argument("--warmup", type=float, default=0, help="seconds of Trainyard's runs not measured: the hosts' registrations, claims and first reports")
+    parser.add_argument("--warmup", type=float, default=20, help="seconds of Trainyard's runs not measured: the hosts' registrations, claims and first reports")
     parser.add_argument("--no-peer", action="store_true", help="only Trainyard at --hosts: no peer, no run at the peer's load (to compare revisions)")
     parser.add_argument("--processes", type=int, default=2, help="processes the simulated hosts are spread over")
     parser.add_argument("--serial", type=int, metavar="ROUNDS", help="only the API's and PostgreSQL's CPU per request, ROUNDS of each kind one at a time")

@@ -19,7 +19,7 @@ from common.settings import Settings
 from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable, read_token
 from workers.sandbox import HostSandbox
 from workers.limits import SlotShare
-from workers.supervisor import AttemptRunner
+from workers.supervisor import AttemptRunner, heartbeat_pause
 from workers import gang_network
 from workers.egress import close_control_plane, open_control_plane
 from workers.warm_pool import WarmPool
@@ -118,10 +118,10 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     idle_heartbeat = terms.idle_heartbeat_seconds or settings.heartbeat_seconds
 
     def heartbeat() -> None:
-        wait = settings.heartbeat_seconds
+        wait = heartbeat_pause(settings.heartbeat_seconds, first=True)
         while not stop.wait(wait):
             runner.ended_attempts.sweep()
-            wait = settings.heartbeat_seconds  # also after a heartbeat that failed: tried again, not at once
+            wait = heartbeat_pause(settings.heartbeat_seconds)  # also after a heartbeat that failed: tried again, not at once
             if (due_in := idle_heartbeat - service.silent_for()) > 0:
                 wait = min(wait, due_in)
                 continue  # heard lately: a heartbeat, or an attempt's lease renewal, which the service takes for one

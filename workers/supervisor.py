@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import queue
+import random
 import re
 import shutil
 import signal
@@ -89,9 +90,21 @@ MAX_PENDING_LOG_CHARS = 32 * 2**20
 DISK_WATCH_SECONDS = 2.0
 OUT_OF_REACH_NOTE_SECONDS = 60.0  # while the service is out of reach, an attempt's log says so this often
 CPU_HELD_BACK_NOTED = 0.2  # the share of its time a job is held to its cores before its logs say so
+# Each heartbeat (a lease renewal, an idle host's) comes a random part of this share of the period
+# early; the first one anywhere within the period (heartbeat_pause).
+HEARTBEAT_JITTER = 0.2
 # How long a run that reported its last step is let finish (its last checkpoint, its exit) before a
 # cancel or preemption stops it all the same.
 FINISHING_GRACE_SECONDS = 120.0
+
+
+def heartbeat_pause(heartbeat: float, first: bool = False) -> float:
+    """Seconds to the next heartbeat: a little less than `heartbeat`, by a random amount, and for
+    the `first` anywhere within it. Hosts that start together (a cluster's restart, a sweep's
+    trials claimed in one scheduler pass) would otherwise beat in step for as long as they run: at
+    500 running attempts, most of a period's renewals in one second of it, each waiting behind the
+    others (bench/agents.py), where spread they are 100 a second."""
+    return heartbeat * random.uniform(0.0 if first else 1.0 - HEARTBEAT_JITTER, 1.0)
 
 
 def forward_pause(round_trip: float) -> float:
@@ -793,6 +806,7 @@ class RunningAttempt:
         self.output_done = False
         self.preempted_because: str | None = None  # set once we asked the training to stop at a checkpoint
         self.next_sync = 0.0
+        self.synced = False  # the first sync comes at once, the second anywhere within a heartbeat (heartbeat_pause)
         self.next_forward = self.forwarded_at = 0.0
         self.renewed_at = time.monotonic()  # the lease's last renewal
         self.step = claimed.resume_step or 0  # the last step the training reported: where system samples are put
@@ -1004,7 +1018,8 @@ class RunningAttempt:
                 asked = self.runner._forward(self.claimed, self.outbox)
                 self._note_forward(started, asked)
             return None
-        self.next_sync = started + heartbeat
+        self.next_sync = started + heartbeat_pause(heartbeat, first=not self.synced)
+        self.synced = True
         if self.exit_code is None:
             self.outbox.metrics += self.system.sample(self.step)
         waiting = self.outbox.waiting()
