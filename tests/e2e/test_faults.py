@@ -162,9 +162,9 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
     job_id = client.post("/v1/jobs", json=FAULT_SPEC).json()["id"]
     host = wait_until_training(client, job_id)["attempts"][0]["host_name"]  # a complete checkpoint exists
 
-    # A save's staging directory appears while the one before it is listed by the API: kill the host
-    # and its training then. (A save the training finished but its worker had not yet taken in dies
-    # with the host: on a fast machine saves come 0.3 s apart, and the one before may still be on its way.)
+    # A save's staging directory appears: kill the host and its training then. (Saves the training
+    # finished but its worker had not yet taken in or listed die with the host: on a fast machine
+    # saves come 0.3 s apart, and on a busy one the listing lags by a save or two.)
     checkpoints = attempt_dir(tmp_path / "yard" / "work", job_id, 1) / "checkpoints"
     deadline, listed, listed_at = time.monotonic() + 120, 0, 0.0
     while True:
@@ -173,7 +173,7 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
             listed = max(c["step"] for c in client.get(f"/v1/jobs/{job_id}/checkpoints").json())
             listed_at = time.monotonic()
         staging = [p.name for p in checkpoints.glob(".tmp-*")]
-        if staging and (partial_step := int(staging[0].rsplit("-", 1)[1])) == listed + EVERY:
+        if staging and (partial_step := int(staging[0].rsplit("-", 1)[1])) > listed:
             break
         time.sleep(0.002)
     for pid in stack_pids_matching(f"worker --host-name {host}") + stack_pids_matching(attempt_pattern(checkpoints.parent)):
@@ -184,8 +184,9 @@ def test_kill_9_while_a_checkpoint_is_being_written_resumes_from_the_complete_on
     assert job["status"] == "succeeded", job["failure_reason"]
     first, second = killed_and_resumed(job, host)
     assert first["status"] == "lost" and second["host_name"] != host
-    # Resumed from the last complete checkpoint: the one before the partial one.
-    assert second["resumed_from_step"] in ({partial_step - EVERY, partial_step} if finished_anyway else {partial_step - EVERY})
+    # Resumed from a complete checkpoint the API listed: the last one listed by the kill, or one
+    # registered as it came, never the partial one.
+    assert listed <= second["resumed_from_step"] <= (partial_step if finished_anyway else partial_step - EVERY)
     # Every listed checkpoint downloads whole and matches its sha256; the partial one never entered the store.
     for checkpoint in client.get(f"/v1/jobs/{job_id}/checkpoints").json():
         body = client.get(f"/v1/checkpoints/{checkpoint['id']}/download")
