@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi_offline import FastAPIOffline
 from fastapi.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -112,7 +113,8 @@ class UnexpectedErrors:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
-    app = FastAPI(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.", lifespan=_noting_it_is_up)
+    # FastAPIOffline: FastAPI whose /docs and /redoc pages load their scripts from the API itself, not a CDN.
+    app = FastAPIOffline(title="Trainyard", version="0.1.0", description="Runs distributed PyTorch training jobs.", lifespan=_noting_it_is_up)
     app.state.settings = settings
     app.state.failed_auths, app.state.stream_slots = limits_for(
         settings.resolved_broker_url, settings.max_failed_auths_per_minute, settings.max_streams_per_user
