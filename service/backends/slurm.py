@@ -223,6 +223,13 @@ class SlurmBackend:
                 with self.sessions() as session:
                     set_cluster_state(session, ids, slurm_job.shown)
             return
+        if slurm_job is None and one.active:
+            # Gone from our view of the queue while its try is on: cancelled all the same (harmless
+            # for a job Slurm forgot), so a job we only fail to see never runs beside the next try.
+            try:
+                self.slurm.cancel(one.cluster_job_id)
+            except SlurmError:
+                pass
         # Slurm is done with the try: what its agents did not report ends here.
         if one.active:
             def outcome(attempt: Attempt) -> tuple[AttemptStatus, str, bool]:

@@ -34,11 +34,13 @@ class SlurmRest:
         return str(self._call("POST", "/job/submit", job.rest_submission(self.working_directory), result="job_id")["job_id"])
 
     def queue(self) -> dict[str, SlurmJob]:
-        """Our jobs Slurm still knows, by id (the token's user's, as `squeue --me`)."""
+        """Our jobs Slurm still knows, by id (the token's user's, as `squeue --me`). A job whose user
+        slurmrestd could not name (its host doesn't resolve the cluster's users: `user_name` null)
+        is kept too: our jobs were all taken for gone, and each try submitted again, without end."""
         jobs = self._call("GET", "/jobs", result="jobs")["jobs"]
         return {
             str(job["job_id"]): SlurmJob(str(job["job_id"]), job["name"], job["job_state"], job.get("state_reason") or "None")
-            for job in jobs if job.get("user_name") == self.user
+            for job in jobs if job.get("user_name") in (self.user, None, "")
         }
 
     def cancel(self, job_id: str) -> None:

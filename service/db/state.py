@@ -26,6 +26,9 @@ from service.db.models import Attempt, Job, JobEvent, utcnow
 
 ACTIVE_JOB = (JobStatus.queued, JobStatus.scheduled, JobStatus.running)
 ACTIVE_ATTEMPT = (AttemptStatus.scheduled, AttemptStatus.running)
+# Tries of a job that end one after the other before starting (their host lost before it claimed,
+# a batch job gone from the cluster's queue) use no restart; this many in a row fail the job.
+MAX_NEVER_STARTED_IN_A_ROW = 5
 
 JOB_TRANSITIONS: dict[JobStatus, set[JobStatus]] = {
     JobStatus.queued: {JobStatus.scheduled, JobStatus.cancelled, JobStatus.failed, JobStatus.pruned},
@@ -269,12 +272,29 @@ def end_attempt(
     which = f"attempt {attempt.number}" + (f" node {attempt.node_rank}" if gang else "")
     if not retry:
         return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}, not retried: {reason}")
-    # An attempt that never started used no restart: its host vanished before it claimed it.
+    # An attempt that never started used no restart: its host vanished before it claimed it. But
+    # not for ever: tries that all end so, one after the other (a cluster that loses every batch job
+    # it is handed, a host that dies at each claim), fail the job instead of placing it again without end.
     if attempt.started_at is not None:
         job.restarts += 1
+    elif (unstarted := never_started_in_a_row(job)) >= MAX_NEVER_STARTED_IN_A_ROW:
+        return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}: {reason}; its last {unstarted} tries all ended before starting")
     if job.restarts <= job.spec.get("max_restarts", 0):
         return move_job(session, job, JobStatus.queued, reason=f"retrying after {which}: {reason}")
     return move_job(session, job, JobStatus.failed, reason=f"{which} {outcome.value}: {reason}")
+
+
+def never_started_in_a_row(job: Job) -> int:
+    """How many of the job's last tries ended without starting, the latest first (one that started breaks the run)."""
+    tries: dict[int, list[Attempt]] = {}
+    for attempt in job.attempts:
+        tries.setdefault(attempt.number, []).append(attempt)
+    count = 0
+    for number in sorted(tries, reverse=True):
+        if any(attempt.started_at is not None or not attempt.status.is_final for attempt in tries[number]):
+            break
+        count += 1
+    return count
 
 
 def _roll_back(session: Session, job: Job, attempt: Attempt, rollback: Rollback) -> bool:

@@ -276,6 +276,41 @@ def test_a_backlog_is_placed_highest_priority_first_and_no_host_past_its_slots(s
         assert (again.job_id, again.number, host) == (jobs[7], 2, "host-a")
 
 
+def test_tries_that_keep_ending_before_they_start_fail_the_job_instead_of_looping(sessions, settings):
+    # Seen on a Slurm pool whose every batch job looked gone: each try lost before starting (no
+    # restart used), submitted again every 2 s, 29 of them pending in Slurm within a minute.
+    job_id = queue_job(sessions)
+    with sessions() as session:
+        register_host(session, "host-a", "cpu", 2, {})
+    for number in range(1, state.MAX_NEVER_STARTED_IN_A_ROW + 1):
+        with sessions() as session:
+            [(attempt_id, _)] = schedule_pass(session, settings)
+            attempt = session.get(Attempt, attempt_id)
+            assert attempt.number == number
+            state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason="Slurm job ended VANISHED before the attempt started")
+            session.commit()
+            job = session.get(Job, job_id)
+            if number < state.MAX_NEVER_STARTED_IN_A_ROW:
+                assert job.status == JobStatus.queued and job.restarts == 0
+    assert job.status == JobStatus.failed and job.restarts == 0
+    assert f"its last {state.MAX_NEVER_STARTED_IN_A_ROW} tries all ended before starting" in job.failure_reason
+
+
+def test_a_try_that_started_breaks_the_run_of_tries_that_never_did(sessions, settings):
+    job_id = queue_job(sessions, max_restarts=3)
+    with sessions() as session:
+        register_host(session, "host-a", "cpu", 2, {})
+    for number in range(1, 2 * state.MAX_NEVER_STARTED_IN_A_ROW):
+        with sessions() as session:
+            [(attempt_id, _)] = schedule_pass(session, settings)
+            attempt = session.get(Attempt, attempt_id)
+            if number % state.MAX_NEVER_STARTED_IN_A_ROW == 0:  # this one ran a while
+                attempt.started_at = utcnow()
+            state.end_attempt(session, attempt.job, attempt, AttemptStatus.lost, reason="host went away")
+            session.commit()
+            assert session.get(Job, job_id).status == JobStatus.queued, number
+
+
 def test_an_unclaimed_dispatch_is_resent_after_the_timeout_and_given_back_when_its_host_goes_offline(sessions, settings):
     orphaned, stale, fresh = (queue_job(sessions) for _ in range(3))
     with sessions() as session:

@@ -78,6 +78,19 @@ def test_a_cancelled_job_ends_cancelled(slurm, tmp_path):
     assert wait_for_state(slurm, job_id, {"CANCELLED", "COMPLETED", "FAILED"}) == "CANCELLED"
 
 
+def test_a_job_of_a_user_slurmrestd_cannot_name_is_still_seen_and_cancelled(cluster, tmp_path):
+    # The README's `scontrol token username=trainyard` for an account the controller's host doesn't
+    # resolve: Slurm runs the job, slurmrestd lists it with `user_name` null. It was left out of the
+    # queue, taken for gone, and every try submitted again, all of them left pending.
+    token_file = tmp_path / "jwt"
+    token_file.write_text(cluster.run("scontrol", "token", "username=trainyard-unknown", "lifespan=600"))
+    slurm = SlurmRest(cluster.url, "trainyard-unknown", token_file, tmp_path)
+    job_id = slurm.submit(batch_job(tmp_path, "nameless", ["sleep", "300"], nodes=1))
+    assert slurm.queue()[job_id].name == "nameless"
+    slurm.cancel(job_id)
+    assert wait_for_state(slurm, job_id, {"CANCELLED", "COMPLETED", "FAILED"}) == "CANCELLED"
+
+
 def test_the_partition_reads_as_sinfo_reads_it(cluster, tmp_path):
     assert rest(cluster, tmp_path).partition("batch") == SlurmCommands().partition("batch")
     with pytest.raises(SlurmError, match="no partition 'nope'"):
