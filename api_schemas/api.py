@@ -213,6 +213,7 @@ class PoolOut(BaseModel):
     cpus_per_node: int
     gpus_per_node: int
     memory_mb: int
+    max_minutes: int | None = Field(None, description="The partition's time limit (MaxTime), in minutes; null for none. A job runs at most this long there.")
     seen_at: datetime = Field(description="When the scheduler last read it from the cluster.")
 
 

@@ -147,6 +147,11 @@ def _check_pool(session: Session, resources: ResourcesConfig) -> None:
     if resources.processes_per_node > per_node:
         what = "GPUs" if resources.device == "cuda" else "CPUs"
         raise bad_field(("resources", "processes_per_node"), f"{resources.processes_per_node} process{'es' if resources.processes_per_node != 1 else ''}: a node of pool {pool.name!r} has {per_node} {what}")
+    # Slurm would keep it pending for ever (PartitionTimeLimit). Without a limit of its own, a job runs
+    # there as long as the partition lets it (the Slurm backend asks for no more).
+    if resources.max_runtime_hours is not None and info.get("max_minutes") is not None and resources.max_runtime_hours * 60 > info["max_minutes"]:
+        raise bad_field(("resources", "max_runtime_hours"), f"{resources.max_runtime_hours:g} hours: pool {pool.name!r} (partition "
+                        f"{info['partition']}) runs a job at most {info['max_minutes'] / 60:g} hours")
     # Slurm would refuse it at sbatch, after the job was accepted ("Memory specification can not be satisfied").
     if resources.memory_gb is not None and info.get("memory_mb") and resources.memory_gb * 1024 > info["memory_mb"]:
         raise bad_field(("resources", "memory_gb"), f"{resources.memory_gb:g} GB: a node of pool {pool.name!r} has {info['memory_mb'] / 1024:.3g} GB")

@@ -180,7 +180,7 @@ def submit_script(client: Client, args: argparse.Namespace) -> JobOut:
     script_args = ([args.file] if args.file is not None else []) + args.script_args
     spec = {
         "training": {"precision": args.precision, "gradient_accumulation_steps": args.gradient_accumulation_steps},
-        "resources": {"nodes": args.nodes, "processes_per_node": args.processes, "device": args.device},
+        "resources": {"nodes": args.nodes, "processes_per_node": args.processes, "device": args.device, **({"pool": args.pool} if args.pool else {})},
         "max_restarts": args.max_restarts,
         "script_resume_args": shlex.split(args.resume_args) if args.resume_args else [],
         "script_outputs": args.outputs,
@@ -481,6 +481,7 @@ def add_client_commands(subparsers) -> argparse.ArgumentParser:
     script.add_argument("--processes", type=int, default=1, help="processes (devices) per node (default 1)")
     script.add_argument("--nodes", type=int, default=1, help="hosts (default 1)")
     script.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    script.add_argument("--pool", help="a cluster pool to run it in (GET /v1/pools; e.g. slurm), not the service's own hosts")
     script.add_argument("--precision", choices=["no", "fp16", "bf16"], default="no")
     script.add_argument("--gradient-accumulation-steps", type=int, default=1)
     script.add_argument("--max-restarts", type=int, default=3)

@@ -40,7 +40,7 @@ from service.backends.slurm_rest import SlurmRest
 from service.db import state
 from service.db.host_tokens import issue_host_token, revoke_host_token
 from service.db.models import Attempt, Job
-from service.db.pools import record_pool, set_cluster_state, unsettled_attempts
+from service.db.pools import pool_named, record_pool, set_cluster_state, unsettled_attempts
 from service.db.scheduling import pool_host
 from service.logs import job_fields
 from common.settings import Settings
@@ -55,6 +55,9 @@ _RAN = {"COMPLETED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY"}
 RESUBMIT_AFTER_SECONDS = 10.0  # a try placed but not handed over (sbatch failed, or the scheduler stopped) is sent again after this
 DESCRIBE_EVERY_SECONDS = 60.0
 DESCRIBE_RETRY_SECONDS = 30  # after a failed description (sinfo refused, the controller down)
+# A batch job asks Slurm for this much more than the job's runtime limit: Trainyard's supervisor
+# stops it first, and says why.
+RUNTIME_MARGIN_MINUTES = 5
 REAP_AFTER_SECONDS = 30.0  # an allocation left running this long after all its attempts ended is cancelled
 
 
@@ -93,6 +96,19 @@ class Try:
         return all(finished is not None and finished.timestamp() < moment for finished in self.finished_at)
 
 
+def last_line(path: Path, most: int = 300) -> str | None:
+    """The last line of a file that says something (the error an agent that never started left in
+    Slurm's output: `execve(): …: No such file or directory`), cut to `most` characters; None if none."""
+    try:
+        with path.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - 4096))
+            tail = file.read().decode(errors="replace")
+    except OSError:
+        return None
+    lines = [line.strip() for line in tail.splitlines() if line.strip()]
+    return lines[-1][:most] if lines else None
+
+
 class SlurmBackend:
     def __init__(self, sessions: sessionmaker, settings: Settings, commands: SlurmCommands | SlurmRest | None = None):
         self.sessions, self.settings = sessions, settings
@@ -124,12 +140,13 @@ class SlurmBackend:
                 return
             with self.sessions() as session:
                 spec = session.scalar(select(Job.spec).where(Job.id == job_id))
+                max_minutes = pool.info.get("max_minutes") if (pool := pool_named(session, self.pool)) else None
                 directory = self.try_directory(job_id, number)
                 directory.mkdir(parents=True, exist_ok=True)
                 token_file = directory / "token"
                 token_file.touch(mode=0o600)
                 token_file.write_text(issue_host_token(session, pool_host(self.pool, job_id)))  # replaces the last try's
-            batch = self.batch_job(name, JobSpec.from_stored(spec), directory, ids)
+            batch = self.batch_job(name, JobSpec.from_stored(spec), directory, ids, max_minutes)
             cluster_job_id = self.slurm.submit(batch)
         except SlurmError as exc:
             if exc.transient:
@@ -147,9 +164,14 @@ class SlurmBackend:
         """On the storage the compute nodes share: the try's token file and Slurm's output."""
         return self.settings.resolved_work_root / "slurm" / f"job{job_id}-{number}"
 
-    def batch_job(self, name: str, spec: JobSpec, directory: Path, attempt_ids: list[int]) -> BatchJob:
+    def batch_job(self, name: str, spec: JobSpec, directory: Path, attempt_ids: list[int], max_minutes: int | None = None) -> BatchJob:
+        """The try's batch job; `max_minutes`: the partition's time limit, if it has one."""
         s, resources = self.settings, spec.resources
         hours = resources.max_runtime_hours or s.max_runtime_hours
+        if (limit := max_minutes) is not None and hours * 60 + RUNTIME_MARGIN_MINUTES > limit:
+            # A partition with a time limit (MaxTime) keeps a job that asks for more pending for
+            # ever: there, the job's limit is the partition's, less the margin.
+            hours = max(limit - RUNTIME_MARGIN_MINUTES, limit / 2) / 60
         environment = {
             # Only what a worker host is given: the API and the try's token, the shared paths, the
             # service's timing (which a registered host learns as it registers).
@@ -165,7 +187,7 @@ class SlurmBackend:
             "TRAINYARD_HEARTBEAT_SECONDS": str(s.heartbeat_seconds),
             "TRAINYARD_LEASE_SECONDS": str(s.lease_seconds),
             "TRAINYARD_DISPATCH_TIMEOUT_SECONDS": str(s.dispatch_timeout_seconds),
-            "TRAINYARD_MAX_RUNTIME_HOURS": str(s.max_runtime_hours),
+            "TRAINYARD_MAX_RUNTIME_HOURS": str(hours),
             "TRAINYARD_MAX_ATTEMPT_DISK_GB": str(s.max_attempt_disk_gb),
             "TRAINYARD_MAX_LOG_LINES_PER_ATTEMPT": str(s.max_log_lines_per_attempt),
             "TRAINYARD_LOG_FORMAT": s.log_format,
@@ -178,7 +200,7 @@ class SlurmBackend:
             name=name, partition=self.partition, nodes=resources.nodes, cpus_per_node=resources.processes_per_node,
             gpus_per_node=resources.processes_per_node if resources.device == "cuda" else 0, memory_gb=resources.memory_gb,
             # Past Trainyard's own runtime limit, so the supervisor stops it first and says why.
-            minutes=math.ceil(hours * 60) + 5, output=directory / "slurm-%j.out", environment=environment, command=command,
+            minutes=min(math.ceil(hours * 60) + RUNTIME_MARGIN_MINUTES, max_minutes or math.inf), output=directory / "slurm-%j.out", environment=environment, command=command,
             account=s.slurm_account, qos=s.slurm_qos,
         )
 
@@ -242,7 +264,9 @@ class SlurmBackend:
                     directory = self.try_directory(job_id, number)
                     if (unreachable := directory / UNREACHABLE_FILE).is_file():
                         return AttemptStatus.lost, f"{said}: its agent could not reach the API ({unreachable.read_text().strip()})", True
-                    return AttemptStatus.failed, f"{said} before its agent took the attempt (see {directory / f'slurm-{one.cluster_job_id}.out'})", False
+                    output = directory / f"slurm-{one.cluster_job_id}.out"
+                    said_last = f": {last}" if (last := last_line(output)) else ""
+                    return AttemptStatus.failed, f"{said} before its agent took the attempt{said_last} (see {output})", False
                 return AttemptStatus.lost, f"{said} before the attempt started", True
             self._end(ids, outcome, slurm_state)
         else:

@@ -123,17 +123,35 @@ class SlurmCommands:
 
     def partition(self, name: str) -> dict:
         """What the partition offers: nodes, and the most CPUs, GPUs and memory one node has."""
-        out = self._run("sinfo", "--noheader", f"--partition={name}", "--format=%D|%c|%m|%G")
+        out = self._run("sinfo", "--noheader", f"--partition={name}", "--format=%D|%c|%m|%G|%l")
         nodes = cpus = memory = gpus = 0
+        max_minutes = None
         for line in out.splitlines():
-            count, node_cpus, node_memory, gres = (line.split("|") + ["", "", "", ""])[:4]
+            count, node_cpus, node_memory, gres, limit = (line.split("|") + ["", "", "", "", ""])[:5]
             nodes += int(count or 0)
             cpus = max(cpus, _number(node_cpus))
             memory = max(memory, _number(node_memory))
             gpus = max(gpus, gpus_in(gres))
+            max_minutes = minutes_in(limit)
         if nodes == 0:
             raise SlurmError(f"sinfo: no partition {name!r}, or it has no nodes", transient=False)
-        return {"partition": name, "nodes": nodes, "cpus_per_node": cpus, "gpus_per_node": gpus, "memory_mb": memory}
+        return {"partition": name, "nodes": nodes, "cpus_per_node": cpus, "gpus_per_node": gpus, "memory_mb": memory, "max_minutes": max_minutes}
+
+
+def minutes_in(limit: str) -> int | None:
+    """A partition's time limit as sinfo prints it (`1-00:00:00`, `2:00:00`, `30:00`), in whole
+    minutes; None for none (`infinite`) or what doesn't read as one."""
+    days, _, clock = limit.strip().rpartition("-")
+    parts = clock.split(":")
+    if not (days or "0").isdigit() or not all(part.isdigit() for part in parts) or len(parts) > 3:
+        return None
+    numbers = [int(part) for part in parts]
+    # Slurm's forms: minutes, minutes:seconds, hours:minutes:seconds; after days-, hours[:minutes[:seconds]].
+    if days:
+        hours, minutes, seconds = (numbers + [0, 0])[:3]
+    else:
+        hours, minutes, seconds = {1: [0, *numbers, 0], 2: [0, *numbers], 3: numbers}[len(numbers)]
+    return int(days or 0) * 1440 + hours * 60 + minutes + (seconds > 0)
 
 
 def gpus_in(gres: str) -> int:

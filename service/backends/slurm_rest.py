@@ -51,9 +51,12 @@ class SlurmRest:
         nodes = [node for node in self._call("GET", "/nodes", result="nodes")["nodes"] if name in node.get("partitions", [])]
         if not nodes:
             raise SlurmError(f"slurmrestd: no partition {name!r}, or it has no nodes", transient=False)
+        [partition] = [p for p in self._call("GET", f"/partition/{name}", result="partitions")["partitions"] if p.get("name") == name] or [{}]
+        limit = partition.get("max_time_limit")  # minutes; -1 for none
         return {
             "partition": name, "nodes": len(nodes), "cpus_per_node": max(node["cpus"] for node in nodes),
             "gpus_per_node": max(gpus_in(node.get("gres", "")) for node in nodes), "memory_mb": max(node["real_memory"] for node in nodes),
+            "max_minutes": limit if isinstance(limit, int) and limit >= 0 else None,
         }
 
     def _call(self, method: str, path: str, body: dict | None = None, result: str | None = None) -> dict:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy import select
 
 from api_schemas import AttemptStatus, JobSpec
 from common.artifacts import ArtifactStore
@@ -21,6 +22,7 @@ from service.db.attempts import finish_attempt
 from service.db.hosts import register_host
 from service.db.log_lines import record_logs
 from service.db.outputs import record_output
+from service.db.models import User
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from trainyard.cli import main
@@ -357,3 +359,13 @@ def test_logs_of_a_job_of_several_processes_say_each_lines_rank(trainyard, setti
     assert code == 0 and out.splitlines() == ["--- attempt 1 ---", "[rank 0] step 1 on 0", "[rank 1] step 1 on 1", "launcher says"]
     code, out, _ = trainyard("logs", str(job_id), "--rank", "1")
     assert code == 0 and out.splitlines() == ["--- attempt 1 ---", "step 1 on 1"]
+
+
+def test_a_script_goes_to_a_cluster_pool_with_pool(trainyard, settings, tmp_path):
+    # A script for the team's Slurm pool took a round trip through `trainyard spec` and an edited file.
+    with session_factory(settings.resolved_database_url)() as session:
+        session.scalar(select(User).where(User.name == "alice")).can_run_code = True
+        session.commit()
+    (tmp_path / "train.py").write_text("print('trained')\n")
+    code, out, err = trainyard("submit", "--script", str(tmp_path / "train.py"), "--pool", "gpu-cluster")
+    assert (code, out) == (2, "") and "resources.pool: no pool named 'gpu-cluster'" in err, err

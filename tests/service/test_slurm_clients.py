@@ -93,6 +93,12 @@ def test_a_job_of_a_user_slurmrestd_cannot_name_is_still_seen_and_cancelled(clus
 
 def test_the_partition_reads_as_sinfo_reads_it(cluster, tmp_path):
     assert rest(cluster, tmp_path).partition("batch") == SlurmCommands().partition("batch")
+    assert SlurmCommands().partition("batch")["max_minutes"] is None  # no time limit (MaxTime=UNLIMITED)
+    cluster.run("scontrol", "update", "PartitionName=batch", "MaxTime=1-12:30:00")
+    try:
+        assert rest(cluster, tmp_path).partition("batch")["max_minutes"] == SlurmCommands().partition("batch")["max_minutes"] == 36 * 60 + 30
+    finally:
+        cluster.run("scontrol", "update", "PartitionName=batch", "MaxTime=UNLIMITED")
     with pytest.raises(SlurmError, match="no partition 'nope'"):
         rest(cluster, tmp_path).partition("nope")
 
