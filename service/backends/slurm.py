@@ -40,7 +40,7 @@ from service.backends.slurm_rest import SlurmRest
 from service.db import state
 from service.db.host_tokens import issue_host_token, revoke_host_token
 from service.db.models import Attempt, Job
-from service.db.pools import pool_named, record_pool, set_cluster_state, unsettled_attempts
+from service.db.pools import forget_pool_if_moved, pool_named, record_pool, set_cluster_state, unsettled_attempts
 from service.db.scheduling import pool_host
 from service.logs import job_fields
 from common.settings import Settings
@@ -58,7 +58,8 @@ DESCRIBE_RETRY_SECONDS = 30  # after a failed description (sinfo refused, the co
 # A batch job asks Slurm for this much more than the job's runtime limit: Trainyard's supervisor
 # stops it first, and says why.
 RUNTIME_MARGIN_MINUTES = 5
-REAP_AFTER_SECONDS = 30.0  # an allocation left running this long after all its attempts ended is cancelled
+REAP_AFTER_SECONDS = 30.0
+REPEAT_FAILURE_SECONDS = 60.0  # the same failure to read the queue is logged again this often  # an allocation left running this long after all its attempts ended is cancelled
 
 
 def slurm_client(settings: Settings) -> SlurmCommands | SlurmRest:
@@ -115,6 +116,7 @@ class SlurmBackend:
         self.pool, self.partition = settings.slurm_pool, settings.slurm_partition
         self.slurm = commands or slurm_client(settings)
         self.described_at = 0.0
+        self.queue_failure, self.queue_failure_said_at = "", 0.0  # the last failure to read the queue, and when it was logged
 
     # -- handing tries over --------------------------------------------------------------------
 
@@ -216,8 +218,12 @@ class SlurmBackend:
         try:
             queue = self.slurm.queue()  # no transaction open while Slurm answers
         except SlurmError as exc:
-            log.warning("could not read Slurm's queue (%s); trying again next pass", exc)
+            # Said again once a minute while it lasts (an expired token's line came every pass, 2 s apart).
+            if (said := str(exc)) != self.queue_failure or time.monotonic() - self.queue_failure_said_at >= REPEAT_FAILURE_SECONDS:
+                log.warning("could not read Slurm's queue (%s); trying again each pass", said)
+                self.queue_failure, self.queue_failure_said_at = said, time.monotonic()
             return
+        self.queue_failure = ""
         for one in tries:
             try:
                 self._sync_try(one, queue)
@@ -307,6 +313,9 @@ class SlurmBackend:
             log.warning("could not describe Slurm partition %s (TRAINYARD_SLURM_PARTITION): %s; trying again in %d s",
                         self.partition, exc, DESCRIBE_RETRY_SECONDS)
             self.described_at = time.monotonic() - DESCRIBE_EVERY_SECONDS + DESCRIBE_RETRY_SECONDS
+            with self.sessions() as session:
+                if forget_pool_if_moved(session, self.pool, self.partition):
+                    log.warning("pool %s unlisted until partition %s is described: its description was another partition's", self.pool, self.partition)
             return
         with self.sessions() as session:
             record_pool(session, self.pool, "slurm", info)

@@ -26,6 +26,18 @@ def record_pool(session: Session, name: str, backend: str, info: dict) -> None:
     session.commit()
 
 
+def forget_pool_if_moved(session: Session, name: str, partition: str) -> bool:
+    """Drop the pool's description if it is of another partition than the one it is set to now (its
+    backend could not describe the new one yet): a submit is told the pool isn't listed, rather than
+    checked against the old partition's nodes and refused later by the cluster. Whether it was."""
+    pool = session.get(ClusterPool, name)
+    if pool is None or pool.info.get("partition") == partition:
+        return False
+    session.delete(pool)
+    session.commit()
+    return True
+
+
 def all_pools(session: Session) -> list[ClusterPool]:
     return list(session.scalars(select(ClusterPool).order_by(ClusterPool.name)))
 

@@ -1,8 +1,10 @@
-"""A Slurm partition's time limit (MaxTime): a job that asks for longer is refused at submit, naming
-the field, and one without a limit of its own is handed over within the partition's. Before, sbatch
+"""A Slurm pool as its backend describes it, the scheduler's side (no Slurm running: the pool as
+last described; reading a real cluster is tests/service/test_slurm_clients.py's).
+
+A partition's time limit (MaxTime): a job that asks for longer is refused at submit, naming the
+field, and one without a limit of its own is handed over within the partition's. Before, sbatch
 asked for Trainyard's default 168 hours, and Slurm kept the job pending for ever (PartitionTimeLimit).
-(The scheduler's side, no Slurm: the pool as its backend last described it; reading MaxTime from a
-real cluster is tests/service/test_slurm_clients.py's.)"""
+A pool set to another partition is not listed with the old one's description meanwhile."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from api_schemas import JobSpec
 from service.backends.slurm import RUNTIME_MARGIN_MINUTES, SlurmBackend
 from service.backends.slurm_commands import SlurmCommands
 from service.db.accounts import create_user
-from service.db.pools import record_pool
+from service.db.pools import all_pools, record_pool
 from service.db.session import session_factory
 from tests.helpers import auth, tiny_spec
 
@@ -54,3 +56,15 @@ def test_a_job_without_a_limit_of_its_own_runs_within_the_partitions(settings, t
     unlimited = backend.batch_job("trainyard-1-1", spec, tmp_path, [1], max_minutes=None)
     assert unlimited.minutes == settings.max_runtime_hours * 60 + RUNTIME_MARGIN_MINUTES
     assert float(unlimited.environment["TRAINYARD_MAX_RUNTIME_HOURS"]) == settings.max_runtime_hours
+
+
+def test_a_pool_set_to_another_partition_is_unlisted_until_that_one_is_described(settings, api, token):
+    # Seen: the scheduler restarted with TRAINYARD_SLURM_PARTITION naming a partition the cluster
+    # hasn't; /v1/pools still showed the old one, and a submit checked against it was taken.
+    settings = settings.model_copy(update={"slurm_partition": "gpus", "slurm_bin_dir": settings.data_dir / "no-slurm-here"})
+    backend = SlurmBackend(session_factory(settings.resolved_database_url), settings, SlurmCommands(settings.slurm_bin_dir))
+    backend.sync()  # sinfo fails: the description can't be renewed
+    with session_factory(settings.resolved_database_url)() as session:
+        assert all_pools(session) == []
+    answer = api.post("/v1/jobs", json=tiny_spec(**IN_POOL), headers=auth(token))
+    assert answer.status_code == 422 and "no pool named 'slurm'" in answer.text
