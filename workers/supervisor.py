@@ -782,7 +782,8 @@ class RunningAttempt:
         self.events = EventTail(run_dir / EVENTS_FILE_NAME)
         self.outbox = outbox or Outbox()  # with what the attempt logged before its processes started
         self.checkpoint_numbers = itertools.count(1)
-        self.recent_lines: deque[str] = deque(maxlen=REASON_LOG_LINES)  # for the failure reason
+        # For the failure reason: enough to hold the launcher's traceback and the user's error above it.
+        self.recent_lines: deque[str] = deque(maxlen=4 * REASON_LOG_LINES)
         self.dropped = DroppedLines(runner.settings.max_log_lines_per_attempt)
         self.invalid_spec: str | None = None  # what the training said is wrong with the spec, if it did
         self.spike: SpikeEvent | None = None  # what the loss guard saw, if it stopped the run
@@ -1123,7 +1124,7 @@ class RunningAttempt:
             return AttemptStatus.preempted, f"{self.preempted_because or 'SIGTERM'}; stopped at a checkpoint"
         if self.invalid_spec is not None:
             return AttemptStatus.failed, FinalReason(f"invalid job spec: {self.invalid_spec}")
-        tail = "\n".join(without_launcher_traceback(list(self.recent_lines)))
+        tail = "\n".join(without_launcher_traceback(list(self.recent_lines))[-REASON_LOG_LINES:])
         return AttemptStatus.failed, f"training process exited with code {self.exit_code}; last output:\n{tail}"
 
     def _memory_limit(self) -> str:
@@ -1144,13 +1145,18 @@ def unranked_best_note(policy: CheckpointConfig, logged: set[str]) -> str | None
             f"no checkpoint is kept as its best (checkpoint.best_metric; it logged: {names})")
 
 
+# How the launcher's own traceback ends: Accelerate's, over one failed process, and torchelastic's
+# (followed by its table of the failed ranks), over several.
+LAUNCHER_ERRORS = ("subprocess.CalledProcessError:", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:")
+
+
 def without_launcher_traceback(lines: list[str]) -> list[str]:
-    """The output's last lines without the launcher's own traceback at their end: Accelerate's
-    launcher answers a failed training process with `subprocess.CalledProcessError`, which said
-    nothing the user's own error above it hadn't, and buried it."""
-    if not lines or not lines[-1].startswith("subprocess.CalledProcessError:"):
-        return lines
-    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    """The output's last lines without the launcher's own traceback at their end: it said nothing
+    the user's own error above it hadn't, and buried it (of several processes, torchelastic's
+    traceback and table of failed ranks took all of a failure reason's lines, and the
+    `RuntimeError` itself was not among them). The launcher's lines are the unprefixed ones."""
+    ends = [i for i, line in enumerate(lines) if line.startswith(LAUNCHER_ERRORS)]
+    starts = [i for i, line in enumerate(lines[:ends[-1]]) if line.startswith("Traceback (most recent call last):")] if ends else []
     return lines[: starts[-1]] if starts and starts[-1] > 0 else lines
 
 

@@ -45,6 +45,18 @@ def test_a_failure_reason_ends_with_the_users_error_not_the_launchers_traceback(
     assert without_launcher_traceback(launcher) == launcher  # nothing else to show: kept
 
 
+def test_a_multi_process_failure_reason_ends_with_the_ranks_error_not_torchelastics_table():
+    # Of a 2-process script's `raise RuntimeError("boom")`, the reason held only torchelastic's lines.
+    ranks = ['[default0]:[rank0]: Traceback (most recent call last):', '[default0]:[rank0]:     raise RuntimeError("boom")',
+             "[default0]:[rank0]: RuntimeError: boom",
+             "E1130 00:41:19.006000 15646 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0"]
+    launcher = ["Traceback (most recent call last):", '  File ".../torch/distributed/launcher/api.py", line 383, in launch_agent',
+                "    raise ChildFailedError(", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ", "=" * 60,
+                "boom.py FAILED", "-" * 60, "Failures:", "  <NO_OTHER_FAILURES>", "Root Cause (first observed failure):", "[0]:",
+                "  rank      : 0 (local_rank: 0)", "  exitcode  : 1 (pid: 15650)", "=" * 60]
+    assert without_launcher_traceback(ranks + launcher) == ranks
+
+
 def test_a_best_checkpoint_ranked_by_a_metric_never_logged_is_said_with_what_was_logged():
     policy = CheckpointConfig(keep_best=True, best_metric="val/acc", best_mode="max")
     assert unranked_best_note(policy, {"loss", "val/accuracy"}) == (
