@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from api_schemas import AttemptStatus
+from workers.job_paths import handover_directory
 
 FINISHED_RETENTION_SECONDS = 600.0  # succeeded, cancelled, preempted: everything of it is stored
 
@@ -51,7 +52,9 @@ class EndedAttempts:
 
 
 def remove_attempt_dir(run_dir: Path) -> None:
-    """The attempt's directory, or the warm slot it links to and the link; its job's directory too once empty."""
+    """The attempt's directory, or the warm slot it links to and the link; what the worker took out
+    of it (workers/job_paths.py); its job's directory too once empty."""
+    shutil.rmtree(handover_directory(run_dir), ignore_errors=True)
     if run_dir.is_symlink():
         slot = run_dir.resolve().parent  # <slot>/run
         run_dir.unlink(missing_ok=True)

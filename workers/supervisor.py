@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -46,6 +47,7 @@ from api_schemas.worker_protocol import EXIT_PREEMPTED, CheckpointEvent, Invalid
 from common.settings import Settings
 from workers.attempt_dirs import EndedAttempts
 from workers.environments import Environment, EnvironmentCache, EnvironmentFailed
+from workers.job_paths import NotTheJobs, copy_out, take_out
 from workers.host_client import HostClient, NotOurs, ServiceError, ServiceRefused, ServiceUnreachable
 from workers.launch import (
     EVENTS_FILE_NAME, SPEC_FILE_NAME, attempt_dir, enter_job_env, launch_command, process_threads, training_environment, working_dir,
@@ -75,6 +77,7 @@ INGEST_WAIT_SECONDS = 1.0
 # past a 30 s lease). A batch a fifth of what the API takes in one report is stored in ~0.5 s: a full
 # one took 2-3.5 s, and 8 s on a slower, busier host, where a renewal came 16.8 s after the last.
 LINES_PER_BATCH = MAX_LINES_PER_REPORT // 5
+LINE_CHARS_PER_BATCH = 100_000  # a report's lines, at most: ≤ 600 KB however they are escaped, under the API's 1 MB
 POINTS_PER_BATCH = MAX_POINTS_PER_REPORT // 5
 DELIVERY_SECONDS = 1.0
 # Between heartbeats, what is new (a step's metrics, a checkpoint, lines) is forwarded at once, at
@@ -144,6 +147,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+EVENTS_READ_BYTES = 16 * 2**20  # the most of the events file read at once
+
+
 class EventTail:
     """Reads the events appended to the training loop's events file since the last read."""
 
@@ -152,11 +158,20 @@ class EventTail:
         self.skipped = 0  # lines that are no event: the file is the job's to write, whatever it writes
 
     def read(self) -> list[MetricsEvent | CheckpointEvent | InvalidSpecEvent]:
-        try:  # not through a link: the file is the job's, and this process may read more than it
-            with open(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        # Not through a link (the file is the job's, and this process may read more than it), nor a
+        # FIFO's open (it blocked this thread for good, the host's slot with it), and a bounded
+        # read: a sparse file of gigabytes with no newline was read whole, every round.
+        try:
+            with open(os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                    return []
                 f.seek(self.offset)
-                data = f.read()
+                data = f.read(EVENTS_READ_BYTES)
         except OSError:
+            return []
+        if len(data) == EVENTS_READ_BYTES and b"\n" not in data:  # a line no event is ever this long
+            self.offset += len(data)
+            self.skipped += 1
             return []
         try:
             events, used = decode_events(data)  # a half-written last line waits for the next read
@@ -253,8 +268,16 @@ class Outbox:
         self.logs.append((next(self.line_numbers), rank, line))
         self.log_chars += len(line)
 
-    def next_lines(self, count: int) -> list[tuple[int, int | None, str]]:
-        return self.logs[:count]
+    def next_lines(self, count: int, chars: int = LINE_CHARS_PER_BATCH) -> list[tuple[int, int | None, str]]:
+        """The first lines to report: at most `count`, and as many as fit in `chars` (at least one),
+        so a report stays under the API's request size (1,000 lines of 4,000 characters were
+        refused with 413, and sent again, for ever)."""
+        taken = 0
+        for taken, (_, _, line) in enumerate(self.logs[:count], start=1):
+            chars -= len(line)
+            if chars < 0 and taken > 1:
+                return self.logs[:taken - 1]
+        return self.logs[:taken]
 
     def drop_lines(self, count: int) -> None:
         """The first `count` lines are stored."""
@@ -689,7 +712,16 @@ class AttemptRunner:
 
     def _take_in(self, claimed: ClaimedAttempt, outbox: Outbox, timeout: float | None) -> None:
         outbox.checkpoints.take_in(self.ingest, partial(self.store.checkpoint, claimed), CorruptCheckpoint, timeout)
-        outbox.outputs.take_in(self.ingest, partial(self.store.output, claimed), (OSError, CorruptCheckpoint), timeout)
+        outbox.outputs.take_in(self.ingest, partial(self._take_output, claimed), (OSError, CorruptCheckpoint), timeout)
+
+    def _take_output(self, claimed: ClaimedAttempt, source: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
+        """An output copied out of the job's reach (no link followed, at most the attempt's disk
+        limit: a sparse file is copied whole), then that copy into the store."""
+        copy = copy_out(self._run_dir(claimed), source, int(self.settings.max_attempt_disk_gb * 2**30))
+        try:
+            return self.store.output(claimed, copy, name, step)
+        finally:
+            shutil.rmtree(copy.parent, ignore_errors=True)
 
     def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox, report: bool = True) -> float:
         """Send the outbox's metrics and lines in bounded reports for up to DELIVERY_SECONDS (what a
@@ -899,17 +931,26 @@ class RunningAttempt:
                     self.logged.update(event.values)
                 if self.loss_watch is not None and (spike := self.loss_watch.metrics(event.step, event.values)):
                     self._roll_back(spike)
-            # The worker deletes a checkpoint once stored: it takes none from outside the attempt.
-            elif (path := event.path.resolve()).is_relative_to(self.run_dir):
-                folder = self._store_folder(event.step, path)
-                self.outbox.checkpoints.items.append((path, event.step, folder))
+            # The worker deletes a checkpoint once stored: it takes none from outside the attempt, and
+            # moves it out of the job's reach before anything else (workers/job_paths.py).
+            elif (handed := self._take_checkpoint(event.path)) is not None:
+                folder = self._store_folder(event.step, event.path)
+                self.outbox.checkpoints.items.append((handed, event.step, folder))
                 self.checkpoints_taken += 1
                 if self.loss_watch is not None:
                     self.loss_watch.checkpoint(folder)
                 if self.spec.script is not None and self.spec.script.outputs_at_checkpoints:
                     self._collect_outputs()
-            else:
-                log.warning("job %s: checkpoint %s is outside the attempt's directory %s; not stored", self.claimed.job_id, path, self.run_dir)
+
+    def _take_checkpoint(self, path: Path) -> Path | None:
+        """The checkpoint directory moved out of the job's reach; None (the job's logs say why) if
+        it is not a directory of the attempt's reached without a link."""
+        try:
+            return take_out(self.run_dir, path)
+        except NotTheJobs as exc:
+            log.warning("job %s: checkpoint not stored: %s", self.claimed.job_id, exc)
+            self.outbox.add_line(None, f"trainyard: checkpoint not stored: {exc}")
+            return None
 
     def _roll_back(self, spike: Spike) -> None:
         """The watched loop's loss spiked: kill it (what it would save now is suspect); the job goes on
@@ -932,10 +973,13 @@ class RunningAttempt:
         return False
 
     def _recordable_name(self, name: str) -> bool:
-        if len(name) <= MAX_METRIC_NAME_CHARS:
-            return True
-        self._note_once(f"name {name}", f"trainyard: metric {name[:80]!r}… has a name longer than {MAX_METRIC_NAME_CHARS} characters; not recorded")
-        return False
+        if len(name) > MAX_METRIC_NAME_CHARS:
+            self._note_once(f"name {name}", f"trainyard: metric {name[:80]!r}… has a name longer than {MAX_METRIC_NAME_CHARS} characters; not recorded")
+            return False
+        if not name.isprintable():  # a NUL: PostgreSQL refuses it, and the whole report with it, every time it is sent
+            self._note_once(f"name {name}", f"trainyard: metric {name!r} has a control character in its name; not recorded")
+            return False
+        return True
 
     def _note_unranked_best(self) -> None:
         """Said once its processes have ended: a script or custom loop that checkpointed but never
@@ -969,13 +1013,13 @@ class RunningAttempt:
         working directory through a symbolic link, is skipped, and the job's logs say so."""
         if self.spec.script is None or self.claimed.node_rank != 0:
             return
-        cwd = working_dir(self.spec, self.run_dir).resolve()
+        cwd = working_dir(self.spec, self.run_dir)
         for name in self.spec.script.outputs:
-            source = cwd / name
-            if source.is_dir() and source.resolve() == source:
+            source = cwd / name  # copied out without following a link (AttemptRunner._take_output)
+            if source.is_dir() and not source.is_symlink():
                 self.outbox.outputs.items.append((source, name, self.step))
             else:
-                why = "a symbolic link" if source.resolve() != source else "no such directory"
+                why = "a symbolic link" if source.exists() else "no such directory"
                 line = f"trainyard: output {name!r} not collected: {why} in the working directory"
                 self.outbox.add_line(None, line)
 

@@ -65,3 +65,15 @@ def test_a_best_checkpoint_ranked_by_a_metric_never_logged_is_said_with_what_was
     assert unranked_best_note(policy, {"val/acc"}) is None
     assert unranked_best_note(CheckpointConfig(), set()) is None  # no keep_best: nothing to rank
     assert unranked_best_note(CheckpointConfig(keep_best=True), set()).endswith("it logged: none)")
+
+
+def test_a_reports_lines_fit_the_apis_request_size():
+    # 1,000 lines of 4,000 characters were one report: 413 from the API, sent again, for ever.
+    from workers.supervisor import LINE_CHARS_PER_BATCH, LINES_PER_BATCH
+
+    outbox = Outbox()
+    for seq in range(1000):
+        outbox.add_line(seq, "é" * MAX_LOG_LINE)
+    lines = outbox.next_lines(LINES_PER_BATCH)
+    assert 0 < len(lines) and sum(len(line) for _, _, line in lines) <= LINE_CHARS_PER_BATCH
+    assert len(outbox.next_lines(LINES_PER_BATCH, chars=10)) == 1  # a line longer than the budget still goes, alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 from pathlib import Path
 
@@ -62,3 +63,24 @@ def test_the_supervisor_skips_lines_of_the_events_file_that_are_no_event(tmp_pat
     with open(path, "a") as f:  # the half-written line completes, as an event after all
         f.write('rics", "step": 3, "values": {"loss": 1.0}}\n')
     assert tail.read() == [MetricsEvent(step=3, values={"loss": 1.0})] and tail.skipped == 2
+
+
+def test_an_events_file_made_a_fifo_or_a_sparse_giant_neither_blocks_nor_fills_the_worker(tmp_path: Path):
+    # A hostile script: the events file replaced by a FIFO wedged the worker's thread (its open
+    # blocked), and the host's slot with it; one truncated to 3 GB without a newline was read whole,
+    # every round (3 GB of the worker's memory).
+    from workers.supervisor import EVENTS_READ_BYTES, EventTail
+
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    assert EventTail(fifo).read() == []
+    sparse = tmp_path / "sparse.jsonl"
+    with open(sparse, "wb") as file:
+        file.truncate(3 * EVENTS_READ_BYTES)
+    tail = EventTail(sparse)
+    for _ in range(3):
+        assert tail.read() == []
+    assert tail.offset == 3 * EVENTS_READ_BYTES and tail.skipped == 3
+    with open(sparse, "ab") as file:  # what comes after is read as ever
+        file.write(encode_event(MetricsEvent(step=1, values={"loss": 1.0})).encode())
+    assert [event.step for event in tail.read()] == [1]
