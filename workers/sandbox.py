@@ -229,7 +229,15 @@ def _system_view() -> list[str]:
             args += ["--ro-bind", link, link]
     for path in _system_roots():
         args += [*_parents(path), "--ro-bind", str(path), str(path)]
-    return args
+    return args + linked_prefix_binds(sys.prefix)
+
+
+def linked_prefix_binds(prefix: str) -> list[str]:
+    """The Python installation at the path it was started by, where that is a link (a clone's
+    `.venv` linked to another's): the binds above are of real paths, and every script job failed
+    with `setpriv: failed to execute …/.venv/bin/python: No such file or directory`."""
+    named, real = Path(os.path.abspath(prefix)), Path(os.path.realpath(prefix))
+    return [] if named == real else [*_parents(named), "--ro-bind", str(real), str(named)]
 
 
 def _parents(path: Path) -> list[str]:

@@ -47,3 +47,28 @@ def test_a_host_without_bwrap_refuses_user_code_unless_the_operator_opted_out():
     assert "no sandbox" in missing.refusal(with_packages)  # packages are code too
     assert HostSandbox(tool=None, unsafe=True, limits=None).refusal(script) is None
     assert "unsafe-no-sandbox" in HostSandbox(tool="/usr/bin/bwrap", unsafe=True, limits=None).describe()
+
+
+def test_a_python_installation_reached_through_a_link_starts_in_the_sandbox(tmp_path: Path, monkeypatch):
+    # A clone whose `.venv` links to another's: the binds were of the real path only, and every
+    # script job failed with "setpriv: failed to execute …/.venv/bin/python: No such file or directory".
+    import shutil
+    import subprocess
+    import sys
+
+    from workers import sandbox
+
+    if shutil.which("bwrap") is None:
+        return  # the sandbox's own tests (tests/e2e/test_sandbox.py) say bwrap is needed
+    linked = tmp_path / "clone" / ".venv"
+    linked.parent.mkdir()
+    linked.symlink_to(sys.prefix)
+    monkeypatch.setattr(sandbox.sys, "prefix", str(linked))
+    assert sandbox.linked_prefix_binds(str(linked))[-3:] == ["--ro-bind", str(Path(sys.prefix).resolve()), str(linked)]
+    python = linked / "bin" / Path(sys.executable).name
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    command = sandbox_command([str(python), "-c", "import sys; print(sys.prefix)"], run_dir, AttemptView(run_dir, (), (), host_network=False))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(linked)
