@@ -25,6 +25,7 @@ from service.db.outputs import record_output
 from service.db.session import session_factory
 from common.settings import Settings
 from tests.helpers import auth, start_job, tiny_spec
+from workers.job_paths import handover_directory
 from workers.launch import EVENTS_FILE_NAME
 from workers.supervisor import FinalReason, RunningAttempt
 
@@ -101,10 +102,13 @@ def test_a_checkpoint_is_progress_to_the_stall_watch_and_collects_the_outputs_wh
     before = attempt.stall.last_progress
     time.sleep(0.01)
     checkpoint = attempt.run_dir / "code" / "step_50"
+    checkpoint.mkdir(parents=True)
     (attempt.run_dir / EVENTS_FILE_NAME).write_text(encode_event(CheckpointEvent(step=50, path=checkpoint)))
     attempt._take_events()
     assert attempt.stall.last_progress > before
-    assert [(step, path.name) for path, step, _ in attempt.outbox.checkpoints.items] == [(50, "step_50")]
+    # Moved out of the job's reach at once (workers/job_paths.py), under the folder name it was saved as.
+    [(handed, step, folder)] = attempt.outbox.checkpoints.items
+    assert step == 50 and folder.endswith("/step_50") and handed.parent == handover_directory(attempt.run_dir) and not checkpoint.exists()
     assert attempt.outbox.outputs.items == [(attempt.run_dir / "code" / "out", "out", 50)]
     [(_, rank, line)] = attempt.outbox.logs
     assert rank is None and line == "trainyard: output 'never-written' not collected: no such directory in the working directory"
