@@ -146,9 +146,9 @@ async def simulated_host(client: aiohttp.ClientSession, name: str, token: str, a
         await post(f"/attempts/{attempt_id}/claim", {"lease_owner": owner, "rendezvous": "127.0.0.1:1"})
     now = time.monotonic()
     step, pending, renewed_at, paced = 0, [], now, False
-    # Renewals and heartbeats as a worker times them: the first anywhere within the period.
+    # Renewals and heartbeats as a worker times them: an attempt's first renewal anywhere within the period.
     next_step, next_report = now, now
-    next_renew, next_heartbeat = now + heartbeat_pause(HEARTBEAT_SECONDS, first=True), now + heartbeat_pause(idle_heartbeat, first=True)
+    next_renew, next_heartbeat = now + heartbeat_pause(HEARTBEAT_SECONDS, first=True), now + idle_heartbeat
     while (now := time.monotonic()) < stop_at:
         if attempt_id is not None:
             while next_step <= now:

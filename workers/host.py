@@ -118,13 +118,15 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     idle_heartbeat = terms.idle_heartbeat_seconds or settings.heartbeat_seconds
 
     def heartbeat() -> None:
-        wait = heartbeat_pause(settings.heartbeat_seconds, first=True)
+        wait = settings.heartbeat_seconds  # (a random first wait made a short-lived stack's worker beat as it left)
         while not stop.wait(wait):
             runner.ended_attempts.sweep()
             wait = heartbeat_pause(settings.heartbeat_seconds)  # also after a heartbeat that failed: tried again, not at once
             if (due_in := idle_heartbeat - service.silent_for()) > 0:
                 wait = min(wait, due_in)
                 continue  # heard lately: a heartbeat, or an attempt's lease renewal, which the service takes for one
+            if stop.is_set():  # leaving meanwhile (the sweep above can take a while): deregistered, not beating
+                break
             try:
                 if not service.heartbeat() and not stop.is_set():  # taken out of the pool meanwhile (e.g. the service's database restored)
                     service.register(registration)
