@@ -93,8 +93,8 @@ MAX_PENDING_LOG_CHARS = 32 * 2**20
 DISK_WATCH_SECONDS = 2.0
 OUT_OF_REACH_NOTE_SECONDS = 60.0  # while the service is out of reach, an attempt's log says so this often
 CPU_HELD_BACK_NOTED = 0.2  # the share of its time a job is held to its cores before its logs say so
-# Each heartbeat (a lease renewal, an idle host's) comes a random part of this share of the period
-# early; the first one anywhere within the period (heartbeat_pause).
+# Each heartbeat (a lease renewal, an idle host's after its first) comes a random part of this share
+# of the period early; an attempt's first renewal anywhere within the period (heartbeat_pause).
 HEARTBEAT_JITTER = 0.2
 # How long a run that reported its last step is let finish (its last checkpoint, its exit) before a
 # cancel or preemption stops it all the same.

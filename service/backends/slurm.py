@@ -58,8 +58,8 @@ DESCRIBE_RETRY_SECONDS = 30  # after a failed description (sinfo refused, the co
 # A batch job asks Slurm for this much more than the job's runtime limit: Trainyard's supervisor
 # stops it first, and says why.
 RUNTIME_MARGIN_MINUTES = 5
-REAP_AFTER_SECONDS = 30.0
-REPEAT_FAILURE_SECONDS = 60.0  # the same failure to read the queue is logged again this often  # an allocation left running this long after all its attempts ended is cancelled
+REAP_AFTER_SECONDS = 30.0  # an allocation left running this long after all its attempts ended is cancelled
+REPEAT_FAILURE_SECONDS = 60.0  # the same failure to read the queue is logged again this often
 
 
 def slurm_client(settings: Settings) -> SlurmCommands | SlurmRest:
@@ -170,10 +170,10 @@ class SlurmBackend:
         """The try's batch job; `max_minutes`: the partition's time limit, if it has one."""
         s, resources = self.settings, spec.resources
         hours = resources.max_runtime_hours or s.max_runtime_hours
-        if (limit := max_minutes) is not None and hours * 60 + RUNTIME_MARGIN_MINUTES > limit:
+        if max_minutes is not None and hours * 60 + RUNTIME_MARGIN_MINUTES > max_minutes:
             # A partition with a time limit (MaxTime) keeps a job that asks for more pending for
             # ever: there, the job's limit is the partition's, less the margin.
-            hours = max(limit - RUNTIME_MARGIN_MINUTES, limit / 2) / 60
+            hours = max(max_minutes - RUNTIME_MARGIN_MINUTES, max_minutes / 2) / 60
         environment = {
             # Only what a worker host is given: the API and the try's token, the shared paths, the
             # service's timing (which a registered host learns as it registers).
