@@ -83,12 +83,19 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
     # Stopped while it starts, the host leaves the pool, as Celery's worker has it do once up
     # (shutting_down, below; it takes SIGTERM and SIGINT over then). Else its name stays taken: jobs
     # are placed on it, and a worker started again under it is refused (409) until the host times out.
+    # It ends the process itself: a SystemExit raised where the signal lands inside a weakref
+    # callback is swallowed, and Celery then started a host already deregistered, whose heartbeat
+    # (404) registered it again as it left.
+    stop = threading.Event()
+
     def stopped_while_starting(signum: int, _frame) -> None:
+        stop.set()
         service.deregister_apart()
         if warm is not None:
             warm.close()
         open_control_plane()
-        raise SystemExit(128 + signum)
+        logging.shutdown()
+        os._exit(128 + signum)
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stopped_while_starting)
@@ -110,8 +117,6 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         register(service, registration)  # again, with that said, for GET /v1/workers
     (log.info if sandbox.enabled else log.warning)("host %s sandbox: %s", host_name, info["sandbox"])
     log.info("host %s registered with %s × %s at %s", host_name, slots, device, settings.api_url)
-
-    stop = threading.Event()
 
     # Idle, a host says it is alive less often than it renews leases (the service says how often):
     # 1,000 idle hosts' heartbeats are most of what such a fleet asks of the API.

@@ -9,6 +9,7 @@ placed on that host at once never started (seen in tests/e2e/test_multihost_netn
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -161,6 +162,7 @@ def test_a_worker_stopped_as_it_starts_leaves_the_pool_and_starts_again_under_it
             assert worker.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.01)
         stop_children([worker])
+        assert worker.returncode == 128 + signal.SIGTERM, log_path.read_text()  # ended by its own hand, not killed late
         assert not rows(database, "SELECT name FROM worker_hosts WHERE name = 'node-1'"), "the stopped host is still in the pool"
 
         before = len(log_path.read_text())
