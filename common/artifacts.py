@@ -100,12 +100,22 @@ class ArtifactStore:
         outputs, as `name` beside a manifest.json of its files. Returns (relative path of that
         folder, sha256 of its manifest, total size, number of files). Only directories and regular
         files are copied: a symbolic link may name any file of the worker host, a FIFO would block."""
+        return self._output_in(job_id, step, lambda staging: shutil.copytree(source, staging / name, ignore=links_and_special_files))
+
+    def hand_over_output(self, folder: Path, job_id: int, step: int | None) -> tuple[str, str, int, int]:
+        """Take in an output its writer hands over: `folder` holds it under its name and nothing
+        else, only directories and regular files (the worker's copy of what a job wrote). Moved
+        in (copied if on another filesystem). Returns what ingest_output does."""
+        return self._output_in(job_id, step, lambda staging: _move_or_copy(folder, staging))
+
+    def _output_in(self, job_id: int, step: int | None, fill: Callable[[Path], object]) -> tuple[str, str, int, int]:
+        """A new folder under the job's outputs: `fill`ed at a staging path, given a manifest, renamed into place."""
         relative = f"jobs/{job_id}/outputs/{uuid.uuid4().hex}"
         final = self.path(relative)
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = final.parent / f".tmp-{uuid.uuid4().hex}"
         try:
-            shutil.copytree(source, staging / name, ignore=links_and_special_files)
+            fill(staging)
             manifest = write_manifest(staging, step)
             os.replace(staging, final)
         except BaseException:

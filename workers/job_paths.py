@@ -55,21 +55,22 @@ def take_out(run_dir: Path, path: Path) -> Path:
     return target
 
 
-def copy_out(run_dir: Path, path: Path, max_bytes: int) -> Path:
-    """Copy the directory `path` (inside `run_dir`) as it is now into the handover directory:
-    directories and regular files only, no link followed, at most `max_bytes`; the copy's path."""
+def copy_out(run_dir: Path, path: Path, name: str, max_bytes: int) -> Path:
+    """Copy the directory `path` (inside `run_dir`) as it is now into the handover directory, as
+    `name` in a new folder of its own: directories and regular files only, no link followed, at
+    most `max_bytes`. Returns that folder (the store takes it in whole: the only copy made)."""
     source = _open_beneath(run_dir, _relative(run_dir, path))
     into = handover_directory(run_dir)
     into.mkdir(mode=0o700, exist_ok=True)
-    copy = into / uuid.uuid4().hex / path.name
+    folder = into / uuid.uuid4().hex
     try:
-        _copy(source, copy, [max_bytes])
+        _copy(source, folder / name, [max_bytes])
     except BaseException:
-        shutil.rmtree(copy.parent, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
         raise
     finally:
         os.close(source)
-    return copy
+    return folder
 
 
 def _relative(run_dir: Path, path: Path) -> Path:
@@ -98,7 +99,7 @@ def _open_beneath(run_dir: Path, relative: Path) -> int:
 
 
 def _copy(source: int, destination: Path, budget: list[int]) -> None:
-    destination.mkdir(mode=0o700, parents=True)
+    destination.mkdir(mode=0o700, parents=True)  # (parents: an output's name may have several parts)
     with os.scandir(source) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):

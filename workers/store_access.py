@@ -26,7 +26,7 @@ from pathlib import Path, PurePosixPath
 from api_schemas import JobSpec
 from api_schemas.host_api import MAX_UPLOAD_PART_BYTES, CheckpointSeal, ClaimedAttempt, OutputSeal
 from api_schemas.manifest import MANIFEST_FILE, CorruptCheckpoint, checkpoint_name, sha256_file, write_manifest
-from common.artifacts import ArtifactStore, links_and_special_files
+from common.artifacts import ArtifactStore
 from workers.host_client import HostClient, ServiceRefused, ServiceUnreachable
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,9 @@ class SharedStore:
     def checkpoint(self, claimed: ClaimedAttempt, source: Path, step: int, folder: str | None) -> tuple[str, str, int]:
         return self.store.ingest_checkpoint(source, claimed.job_id, step, folder)
 
-    def output(self, claimed: ClaimedAttempt, source: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
-        return self.store.ingest_output(source, claimed.job_id, name, step)
+    def output(self, claimed: ClaimedAttempt, folder: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
+        """`folder`: the worker's own copy of the output (workers/job_paths.py copy_out), holding it as `name`."""
+        return self.store.hand_over_output(folder, claimed.job_id, step)
 
     def release(self, claimed: ClaimedAttempt) -> None:
         pass
@@ -106,15 +107,11 @@ class StoreThroughApi:
         stored = self._send(claimed, source, CheckpointSeal(lease_owner=claimed.lease_owner, step=step, folder=folder or checkpoint_name(step)))
         return stored.path, stored.sha256, stored.size
 
-    def output(self, claimed: ClaimedAttempt, source: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
-        """Copy the output as it is now beside a manifest of its files (as the store would), send it, have it sealed."""
-        ready = self.scratch / f"output-{uuid.uuid4().hex}"
-        try:
-            shutil.copytree(source, ready / name, ignore=links_and_special_files)
-            write_manifest(ready, step)
-            stored = self._send(claimed, ready, OutputSeal(lease_owner=claimed.lease_owner, name=name, step=step))
-        finally:
-            shutil.rmtree(ready, ignore_errors=True)
+    def output(self, claimed: ClaimedAttempt, folder: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
+        """`folder`: the worker's own copy of the output, holding it as `name`: a manifest of its
+        files written beside it (as the store would), sent, sealed."""
+        write_manifest(folder, step)
+        stored = self._send(claimed, folder, OutputSeal(lease_owner=claimed.lease_owner, name=name, step=step))
         return stored.path, stored.sha256, stored.size, stored.files
 
     def release(self, claimed: ClaimedAttempt) -> None:

@@ -716,12 +716,12 @@ class AttemptRunner:
 
     def _take_output(self, claimed: ClaimedAttempt, source: Path, name: str, step: int | None) -> tuple[str, str, int, int]:
         """An output copied out of the job's reach (no link followed, at most the attempt's disk
-        limit: a sparse file is copied whole), then that copy into the store."""
-        copy = copy_out(self._run_dir(claimed), source, int(self.settings.max_attempt_disk_gb * 2**30))
+        limit: a sparse file is copied whole), then that copy handed to the store (moved in, or sent)."""
+        folder = copy_out(self._run_dir(claimed), source, name, int(self.settings.max_attempt_disk_gb * 2**30))
         try:
-            return self.store.output(claimed, copy, name, step)
+            return self.store.output(claimed, folder, name, step)
         finally:
-            shutil.rmtree(copy.parent, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)  # gone already if moved in
 
     def _deliver(self, claimed: ClaimedAttempt, outbox: Outbox, report: bool = True) -> float:
         """Send the outbox's metrics and lines in bounded reports for up to DELIVERY_SECONDS (what a

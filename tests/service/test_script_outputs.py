@@ -25,7 +25,7 @@ from service.db.outputs import record_output
 from service.db.session import session_factory
 from common.settings import Settings
 from tests.helpers import auth, start_job, tiny_spec
-from workers.job_paths import handover_directory
+from workers.job_paths import copy_out, handover_directory
 from workers.launch import EVENTS_FILE_NAME
 from workers.supervisor import FinalReason, RunningAttempt
 
@@ -56,6 +56,21 @@ def test_an_output_is_stored_beside_its_manifest_without_links_or_special_files(
     assert (size, files) == (100 + len("the script's own file of that name"), 2)
     assert not (stored / "out" / "passwd").exists() and not (stored / "out" / "pipe").exists()
     assert source.is_dir()  # the script's directory is copied, not taken
+
+
+def test_the_workers_copy_of_an_output_is_moved_in_as_its_only_copy(tmp_path):
+    """The worker copies an output out of the job's reach once; the store takes that copy whole (a
+    rename on its filesystem), under a name of several parts as the spec gives it."""
+    run_dir = tmp_path / "attempt"
+    source = write_output(run_dir / "code" / "results" / "final", b"w" * 100)
+    folder = copy_out(run_dir, source, "results/final", max_bytes=2**20)
+    inode = (folder / "results" / "final" / "model.safetensors").stat().st_ino
+    store = ArtifactStore(tmp_path / "store")
+    relative, sha256, size, files = store.hand_over_output(folder, job_id=7, step=40)
+    stored = store.path(relative)
+    assert sorted(verify_manifest(stored)["files"]) == ["results/final/model.safetensors", f"results/final/sub/{MANIFEST_FILE}"]
+    assert (stored / "results" / "final" / "model.safetensors").stat().st_ino == inode  # moved, not copied again
+    assert not folder.exists() and source.is_dir()
 
 
 def test_the_latest_collection_replaces_the_one_before_and_downloads_whole_to_its_owner_only(api, tokens, settings, tmp_path):

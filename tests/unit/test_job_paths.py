@@ -76,20 +76,20 @@ def test_an_output_is_copied_without_following_any_link_or_opening_a_fifo(run_di
     os.symlink(victim, out / "stolen")  # a link inside: left out
     os.symlink(victim / "model.safetensors", out / "stolen.safetensors")
     os.mkfifo(out / "fifo")  # would block an open
-    copy = copy_out(run_dir, out, max_bytes=2**20)
-    assert copy.is_relative_to(handover_directory(run_dir))
-    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*")) == ["result.txt", "sub", "sub/more.txt"]
+    folder = copy_out(run_dir, out, "out", max_bytes=2**20)
+    assert folder.is_relative_to(handover_directory(run_dir))
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == ["out", "out/result.txt", "out/sub", "out/sub/more.txt"]
     # The output itself a link (to the victim's directory, to a root-only one): not copied.
     shutil.rmtree(out)
     os.symlink(victim.parent, out)
     with pytest.raises(NotTheJobs):
-        copy_out(run_dir, out, max_bytes=2**20)
+        copy_out(run_dir, out, "out", max_bytes=2**20)
     # A directory above it a link: not followed either.
     os.unlink(out)
     os.rename(run_dir / "code", run_dir / "code.old")
     os.symlink(victim.parent.parent, run_dir / "code")
     with pytest.raises(NotTheJobs):
-        copy_out(run_dir, run_dir / "code" / "checkpoints", max_bytes=2**20)
+        copy_out(run_dir, run_dir / "code" / "checkpoints", "checkpoints", max_bytes=2**20)
 
 
 def test_a_sparse_output_is_counted_whole_and_refused_past_the_budget(run_dir):
@@ -98,5 +98,5 @@ def test_a_sparse_output_is_counted_whole_and_refused_past_the_budget(run_dir):
     with open(out / "sparse.bin", "wb") as file:
         file.truncate(2**30)  # a gigabyte of nothing on disk: real bytes in the store
     with pytest.raises(OverBudget, match="sparse files counted whole"):
-        copy_out(run_dir, out, max_bytes=2**20)
+        copy_out(run_dir, out, "out", max_bytes=2**20)
     assert not any(handover_directory(run_dir).rglob("sparse.bin"))  # what was copied is gone
