@@ -22,7 +22,8 @@ from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
 from trainyard.client import Client
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
-from workers.supervisor import EventTail, free_port
+from workers.outbox import EventTail
+from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

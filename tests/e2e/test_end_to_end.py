@@ -26,7 +26,8 @@ from stack.embedded import embedded_stack
 from tests.training.support import CORPUS
 from trainyard.cli import main
 from tests.helpers import classifier_spec, guarded_classifier_spec, tiny_spec, write_labelled_jsonl, write_poisoned_labels
-from workers.supervisor import EventTail, free_port
+from workers.outbox import EventTail
+from workers.supervisor import free_port
 from workers.training import eval_dataloader, evaluate, load_model, load_text_corpus
 
 pytestmark = pytest.mark.timeout(300)

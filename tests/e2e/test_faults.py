@@ -20,7 +20,8 @@ from stack.embedded import embedded_stack
 from tests.e2e.test_end_to_end import final_weights, wait_for, wait_for_checkpoint, wait_for_event
 from tests.helpers import small_spec, tiny_spec
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
-from workers.supervisor import EventTail, free_port
+from workers.outbox import EventTail
+from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
 

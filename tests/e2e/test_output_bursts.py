@@ -7,7 +7,6 @@ the worker wedged), and a million points delayed the lease past its end."""
 
 from __future__ import annotations
 
-import json
 import textwrap
 
 import httpx

@@ -20,7 +20,8 @@ from tests.e2e.test_faults import signal_ranks, training_ranks
 from tests.helpers import tiny_spec
 from tests.private_services import PostgresCluster, RedisServer, why_no_private_postgres, why_no_private_redis
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
-from workers.supervisor import EventTail, free_port
+from workers.outbox import EventTail
+from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -22,7 +22,7 @@ from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.e2e.test_scripts import run, stack, training_processes, upload_code  # noqa: F401 (stack: the module's fixture)
 from trainyard.cli import main
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
-from workers.supervisor import EventTail
+from workers.outbox import EventTail
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -25,7 +25,8 @@ from tests.e2e.test_end_to_end import wait_for, wait_for_event
 from tests.helpers import tiny_spec
 from trainyard.cli import main
 from workers.launch import EVENTS_FILE_NAME, attempt_dir
-from workers.supervisor import EventTail, free_port
+from workers.outbox import EventTail
+from workers.supervisor import free_port
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -35,6 +35,7 @@ from service.scheduler import queue_order, schedule_pass
 from common.settings import Settings
 from tests.helpers import busy_slots_by_host, directory_on_another_filesystem, host_client, job_spec
 from workers import supervisor
+from workers.outbox import Outbox, Transfers
 from workers.supervisor import AttemptRunner
 
 
@@ -872,7 +873,7 @@ def test_a_checkpoint_is_listed_only_after_the_steps_it_covers_are_reported_even
     (source / "state").mkdir(parents=True)
     (source / MODEL_FILE).write_bytes(b"weights")
     write_manifest(source, 10)
-    outbox = supervisor.Outbox(metrics=[(step, "train_loss", 1.0 / step) for step in range(1, 11)], checkpoints=supervisor.Transfers([(source, 10, "step-00000010")]))
+    outbox = Outbox(metrics=[(step, "train_loss", 1.0 / step) for step in range(1, 11)], checkpoints=Transfers([(source, 10, "step-00000010")]))
 
     assert runner._sync(claimed, outbox, report=False).lease.held
     assert sent == ["report", "checkpoints"] and outbox.empty()
@@ -887,7 +888,7 @@ def test_a_checkpoint_is_listed_only_after_the_steps_it_covers_are_reported_even
 def test_a_checkpoint_asks_for_a_forward_at_once_to_start_its_take_and_to_be_listed_not_while_it_is_copied():
     # Between heartbeats a paced host forwards nothing but a checkpoint: at once, whatever the pacing,
     # yet not on every round of a copy that takes minutes (each forward would be a report).
-    copying, transfers = threading.Event(), supervisor.Transfers([("step-10", 10, "step-00000010")])
+    copying, transfers = threading.Event(), Transfers([("step-10", 10, "step-00000010")])
     assert transfers.ready()  # its take is to be started
     with ThreadPoolExecutor(1) as pool:
         transfers.take_in(pool, lambda *_: copying.wait(30) and ("path", "sha", 1), OSError, timeout=0)
@@ -913,7 +914,7 @@ def test_the_lease_is_renewed_while_a_checkpoint_is_still_being_copied_into_the_
         (source / "state").mkdir(parents=True)
         (source / MODEL_FILE).write_bytes(os.urandom(64 << 20))
         write_manifest(source, 10)
-        outbox = supervisor.Outbox(checkpoints=supervisor.Transfers([(source, 10, "step-00000010")]))
+        outbox = Outbox(checkpoints=Transfers([(source, 10, "step-00000010")]))
         with sessions() as session:
             renewed_before = session.get(Attempt, claimed.attempt_id).lease_expires_at
         time.sleep(0.01)

@@ -25,7 +25,8 @@ from service.scheduler import schedule_pass
 from tests.helpers import auth, job_spec
 from workers.host import check_shared_directories
 from workers.host_client import HostClient, NotOurs, ServiceRefused
-from workers.supervisor import AttemptRunner, Outbox
+from workers.outbox import Outbox
+from workers.supervisor import AttemptRunner
 
 REGISTRATION = HostRegistration(device="cpu", slots=1, address="127.0.0.1")
 

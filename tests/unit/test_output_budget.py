@@ -5,7 +5,8 @@ the user's error, not the launcher's traceback; a best checkpoint that can't be 
 from __future__ import annotations
 
 from api_schemas import CheckpointConfig
-from workers.supervisor import MAX_LOG_LINE, MAX_PENDING_LOG_CHARS, DroppedLines, Outbox, unranked_best_note, without_launcher_traceback
+from workers.outbox import MAX_LOG_LINE, MAX_PENDING_LOG_CHARS, DroppedLines, Outbox
+from workers.supervisor import unranked_best_note, without_launcher_traceback
 
 
 def test_past_the_budget_lines_are_dropped_with_a_line_saying_so_at_once_and_how_many_at_the_end():
@@ -69,7 +70,8 @@ def test_a_best_checkpoint_ranked_by_a_metric_never_logged_is_said_with_what_was
 
 def test_a_reports_lines_fit_the_apis_request_size():
     # 1,000 lines of 4,000 characters were one report: 413 from the API, sent again, for ever.
-    from workers.supervisor import LINE_CHARS_PER_BATCH, LINES_PER_BATCH
+    from workers.outbox import LINE_CHARS_PER_BATCH
+    from workers.supervisor import LINES_PER_BATCH
 
     outbox = Outbox()
     for seq in range(1000):

@@ -53,7 +53,7 @@ def test_the_supervisor_skips_lines_of_the_events_file_that_are_no_event(tmp_pat
     """The events file is in the job's own directory: a hostile or careless job may write anything
     there. The supervisor keeps every real event around such lines and goes on (it raised, and the
     attempt lost its supervisor)."""
-    from workers.supervisor import EventTail
+    from workers.outbox import EventTail
 
     path = tmp_path / "events.jsonl"
     good = [MetricsEvent(step=1, values={"loss": 2.0}), MetricsEvent(step=2, values={"loss": 1.5})]
@@ -69,7 +69,7 @@ def test_an_events_file_made_a_fifo_or_a_sparse_giant_neither_blocks_nor_fills_t
     # A hostile script: the events file replaced by a FIFO wedged the worker's thread (its open
     # blocked), and the host's slot with it; one truncated to 3 GB without a newline was read whole,
     # every round (3 GB of the worker's memory).
-    from workers.supervisor import EVENTS_READ_BYTES, EventTail
+    from workers.outbox import EVENTS_READ_BYTES, EventTail
 
     fifo = tmp_path / "fifo.jsonl"
     os.mkfifo(fifo)
