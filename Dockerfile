@@ -8,6 +8,7 @@ ARG EXTRAS=hf
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY api_schemas api_schemas
+COPY common common
 COPY service service
 COPY workers workers
 COPY trainyard trainyard
