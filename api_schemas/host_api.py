@@ -81,6 +81,11 @@ class HostRegistration(BaseModel):
         None, max_length=64,
         description="This worker process's own id: while a host registered by another lives (heartbeats), a second is refused (409).",
     )
+    name: str | None = Field(
+        None, pattern=HOST_NAME_PATTERN,
+        description="The name the host was started under (`--host-name`): refused (403) if it is not its token's host, whose "
+                    "queue it would not consume.",
+    )
 
 
 class HostTerms(BaseModel):

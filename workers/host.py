@@ -77,7 +77,7 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         )
     app = make_celery(settings)
     declare_host_queue(app, host_name)  # before the scheduler can see the host and send to it
-    registration = HostRegistration(device=device, slots=slots, info=info, address=address, instance=uuid.uuid4().hex)
+    registration = HostRegistration(device=device, slots=slots, info=info, address=address, instance=uuid.uuid4().hex, name=host_name)
     warm: WarmPool | None = None
 
     # Stopped while it starts, the host leaves the pool, as Celery's worker has it do once up
@@ -101,7 +101,13 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
         signal.signal(signum, stopped_while_starting)
     terms = register(service, registration)
     if settings.shared_artifact_store:
-        check_shared_directories(settings, terms)
+        try:
+            check_shared_directories(settings, terms)
+        except ValueError:
+            # Registered already (the marks to check come with the terms): it leaves, else it is taken
+            # for up, jobs are placed on it, and the worker started again is refused (409) till it times out.
+            service.deregister_apart()
+            raise
     settings = follow_terms(settings, terms)
     # A gang keeps the host's network: only a root worker can close the service's ports to its jobs' user.
     ports = [*terms.control_plane_ports, api_port(settings.api_url)]
@@ -197,20 +203,24 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
 
 def register(service: HostClient, registration: HostRegistration) -> HostTerms:
     """Join the pool, waiting for the API as long as it takes to answer (it may start after us);
-    raises ValueError if it refuses the token."""
+    raises ValueError if it refuses the token or the name, or if no Trainyard API is at the URL."""
     pause = 0.2
     while True:
         try:
             return service.register(registration)
         except NotOurs as exc:
+            if exc.status == 401:
+                raise ValueError(f"the service at {service.api_url} refused this host's token (revoked, or replaced by a new one)") from exc
+            if exc.status == 404:  # a path of another server (a URL with a path nginx doesn't route, another port's service)
+                raise ValueError(f"no Trainyard API at {service.api_url} ({exc}): check TRAINYARD_API_URL") from exc
             if exc.status != 409:
-                raise ValueError(f"the service refused this host's token (revoked, or replaced by a new one): {exc}") from exc
+                raise ValueError(f"the service refused this host: {exc.detail}") from exc
             # Another process is up under this name, or was until it died: its name is free once it is silent long enough.
             log.warning("cannot register yet: %s; retrying in %.1f s", exc, pause)
         except ServiceRefused as exc:
             raise ValueError(f"the service refused this host's registration: {exc}") from exc
         except ServiceUnreachable as exc:
-            log.warning("cannot register yet (%s); retrying in %.1f s", exc, pause)
+            log.warning("cannot register yet at %s (%s); retrying in %.1f s", service.api_url, exc, pause)
         time.sleep(pause)
         pause = min(pause * 2, 5.0)
 

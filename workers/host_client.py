@@ -41,9 +41,9 @@ class ServiceUnreachable(ServiceError):
 class NotOurs(ServiceError):
     """The API says this host may not act on that (a token revoked, an attempt of another host, a lease lost)."""
 
-    def __init__(self, message: str, status: int):
+    def __init__(self, message: str, status: int, detail: str = ""):
         super().__init__(message)
-        self.status = status
+        self.status, self.detail = status, detail or message
 
 
 class ServiceRefused(ServiceError):
@@ -55,7 +55,8 @@ class HostClient:
     def __init__(self, api_url: str, token: str, http: httpx.Client | None = None):
         """`http`: another client to send through (the tests' in-process one, FastAPI's TestClient)."""
         self.http = http or httpx.Client(timeout=TIMEOUT)
-        self.http.base_url = api_url.rstrip("/") + HOST_API_PREFIX
+        self.api_url = api_url.rstrip("/")
+        self.http.base_url = self.api_url + HOST_API_PREFIX
         self.http.headers.update({"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
         # When the service last heard this host: a heartbeat, or a lease renewal, which is its heartbeat too.
         self.heard_at = float("-inf")
@@ -78,7 +79,7 @@ class HostClient:
         if answer.status_code >= 500 or answer.status_code == 429:
             raise ServiceUnreachable(f"{path}: {answer.status_code} {answer.text[:200]}")
         if answer.status_code in (401, 403, 404, 409):
-            raise NotOurs(f"{path}: {answer.status_code} {answer.text[:200]}", answer.status_code)
+            raise NotOurs(f"{path}: {answer.status_code} {answer.text[:200]}", answer.status_code, _detail(answer))
         if answer.status_code >= 400:
             raise ServiceRefused(f"{path}: {answer.status_code} {answer.text[:500]}")
         return answer
@@ -225,3 +226,12 @@ def read_token(value: str | None, file: Path | None) -> str | None:
     if file is not None:
         return file.read_text().strip()
     return None
+
+
+def _detail(answer: httpx.Response) -> str:
+    """What the API said (FastAPI's `detail`), or the start of the body of a server that is not it."""
+    try:
+        detail = answer.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    return detail if isinstance(detail, str) else answer.text[:200]

@@ -96,7 +96,18 @@ def test_a_worker_set_up_apart_from_the_service_says_what_it_lacks(tmp_path):
         assert elsewhere.returncode == 2, elsewhere.stderr
         assert f"{host_dir / 'artifacts'} is not the service's artifact store" in elsewhere.stderr
         assert "set TRAINYARD_ARTIFACT_ROOT to where this host mounts the API's" in elsewhere.stderr
-        assert "Traceback" not in no_broker.stderr + elsewhere.stderr
+        # It had registered to learn what to check: it left again (else jobs were placed on it, and
+        # the worker started again, set right, was refused as a second one under its name).
+        assert not rows(str(service_dir / "trainyard.db"), "SELECT name FROM worker_hosts"), "the host that could not start is in the pool"
+        # Another host's name with this token: it would consume a queue no job is sent to.
+        renamed = subprocess.run([sys.executable, "-m", "trainyard", "worker", "--host-name", "node-2", "--devices", "cpu:1"],
+                                 env={**host, "TRAINYARD_BROKER_URL": settings.resolved_broker_url}, capture_output=True, text=True, timeout=120)
+        assert renamed.returncode == 2 and "this is host node-1's token, not node-2's: start the worker with --host-name node-1" in renamed.stderr, renamed.stderr
+        # A URL that reaches a server, but no Trainyard API there: not blamed on the token.
+        wrong_url = start(TRAINYARD_BROKER_URL=settings.resolved_broker_url, TRAINYARD_API_URL=f"http://127.0.0.1:{port}/trainyard")
+        assert wrong_url.returncode == 2 and f"no Trainyard API at http://127.0.0.1:{port}/trainyard" in wrong_url.stderr, wrong_url.stderr
+        assert "check TRAINYARD_API_URL" in wrong_url.stderr and "token" not in wrong_url.stderr
+        assert "Traceback" not in no_broker.stderr + elsewhere.stderr + renamed.stderr + wrong_url.stderr
     finally:
         stop_children([api])
 

@@ -72,6 +72,9 @@ def control_plane_ports(settings: Settings) -> list[int]:
 @router.post("/register", response_model=HostTerms)
 def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep, settings: SettingsDep) -> HostTerms:
     """The host joins the pool (again, after a restart) with what it offers; it learns the service's timing."""
+    if body.name is not None and body.name != host:
+        raise HTTPException(403, f"this is host {host}'s token, not {body.name}'s: start the worker with --host-name {host}, "
+                                 f"or give it {body.name}'s own token (an admin makes one: trainyard host token {body.name})")
     running = session.get(WorkerHost, host)
     if running is not None and body.instance is not None and running.info.get("instance") not in (None, body.instance):
         silent = (utcnow() - running.last_heartbeat).total_seconds()
