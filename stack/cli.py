@@ -68,7 +68,12 @@ def run_api(args: argparse.Namespace) -> int:
     gc.freeze()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
     logging.getLogger("uvicorn.access").addFilter(QuietMachineTraffic())  # after Config, which configures uvicorn's loggers
-    server = uvicorn.Server(config)
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            app.state.feeds.closing = True  # followed streams end, to resume elsewhere (service/api/events.py)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     server.run()
     return 0 if server.started else 3  # as uvicorn.run exits when it could not start (a port in use)
 

@@ -202,6 +202,10 @@ class Feeds:
         self.watchers: dict[tuple[str, int], _Watcher] = {}
         self._catch_ups = asyncio.Semaphore(CATCH_UPS_AT_ONCE)
         self.listener = JobItemsListener(listen_dsn, self) if listen_dsn else None
+        # The process is stopping: followed streams end (without END) within recheck_seconds, and
+        # their clients resume on another process with Last-Event-ID. Else a stop waited for every
+        # followed job to end, and a rolling restart hung until it was killed.
+        self.closing = False
 
     def tell(self, job_id: int) -> None:
         for source in (EVENTS, LOG_LINES):
@@ -233,7 +237,7 @@ class Feeds:
         watcher.followers.add(follower)
         try:
             await watcher.started.wait()
-            while await allowed():
+            while not self.closing and await allowed():
                 follower.behind = False
                 while not follower.batches.empty():  # all of it is in the database: read it there
                     follower.batches.get_nowait()
@@ -243,7 +247,7 @@ class Feeds:
                         return
                 quiet_since = time.monotonic()
                 while not follower.behind:
-                    if not await allowed():
+                    if self.closing or not await allowed():
                         return
                     try:
                         items, final = await asyncio.wait_for(follower.batches.get(), min(heartbeat_seconds, recheck_seconds))

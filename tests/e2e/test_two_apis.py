@@ -4,7 +4,9 @@ Redis), and a follower that reconnects to the other process with Last-Event-ID m
 
 from __future__ import annotations
 
+import itertools
 import os
+import signal
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -45,8 +47,8 @@ def client(url: str, token: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
 
 
-def test_a_users_stream_cap_holds_across_both_api_processes(two_apis):
-    first, second, _, token, _ = two_apis
+def test_a_users_stream_cap_holds_across_both_api_processes_and_one_stopped_ends_its_streams_to_resume_on_the_other(two_apis):
+    first, second, _, token, second_process = two_apis
     with client(first, token) as a, client(second, token) as b:
         job_id = a.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 10**6})).json()["id"]
         with ExitStack() as open_streams:
@@ -60,6 +62,17 @@ def test_a_users_stream_cap_holds_across_both_api_processes(two_apis):
         # Closed, their slots are free again, on either.
         with b.stream("GET", f"/v1/jobs/{job_id}/events") as again:
             assert again.status_code == 200
+            lines = again.iter_lines()
+            seen = [int(line.removeprefix("id:")) for line in itertools.islice((line for line in lines if line.startswith("id:")), 2)]
+            # Told to stop, a process ends its followed streams (without END: they resume on the
+            # other process) instead of serving them until their jobs end: a rolling restart hung.
+            second_process.terminate()
+            rest = list(lines)
+        assert "event: end" not in rest
+        assert second_process.wait(timeout=60) == -signal.SIGTERM  # shut down, then the signal raised again, as uvicorn does
+        seen += [int(line.removeprefix("id:")) for line in rest if line.startswith("id:")]
+        with a.stream("GET", f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": str(seen[-1])}) as resumed:
+            assert event_ids(resumed, stop_after=1)[0] == seen[-1] + 1
         a.post(f"/v1/jobs/{job_id}/cancel")
 
 
