@@ -9,7 +9,9 @@ read to start any role.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Literal
@@ -264,3 +266,29 @@ class Settings(StorageSettings, LoggingSettings, ApiSettings, SchedulerSettings,
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+# TRAINYARD_ variables that name no setting and are not mistakes: the client's, the shipped
+# deployments' secrets, what a job's processes are given, the test suite's and benchmarks'.
+OTHER_VARIABLES = {"TRAINYARD_SERVER", "TRAINYARD_TOKEN", "TRAINYARD_CONFIG", "TRAINYARD_DB_PASSWORD", "TRAINYARD_REDIS_PASSWORD",
+                   "TRAINYARD_EVENTS_FILE", "TRAINYARD_CHECKPOINT_DIR", "TRAINYARD_RESUME_FROM"}
+OTHER_PREFIXES = ("TRAINYARD_TEST_", "TRAINYARD_BENCH_")
+ABBREVIATIONS = {"DB": "DATABASE", "DIRECTORY": "DIR", "SECS": "SECONDS", "SEC": "SECONDS", "S": "SECONDS"}
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """What to warn of: each TRAINYARD_ variable that names no setting, with the nearest that does.
+    A misspelt TRAINYARD_DB_URL was ignored in silence, and the API ran on a SQLite file of its own."""
+    known = {name.upper() for name in Settings.model_fields}
+    said = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("TRAINYARD_") or upper in OTHER_VARIABLES or upper.startswith(OTHER_PREFIXES):
+            continue
+        setting = upper.removeprefix("TRAINYARD_")
+        if setting in known:
+            continue
+        spelt_out = "_".join(ABBREVIATIONS.get(word, word) for word in setting.split("_"))
+        near = difflib.get_close_matches(spelt_out, known, n=1, cutoff=0.7)
+        said.append(f"{name} is no setting of Trainyard's, ignored" + (f" (did you mean TRAINYARD_{near[0]}?)" if near else ""))
+    return said

@@ -45,6 +45,7 @@ def configure_logging(role: str, log_format: str) -> None:
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # a dozen lines of its set-up at each start of each process
 
 
 class QuietMachineTraffic(logging.Filter):

@@ -42,6 +42,12 @@ def admin_session(settings: Settings) -> Iterator[Session]:
             f"no Trainyard database at {database}: run this where `trainyard up` ran (or below), "
             "or set TRAINYARD_DATA_DIR or TRAINYARD_DATABASE_URL"
         )
+    from service.db.migrate import SchemaNotReady, check_schema
+
+    try:
+        check_schema(url)
+    except SchemaNotReady as exc:
+        raise CommandError(str(exc)) from None
     with session_factory(url)() as session:
         yield session
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from common.settings import Settings
+from common.settings import Settings, unknown_variables
 from service.user_commands import add_host_commands, add_user_commands, host_name
 from trainyard.cli import SERVER_COMMANDS
 from trainyard.client import Client, token_file
@@ -36,10 +36,33 @@ def _configure_logging(role: str) -> None:
     configure_logging(role, _settings().log_format)
 
 
-def db_upgrade(args: argparse.Namespace) -> int:
-    from service.db.migrate import upgrade
+def _schema_ready() -> bool:
+    """Whether the database opens and is at this release's schema; if not, says what to do."""
+    from service.db.migrate import SchemaNotReady, check_schema
 
-    before, now = upgrade(_settings().resolved_database_url)
+    try:
+        check_schema(_settings().resolved_database_url)
+    except SchemaNotReady as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def db_upgrade(args: argparse.Namespace) -> int:
+    from sqlalchemy.exc import OperationalError
+
+    from service.db.migrate import SchemaNotReady, check_schema, upgrade
+
+    url = _settings().resolved_database_url
+    try:
+        before, now = upgrade(url)
+    except OperationalError:
+        try:
+            check_schema(url)  # says which database could not be opened, and why, in a line
+        except SchemaNotReady as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        raise
     if before == now:
         print(f"database schema is up to date (revision {now})")
     else:
@@ -61,6 +84,8 @@ def run_api(args: argparse.Namespace) -> int:
     from service.logs import QuietMachineTraffic
 
     _configure_logging("api")
+    if not _schema_ready():
+        return 2
     app = create_app(_settings())
     # What is alive now (modules, the app, its routes and models) lives as long as the process:
     # frozen out of the garbage collector's scans. Each full collection scanned all of it, holding
@@ -68,6 +93,7 @@ def run_api(args: argparse.Namespace) -> int:
     gc.freeze()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
     logging.getLogger("uvicorn.access").addFilter(QuietMachineTraffic())  # after Config, which configures uvicorn's loggers
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             app.state.feeds.closing = True  # followed streams end, to resume elsewhere (service/api/events.py)
@@ -84,6 +110,8 @@ def run_scheduler_command(args: argparse.Namespace) -> int:
     from service.scheduler import run_scheduler
 
     _configure_logging("scheduler")
+    if not _schema_ready():
+        return 2
     settings = _settings()
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -276,5 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     """`argv` as `trainyard` got it, the command first."""
     args = build_parser().parse_args(argv)
+    for warning in unknown_variables(os.environ):
+        print(f"trainyard: warning: {warning}", file=sys.stderr)
     os.umask(0o077)  # what the service writes (databases, uploads, artifacts, tokens) is readable by its account only
     return args.func(args)

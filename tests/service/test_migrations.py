@@ -93,3 +93,40 @@ def test_db_upgrade_says_what_it_did(tmp_path, monkeypatch, capsys):
         assert capsys.readouterr().out.strip() == f"database schema is up to date (revision {first.rpartition(' ')[2]})"
     finally:
         os.umask(umask)
+
+
+def test_the_server_commands_on_a_database_not_migrated_say_to_run_db_upgrade_and_start_nothing(empty_database_url, monkeypatch, capsys):
+    """The API started on an empty database answered /healthz and 500 to every request; `user create`
+    and the scheduler printed tracebacks (the scheduler every pass)."""
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", empty_database_url)
+    umask = os.umask(0o022)
+    try:
+        for argv, code in ((["api", "--port", "1"], 2), (["scheduler"], 2), (["user", "create", "bob"], 1)):
+            assert main(argv) == code, argv
+            said = capsys.readouterr().err
+            assert "has no Trainyard tables: run `trainyard db upgrade`" in said and "Traceback" not in said, said
+        command.upgrade(alembic_config(empty_database_url), "0003")  # an older release's
+        assert main(["user", "create", "bob"]) == 1
+        assert "is at schema revision 0003, older than this release's" in capsys.readouterr().err
+        # One that can't be opened: which, and why, in a line (a password not shown).
+        monkeypatch.setenv("TRAINYARD_DATABASE_URL", "postgresql+psycopg://trainyard:secret@127.0.0.1:1/nowhere")
+        assert main(["api", "--port", "1"]) == 2
+        said = capsys.readouterr().err
+        assert said.startswith("error: cannot open the database at postgresql+psycopg://trainyard:***@127.0.0.1:1/nowhere (")
+        assert "secret" not in said and "check TRAINYARD_DATABASE_URL" in said
+    finally:
+        os.umask(umask)
+
+
+def test_a_misspelt_setting_is_named_with_the_one_meant(tmp_path, monkeypatch, capsys):
+    """TRAINYARD_DB_URL was ignored in silence: the API ran on a SQLite file of its own."""
+    monkeypatch.setenv("TRAINYARD_DB_URL", "postgresql+psycopg://db/trainyard")
+    monkeypatch.setenv("TRAINYARD_DATABASE_URL", f"sqlite:///{tmp_path / 'missing' / 'trainyard.db'}")
+    umask = os.umask(0o022)
+    try:
+        assert main(["db", "upgrade"]) == 2
+    finally:
+        os.umask(umask)
+    said = capsys.readouterr().err
+    assert "trainyard: warning: TRAINYARD_DB_URL is no setting of Trainyard's, ignored (did you mean TRAINYARD_DATABASE_URL?)" in said
+    assert "error: cannot open the database at sqlite:///" in said and "Traceback" not in said
