@@ -109,6 +109,9 @@ class HostTerms(BaseModel):
     )
     artifact_mark: str | None = Field(None, description="The id in the artifact root's mark file: a host sharing the store must read the same.")
     data_mark: str | None = Field(None, description="The same of the data root.")
+    artifact_reader_gid: int | None = Field(
+        None, description="The group a host sharing the store gives read access to the checkpoints it moves in (a proxy's, that sends downloads)."
+    )
 
 
 class EnvironmentReport(BaseModel):

@@ -47,8 +47,9 @@ def directory_mark(root: Path, make: bool = False) -> str | None:
 
 
 class ArtifactStore:
-    def __init__(self, root: Path):
-        self.root = root.resolve()
+    def __init__(self, root: Path, reader_gid: int | None = None):
+        """`reader_gid`: a group given read access to stored checkpoints (a proxy's workers: Settings.artifact_reader_gid)."""
+        self.root, self.reader_gid = root.resolve(), reader_gid
 
     def path(self, relative: str) -> Path:
         """Absolute path of a stored item; refuses anything that would land outside the root."""
@@ -82,7 +83,8 @@ class ArtifactStore:
             moved = _move_or_copy(source, staging)
             try:
                 manifest = verify_manifest(staging, moved and hashed_here)
-                _take_ownership(staging)
+                _take_ownership(staging, self.reader_gid)
+                self._open_to_readers(final.parent)
                 os.replace(staging, final)
             except BaseException:
                 if moved:
@@ -156,12 +158,22 @@ class ArtifactStore:
             if any(not path.startswith(f"{name}/") for path in manifest["files"]) or {p.name for p in staging.iterdir()} - {top, MANIFEST_FILE}:
                 raise CorruptCheckpoint(f"an output's upload holds only {name}/ and its manifest")
             verify_manifest(staging)
-            _take_ownership(staging)
+            _take_ownership(staging, self.reader_gid)
             final.parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging, final)
         manifest = read_manifest(final)
         sizes = [entry["size"] for entry in manifest["files"].values()]
         return relative, sha256_file(final / MANIFEST_FILE), sum(sizes), len(sizes)
+
+    def _open_to_readers(self, directory: Path) -> None:
+        """With a reader group: `directory` and those above it up to the root theirs to pass through
+        (made by a process whose files only it may read: the service's umask is 077)."""
+        if self.reader_gid is None:
+            return
+        for path in [directory, *directory.parents]:
+            _readable_by(path, self.reader_gid)
+            if path == self.root or not path.is_relative_to(self.root):
+                break
 
     def delete(self, relative: str) -> None:
         """Delete a stored checkpoint (its directory, or the folder of its own a script's is kept in), or an output's folder."""
@@ -169,10 +181,11 @@ class ArtifactStore:
         shutil.rmtree(self.path(str(top)), ignore_errors=True)
 
 
-def _take_ownership(directory: Path) -> None:
+def _take_ownership(directory: Path, reader_gid: int | None = None) -> None:
     """The service's own from now on: written in a sandbox by the job's user id, readable by the
-    service account only (a later attempt that resumes from it gets a copy). Links are dropped: a
-    job could point one at any file this process may read, for a download to send."""
+    service account only (a later attempt that resumes from it gets a copy), and by `reader_gid`'s
+    members if given (a proxy that sends downloads). Links are dropped: a job could point one at
+    any file this process may read, for a download to send."""
     for path in [directory, *directory.rglob("*")]:
         if path.is_symlink():
             path.unlink()
@@ -180,6 +193,18 @@ def _take_ownership(directory: Path) -> None:
         if os.geteuid() == 0:
             os.chown(path, 0, 0)
         path.chmod(0o700 if path.is_dir() else 0o600)
+        if reader_gid is not None:
+            _readable_by(path, reader_gid)
+
+
+def _readable_by(path: Path, gid: int) -> None:
+    """`path` readable (a directory: listable and passable) by group `gid`, and by no one else it was not."""
+    status = path.stat()
+    if status.st_gid != gid:
+        os.chown(path, -1, gid)
+    wanted = status.st_mode | (0o050 if stat.S_ISDIR(status.st_mode) else 0o040)
+    if stat.S_IMODE(wanted) != stat.S_IMODE(status.st_mode):
+        path.chmod(stat.S_IMODE(wanted))
 
 
 def _move_or_copy(source: Path, destination: Path) -> bool:

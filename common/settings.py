@@ -32,6 +32,12 @@ class StorageSettings(_FromEnvironment):
     database_url: str | None = Field(None, description="SQLAlchemy URL; default sqlite:///<data_dir>/trainyard.db.")
     broker_url: str | None = Field(None, description="Celery broker URL; default sqla+sqlite:///<data_dir>/broker.db.")
     artifact_root: Path | None = Field(None, description="Checkpoint store, shared by API and workers; default <data_dir>/artifacts.")
+    artifact_reader_gid: int | None = Field(
+        None, ge=0,
+        description="A group that may read stored checkpoints (their files, and the directories down to them), for a proxy that "
+                    "sends them itself (TRAINYARD_DOWNLOAD_REDIRECT_PREFIX): its workers' group (the nginx image's is 101). "
+                    "Unset: the service's account alone reads the store.",
+    )
     gang_network: str | None = Field(
         "100.64.0.0/10", description="Addresses for multi-node gangs' attempts: each worker host that makes gang networks (root, "
         "sandboxed, with ip and nft) takes a /24 of it, each gang attempt a network namespace and an address there that reaches only "

@@ -91,7 +91,8 @@ def run_api(args: argparse.Namespace) -> int:
     # frozen out of the garbage collector's scans. Each full collection scanned all of it, holding
     # every request of the process for up to 0.59 s at 1,000 hosts (bench/agents.py); frozen, 0.16 s.
     gc.freeze()
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=KEEP_ALIVE_SECONDS,
+                            forwarded_allow_ips=args.forwarded_allow_ips)
     logging.getLogger("uvicorn.access").addFilter(QuietMachineTraffic())  # after Config, which configures uvicorn's loggers
 
     class Server(uvicorn.Server):
@@ -276,6 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     api = command("api")
     api.add_argument("--host", default="127.0.0.1")
     api.add_argument("--port", type=int, default=8000)
+    api.add_argument(
+        "--forwarded-allow-ips", default=os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1"),
+        help="the proxies (addresses or networks, comma-separated) whose X-Forwarded-For names the client: the failed-auth "
+             "limit and the audit log count by it (a proxy not listed here is taken for every client at once) "
+             "(default: $FORWARDED_ALLOW_IPS, else 127.0.0.1)",
+    )
     api.set_defaults(func=run_api)
 
     command("scheduler").set_defaults(func=run_scheduler_command)

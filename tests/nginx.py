@@ -17,9 +17,10 @@ NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 
 
 @contextlib.contextmanager
-def nginx_in_front(api_port: int | list[int], artifact_root: Path, workdir: Path, port: int) -> Iterator[str]:
+def nginx_in_front(api_port: int | list[int], artifact_root: Path, workdir: Path, port: int, workers_user: str = "root") -> Iterator[str]:
     """The shipped server block with only the API's address (or addresses: several API processes),
-    the artifact path and the port replaced; yields the proxy's base URL."""
+    the artifact path and the port replaced; yields the proxy's base URL. `workers_user`: nginx's
+    `user` (when run as root), as a deployment's nginx runs its workers: another account than the service's."""
     server = SHIPPED_CONFIG.read_text()
     apis = " ".join(f"server 127.0.0.1:{api};" for api in ([api_port] if isinstance(api_port, int) else api_port))
     for shipped, ours in [("server api:8000;", apis),
@@ -29,8 +30,8 @@ def nginx_in_front(api_port: int | list[int], artifact_root: Path, workdir: Path
         server = server.replace(shipped, ours)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "server.conf").write_text(server)
-    # Run as root, nginx's workers drop to `nobody`, who can't read a test's private tmp directory.
-    user = "user root;" if os.geteuid() == 0 else ""
+    # Run as root, nginx's workers drop to `nobody` by default, who can't reach a test's private tmp directory.
+    user = f"user {workers_user};" if os.geteuid() == 0 else ""
     (workdir / "nginx.conf").write_text(f"""
         {user}
         daemon off;

@@ -40,8 +40,8 @@ class SharedStore:
 
     fetches = False  # what an attempt reads is read where it is: prepare() has nothing to do
 
-    def __init__(self, root: Path, data_root: Path):
-        self.store, self.data = ArtifactStore(root), data_root
+    def __init__(self, root: Path, data_root: Path, reader_gid: int | None = None):
+        self.store, self.data = ArtifactStore(root, reader_gid), data_root
 
     def prepare(self, claimed: ClaimedAttempt) -> None:
         """Nothing to fetch: the resume checkpoint, the code and the data are read where they are."""

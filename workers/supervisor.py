@@ -182,7 +182,7 @@ class AttemptRunner:
         self.sandbox = sandbox or HostSandbox.detect(unsafe=False)
         self.warm = warm  # warm interpreters attempts may start from (workers/warm_pool.py); None: all start cold
         self.store = (  # where checkpoints go and resumes come from: workers/store_access.py
-            SharedStore(settings.resolved_artifact_root, settings.resolved_data_root) if settings.shared_artifact_store
+            SharedStore(settings.resolved_artifact_root, settings.resolved_data_root, settings.artifact_reader_gid) if settings.shared_artifact_store
             else StoreThroughApi(service, settings.resolved_work_root / "store-transfers", int(settings.fetch_cache_gb * 2**30))
         )
         self.ended_attempts = EndedAttempts(settings.failed_attempt_retention_hours)  # their directories, removed in time

@@ -199,7 +199,7 @@ AdminUser = Annotated[User, Depends(get_admin)]
 
 
 def get_store(settings: SettingsDep) -> ArtifactStore:
-    return ArtifactStore(settings.resolved_artifact_root)
+    return ArtifactStore(settings.resolved_artifact_root, settings.artifact_reader_gid)
 
 
 StoreDep = Annotated[ArtifactStore, Depends(get_store)]

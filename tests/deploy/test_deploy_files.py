@@ -3,6 +3,7 @@ they parse, name only settings that exist, and run only server commands that `tr
 
 from __future__ import annotations
 
+import ipaddress
 import tomllib
 from pathlib import Path
 
@@ -72,6 +73,12 @@ def test_compose_proxy_serves_downloads_from_the_volume_the_api_redirects_into()
     assert f"location {prefix} {{" in text and f"alias {api['environment']['TRAINYARD_ARTIFACT_ROOT']}/;" in text
     assert "trainyard-data:/var/lib/trainyard:ro" in proxy["volumes"] and "ports" not in api  # clients go through the proxy
     assert "server api:8000;" in text and "8000" in api["command"]
+    # nginx's workers (the image's `nginx` user, group 101) may read what the API redirects them to.
+    assert proxy["image"].startswith("nginx:") and api["environment"]["TRAINYARD_ARTIFACT_READER_GID"] == "101"
+    # The API takes the client's address from the proxy's X-Forwarded-For, and from it alone.
+    allowed = api["command"][api["command"].index("--forwarded-allow-ips") + 1]
+    assert allowed == proxy["networks"]["default"]["ipv4_address"]
+    assert ipaddress.ip_address(allowed) in ipaddress.ip_network(compose()["networks"]["default"]["ipam"]["config"][0]["subnet"])
 
 
 def test_kubernetes_manifests_run_real_commands_with_real_settings():

@@ -3,16 +3,20 @@ checkpoint, nginx sends the bytes (X-Accel-Redirect), with Range and the sha256 
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 
-from api_schemas.manifest import MODEL_FILE
+from api_schemas.manifest import MODEL_FILE, write_manifest
+from common.artifacts import ArtifactStore
 from service.db.accounts import create_user
 from service.db.checkpoints import list_checkpoints, record_checkpoint
 from service.db.jobs import create_job
@@ -31,11 +35,18 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def proxied(tmp_path):
-    """(proxy URL, alice's and bob's tokens, alice's checkpoint id, the model's bytes)."""
+    """(proxy URL, alice's and bob's tokens, alice's checkpoint id, the model's bytes). nginx's workers
+    run as `nobody`, as a deployment's run as an account of their own (the nginx image's `nginx`):
+    they read the checkpoint as a member of TRAINYARD_ARTIFACT_READER_GID's group (their 403 else:
+    the service writes what only its own account reads)."""
     if not Path(NGINX).exists():
         missing = "nginx is missing (apt-get install nginx-light)"
         pytest.fail(f"CI=true: {missing}", pytrace=False) if IN_CI else pytest.skip(missing)
-    settings = Settings(data_dir=tmp_path / "yard")
+    # Outside pytest's tmp directory, which only its owner may pass through, as a volume is mounted.
+    base = Path(tempfile.mkdtemp(prefix="trainyard-proxy-"))
+    base.chmod(0o711)
+    reader_gid = grp.getgrnam("nogroup").gr_gid
+    settings = Settings(data_dir=base / "yard", artifact_reader_gid=reader_gid)
     settings.data_dir.mkdir()
     upgrade(settings.resolved_database_url)
     sessions = session_factory(settings.resolved_database_url)
@@ -44,25 +55,30 @@ def proxied(tmp_path):
         _, bob_token = create_user(session, "bob")
         job_id = create_job(session, alice, job_spec()).id
     claimed = start_job(settings, job_id)
-    relative = f"jobs/{job_id}/checkpoints/step-00000012"
-    model = settings.resolved_artifact_root / relative / MODEL_FILE
-    model.parent.mkdir(parents=True)
+    written = tmp_path / "written" / "step-00000012"  # by the training, then taken into the store as a worker does
+    written.mkdir(parents=True)
     content = os.urandom(3 << 20)
-    model.write_bytes(content)
+    (written / MODEL_FILE).write_bytes(content)
+    write_manifest(written, 12)
+    umask = os.umask(0o077)  # the service's: what it makes, only its account may read
+    try:
+        relative, sha256, size = ArtifactStore(settings.resolved_artifact_root, reader_gid).ingest_checkpoint(written, job_id, 12)
+    finally:
+        os.umask(umask)
     with sessions() as session:
-        sha256 = hashlib.sha256(content).hexdigest()
-        record_checkpoint(session, job_id, claimed.attempt_id, 12, relative, sha256, len(content), keep_last=1)
+        record_checkpoint(session, job_id, claimed.attempt_id, 12, relative, sha256, size, keep_last=1)
         checkpoint_id = list_checkpoints(session, job_id)[-1].id
 
     api_port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TRAINYARD_DATA_DIR": str(settings.data_dir), "TRAINYARD_DOWNLOAD_REDIRECT_PREFIX": "/_artifacts/"}
     api = subprocess.Popen([sys.executable, "-m", "trainyard", "api", "--port", str(api_port)], env=env, stderr=subprocess.DEVNULL)
     try:
-        with nginx_in_front(api_port, settings.resolved_artifact_root, tmp_path / "nginx", free_port()) as url:
+        with nginx_in_front(api_port, settings.resolved_artifact_root, base / "nginx", free_port(), workers_user="nobody nogroup") as url:
             wait_healthy(url, [api])
             yield url, alice_token, bob_token, checkpoint_id, content
     finally:
         stop_children([api])
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def test_nginx_sends_the_checkpoint_the_api_allowed_with_range_and_sha256(proxied, tmp_path):

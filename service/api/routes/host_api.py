@@ -91,6 +91,7 @@ def register(body: HostRegistration, host: CurrentHost, session: WriteSessionDep
         dispatch_timeout_seconds=settings.dispatch_timeout_seconds, max_log_lines_per_attempt=settings.max_log_lines_per_attempt,
         max_runtime_hours=settings.max_runtime_hours, max_attempt_disk_gb=settings.max_attempt_disk_gb, control_plane_ports=control_plane_ports(settings),
         artifact_mark=directory_mark(settings.resolved_artifact_root, make=True), data_mark=directory_mark(settings.resolved_data_root, make=True),
+        artifact_reader_gid=settings.artifact_reader_gid,
     )
 
 
