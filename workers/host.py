@@ -175,8 +175,8 @@ def run_worker(settings: Settings, host_name: str, devices: str, address: str, u
             service.deregister()
         except NotOurs:  # its token revoked (said already, in its stop's reason): the service took it out itself
             pass
-        except ServiceError:
-            log.exception("could not deregister %s; its heartbeat stops, so it goes offline anyway", host_name)
+        except ServiceError as exc:  # out of reach, say: no traceback, it is no bug
+            log.warning("could not deregister %s (%s); its heartbeat stops, so it goes offline anyway", host_name, exc)
         runner.preempt_all()
         warm.close()
 

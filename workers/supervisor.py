@@ -605,15 +605,22 @@ class AttemptRunner:
         if outcome is None:
             log.warning("job %s attempt %s: %s", claimed.job_id, claimed.number, reason)
             return
-        # The outcome must reach the service: retry until it does or our lease is gone.
+        # The outcome must reach the service: retry until it does or our lease is gone. Past a lease
+        # of silence the service takes the attempt for lost and runs the job again from its last
+        # checkpoint: retrying longer only kept a stopping worker up for ever (a traceback every 2 s).
         while True:
             try:
                 rollback = Rollback(**reason.spike.model_dump(exclude={"type"}), drop=reason.drop) if isinstance(reason, RollbackReason) else None
                 ended = self.service.finish(claimed, outcome, reason, retry=not isinstance(reason, FinalReason), rollback=rollback)
                 log.info("job %s attempt %s %s%s", claimed.job_id, claimed.number, outcome.value, "" if ended else " (too late: lease lost)")
                 return
-            except ServiceUnreachable:
-                log.exception("could not record the end of job %s attempt %s; retrying", claimed.job_id, claimed.number)
+            except ServiceUnreachable as exc:
+                if self.service.silent_for() > self.settings.lease_seconds:
+                    log.warning("job %s attempt %s %s, but the service has been out of reach for longer than its lease (%s): "
+                                "it takes the attempt for lost, and runs the job again from its last checkpoint",
+                                claimed.job_id, claimed.number, outcome.value, exc)
+                    return
+                self._note_out_of_reach(claimed, exc)
                 time.sleep(2)
             except ServiceError:  # refused: its lease runs out, and the attempt ends lost (and is retried)
                 log.exception("the service refused the end of job %s attempt %s", claimed.job_id, claimed.number)
@@ -696,7 +703,16 @@ class RunningAttempt:
                 return ended
             if self.finished and self.outbox.empty():
                 return self._outcome()
+            if self.finished and self._stopping_unheard():
+                return None, (f"the host stopped while the service was out of reach for longer than the lease "
+                              f"({self.runner.settings.lease_seconds:g} s): it takes the attempt for lost and runs the job again from "
+                              "its last listed checkpoint; what the attempt reported since is not delivered")
             self._wait()
+
+    def _stopping_unheard(self) -> bool:
+        """The host is stopping and the service has not answered for longer than a lease: the attempt
+        is lost to it, and what is left to deliver never will be (a stopping worker waited for ever)."""
+        return self.runner.shutting_down.is_set() and self.runner.service.silent_for() > self.runner.settings.lease_seconds
 
     def _take_output(self) -> None:
         """Move the lines the processes printed since the last round into the outbox."""

@@ -15,10 +15,13 @@ import subprocess
 import sys
 import time
 
+import httpx
+
 from common.settings import Settings
 from service.db.host_tokens import revoke_host_token
 from service.db.session import session_factory
-from stack.embedded import host_token_files, prepare_embedded, stop_children, wait_healthy
+from stack.embedded import embedded_stack, host_token_files, prepare_embedded, stop_children, wait_healthy
+from tests.helpers import tiny_spec
 from workers.supervisor import free_port
 
 
@@ -184,3 +187,23 @@ def test_a_worker_stopped_as_it_starts_leaves_the_pool_and_starts_again_under_it
         assert "cannot register yet" not in said
     finally:
         stop_children([worker, api])
+
+
+def test_a_worker_stopped_while_the_api_is_down_ends_once_its_lease_is_over_not_never(tmp_path, monkeypatch):
+    """It retried the attempt's end every 2 s for ever, a traceback each time, until killed: past a
+    lease of silence the service has taken the attempt for lost, and nothing left can be delivered."""
+    monkeypatch.setenv("TRAINYARD_LEASE_SECONDS", "6")
+    monkeypatch.setenv("TRAINYARD_HEARTBEAT_SECONDS", "1")
+    with embedded_stack(tmp_path / "yard", free_port(), workers=1) as info:
+        with httpx.Client(base_url=info.url, headers={"Authorization": f"Bearer {info.token}"}, timeout=30) as client:
+            job_id = client.post("/v1/jobs", json=tiny_spec(**{"training.max_steps": 10**6, "checkpoint.every_steps": 20})).json()["id"]
+            deadline = time.monotonic() + 120
+            while client.get(f"/v1/jobs/{job_id}").json()["step"] < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        info.stop("api")
+        info.stop("worker-0")  # SIGTERM, then SIGKILL past 20 s
+        assert info.exited()["worker-0"] == 0, "the worker did not stop by itself"
+        said = (info.log_dir / "worker-0.log").read_text()
+        assert "the host stopped while the service was out of reach for longer than the lease (6 s)" in said
+        assert "Traceback" not in said
