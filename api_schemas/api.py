@@ -245,3 +245,4 @@ class DashboardOut(BaseModel):
     jobs_by_status: dict[str, int]
     running: list[RunningJobOut]
     workers: list[WorkerOut]
+    scheduler_down: str | None = Field(None, description="Set while no scheduler makes passes: nothing is placed meanwhile.")

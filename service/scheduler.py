@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from api_schemas import AttemptStatus, JobSpec, ResourcesConfig
 from service.db import state
 from service.db.api_processes import api_up_since, beat_seconds
 from service.db.doorbell import Doorbell
+from service.db.scheduler_processes import note_scheduler_pass
 from service.db.models import Attempt, Job, utcnow
 from service.db.pools import pool_named, slot_capacity
 from service.backends import ExecutionBackend, cluster_pools
@@ -336,6 +338,7 @@ def run_scheduler(
     backends = execution_backends(sessions, celery, settings)
     doorbell = Doorbell(settings.resolved_database_url, interrupt)
     rang, last_reaped = False, 0.0
+    name = f"{socket.gethostname()}:{os.getpid()}"
     while not stop():
         # A ring means work to place, so that pass only places, a few statements sooner; leases
         # and dispatches are looked at by the other passes, at least every interval.
@@ -343,6 +346,8 @@ def run_scheduler(
         try:
             with sessions() as session:
                 dispatches = schedule_pass(session, settings, reap=reap)
+                if reap:  # at least every interval: the API tells when no scheduler runs
+                    note_scheduler_pass(session, name, utcnow())
             last_reaped = time.monotonic() if reap else last_reaped
             start_placed(backends, dispatches)
             if reap:  # with the pass's own reaping, not on every ring: a cluster's commands are round trips

@@ -83,9 +83,9 @@ def run_api(args: argparse.Namespace) -> int:
 
     from service.logs import QuietMachineTraffic
 
-    _configure_logging("api")
-    if not _schema_ready():
+    if not _schema_ready():  # before logging is set up: the error is a line of its own on stderr
         return 2
+    _configure_logging("api")
     app = create_app(_settings())
     # What is alive now (modules, the app, its routes and models) lives as long as the process:
     # frozen out of the garbage collector's scans. Each full collection scanned all of it, holding
@@ -110,9 +110,9 @@ def run_scheduler_command(args: argparse.Namespace) -> int:
     from common.queue import make_celery
     from service.scheduler import run_scheduler
 
-    _configure_logging("scheduler")
     if not _schema_ready():
         return 2
+    _configure_logging("scheduler")
     settings = _settings()
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))

@@ -402,6 +402,8 @@ def download_with_progress(client: Client, checkpoint_id: int, dest: Path) -> Pa
 def cmd_dashboard(args: argparse.Namespace) -> int:
     with connect(args) as client:
         dashboard = client.dashboard()
+    if dashboard.scheduler_down:
+        print(f"warning: {dashboard.scheduler_down}", file=sys.stderr)
     print("jobs: " + ", ".join(f"{count} {status}" for status, count in dashboard.jobs_by_status.items()))
     if dashboard.running:
         print()

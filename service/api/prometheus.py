@@ -17,6 +17,7 @@ from prometheus_client.utils import floatToGoString
 from sqlalchemy.orm import Session
 
 from service.db.hosts import all_hosts, online_hosts
+from service.db.scheduler_processes import last_scheduler_pass
 from service.db.monitoring import (
     DurationHistogram,
     checkpoint_bytes,
@@ -60,6 +61,9 @@ class _ServiceCollector(Collector):
         yield CounterMetricFamily("trainyard_metric_points", "Training metric points stored.", value=metric_point_count(session))
         yield GaugeMetricFamily("trainyard_checkpoint_bytes", "Bytes of model.safetensors over the checkpoints kept.", value=checkpoint_bytes(session))
         yield from self._hosts()
+        if (last := last_scheduler_pass(session)) is not None:  # none ever: no gauge, rather than an age of ever
+            yield GaugeMetricFamily("trainyard_scheduler_last_pass_age_seconds", "Seconds since a scheduler last made a pass (nothing is placed while none does).",
+                                    value=(self.now - last).total_seconds())
 
     def _hosts(self) -> Iterable[Metric]:
         online = {host.name for host in online_hosts(self.session, self.now, self.settings.host_timeout_seconds)}

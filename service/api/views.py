@@ -9,16 +9,24 @@ from api_schemas import (
 )
 from service.db.jobs import rollback_events
 from service.db.metrics import latest_metrics
-from service.db.models import Checkpoint, Job, JobEvent, JobOutput, LogLine, Sweep
+from service.db.models import Checkpoint, Job, JobEvent, JobOutput, LogLine, Sweep, utcnow
+from service.db.scheduler_processes import last_scheduler_pass, no_scheduler_note
 from service.db.sweeps import trial_jobs
 
 # The latest values the jobs table shows: last loss, and the step time its rate and ETA come from.
 PROGRESS_METRICS = ["train_loss", "step_time_s"]
 
 
-def job_outs(session: Session, jobs: list[Job]) -> list[JobOut]:
+def job_outs(session: Session, jobs: list[Job], scheduler_interval_seconds: float | None = None) -> list[JobOut]:
+    """`scheduler_interval_seconds`: given, a queued job's waiting reason says when no scheduler runs."""
     latest = latest_metrics(session, [job.id for job in jobs], PROGRESS_METRICS)
-    return [job_out(job, latest.get(job.id, {})) for job in jobs]
+    outs = [job_out(job, latest.get(job.id, {})) for job in jobs]
+    if scheduler_interval_seconds is not None and any(out.status == JobStatus.queued for out in outs):
+        last, now = last_scheduler_pass(session), utcnow()
+        for out in outs:
+            if out.status == JobStatus.queued and (note := no_scheduler_note(last, now, scheduler_interval_seconds, out.created_at)):
+                out.waiting_reason = note  # the scheduler's own reason, stored at its last pass, is stale
+    return outs
 
 
 def job_out(job: Job, latest: dict[str, float] | None = None) -> JobOut:

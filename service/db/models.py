@@ -407,6 +407,14 @@ class ApiProcess(Base):
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime, doc="When it last noted itself.")
 
 
+class SchedulerProcess(Base):
+    """A scheduler process, as it last noted a pass (service/db/scheduler_processes.py, migration 0028)."""
+
+    __tablename__ = "scheduler_processes"
+    name: Mapped[str] = mapped_column(String(200), primary_key=True, doc="`host:pid`")
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime, doc="When it last made a pass that looked at leases.")
+
+
 class WorkerHost(Base):
     __tablename__ = "worker_hosts"
     name: Mapped[str] = mapped_column(String(200), primary_key=True)

@@ -499,6 +499,7 @@ async function jobsPage() {
   const filtered = jobFilter.q || jobFilter.status;
   return el("div", {},
     el("h2", {}, "Jobs"),
+    dashboard.scheduler_down ? el("p", { class: "error", id: "scheduler-down", role: "alert" }, dashboard.scheduler_down) : "",
     el("div", { class: "toolbar" }, el("span", { class: "muted" }, counts || "no jobs yet"), search, status, compare),
     page.items.length || !filtered ? table(["", "id", "name", "owner", "status", "progress", "step", "step/s", "ETA", "run time", "last loss", "effective batch", "created"],
       page.items.map(job => [

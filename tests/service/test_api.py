@@ -26,6 +26,7 @@ from service.db.log_lines import record_logs
 from service.db.metrics import record_metrics
 from service.db.models import Job, WorkerHost, utcnow
 from service.db.scheduling import place_jobs
+from service.db.scheduler_processes import note_scheduler_pass
 from service.db.session import session_factory
 from service.scheduler import schedule_pass
 from common.settings import Settings
@@ -649,3 +650,28 @@ def test_a_cancels_answer_describes_the_job_as_get_does(api, tokens, settings):
     answer = api.post(f"/v1/jobs/{job_id}/cancel", headers=auth(tokens["alice"]))
     shown = api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()
     assert answer.status_code == 200 and answer.json() == shown and shown["last_train_loss"] == 2.0 and shown["status"] == "succeeded"
+
+
+def test_with_no_scheduler_running_a_queued_job_the_dashboard_and_metrics_say_so(api, tokens, settings):
+    """With the scheduler stopped a job stayed queued with no reason, and /healthz answered ok."""
+    sessions = session_factory(settings.resolved_database_url)
+    job_id = api.post("/v1/jobs", json=tiny_spec(), headers=auth(tokens["alice"])).json()["id"]
+    # No scheduler ever ran: the dashboard says so at once; a job just queued is given time for one to start.
+    assert "no scheduler has run yet" in api.get("/v1/dashboard", headers=auth(tokens["alice"])).json()["scheduler_down"]
+    assert api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()["waiting_reason"] is None
+    with sessions() as session:
+        schedule_pass(session, settings)  # no host: it notes why the job waits
+        note_scheduler_pass(session, "sched:1", utcnow())
+    job = api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()
+    assert job["waiting_reason"] and "scheduler" not in job["waiting_reason"]
+    assert api.get("/v1/dashboard", headers=auth(tokens["alice"])).json()["scheduler_down"] is None
+    assert 0 <= prometheus_samples(api.get("/metrics").text)[("trainyard_scheduler_last_pass_age_seconds", frozenset())] < 60
+
+    # Its last pass a minute ago, past MISSED_PASSES intervals: stopped, or crashed.
+    with sessions() as session:
+        note_scheduler_pass(session, "sched:1", utcnow() - timedelta(seconds=60))
+    said = "no scheduler has made a pass for 60 s: nothing is placed until `trainyard scheduler` runs again"
+    assert api.get(f"/v1/jobs/{job_id}", headers=auth(tokens["alice"])).json()["waiting_reason"] == said
+    assert [item["waiting_reason"] for item in api.get("/v1/jobs", headers=auth(tokens["alice"])).json()["items"]] == [said]
+    assert api.get("/v1/dashboard", headers=auth(tokens["alice"])).json()["scheduler_down"] == said
+    assert prometheus_samples(api.get("/metrics").text)[("trainyard_scheduler_last_pass_age_seconds", frozenset())] >= 60

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -11,6 +12,7 @@ from service.db.hosts import all_hosts, online_hosts
 from service.db.metrics import latest_metrics
 from service.db.models import utcnow
 from service.db.pools import all_pools
+from service.db.scheduler_processes import last_scheduler_pass, no_scheduler_note
 from service.db.monitoring import active_attempts, job_counts, running_jobs
 
 router = APIRouter(prefix="/v1", tags=["dashboard"], responses=NEEDS_TOKEN, route_class=SessionsEndWithRoute)
@@ -54,6 +56,9 @@ def list_pools(session: SessionDep, user: CurrentUser) -> list[PoolOut]:
     return [PoolOut(name=pool.name, backend=pool.backend, seen_at=pool.seen_at, **pool.info) for pool in all_pools(session)]
 
 
+EVER = datetime.min.replace(tzinfo=timezone.utc)  # the dashboard says so at once when no scheduler ever ran
+
+
 @router.get("/dashboard", response_model=DashboardOut)
 def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> DashboardOut:
     jobs = running_jobs(session, user)
@@ -71,10 +76,12 @@ def dashboard(session: SessionDep, user: CurrentUser, settings: SettingsDep) -> 
         )
         for job in jobs
     ]
+    now = utcnow()
     return DashboardOut(
         jobs_by_status=job_counts(session, user),
         running=running,
         workers=list_workers(session, user, settings),
+        scheduler_down=no_scheduler_note(last_scheduler_pass(session), now, settings.scheduler_interval_seconds, waiting_since=EVER),
     )
 
 

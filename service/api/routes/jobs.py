@@ -54,18 +54,19 @@ def submit_job(
 def list_jobs(
     session: SessionDep,
     user: CurrentUser,
+    settings: SettingsDep,
     status_: Annotated[JobStatus | None, Query(alias="status")] = None,
     limit: PageLimit = 50,
     cursor: PageCursor = None,
     q: Annotated[str | None, Query(max_length=100, description="Only jobs whose name or owner contains this text, in any case.")] = None,
 ) -> JobPage:
     jobs = jobs_visible_to(session, user, status=status_, limit=limit, before_id=int(cursor) if cursor else None, search=q)
-    return JobPage(items=job_outs(session, jobs), next_cursor=next_page(jobs, limit))
+    return JobPage(items=job_outs(session, jobs, settings.scheduler_interval_seconds), next_cursor=next_page(jobs, limit))
 
 
 @router.get("/{job_id}", response_model=JobOut)
-def get_job(job: VisibleJob, session: SessionDep) -> JobOut:
-    return job_outs(session, [job])[0]
+def get_job(job: VisibleJob, session: SessionDep, settings: SettingsDep) -> JobOut:
+    return job_outs(session, [job], settings.scheduler_interval_seconds)[0]
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut)
