@@ -87,6 +87,10 @@ def list_users(args: argparse.Namespace, session: Session) -> str:
         [user.name, "yes" if user.is_admin else "-", "yes" if user.can_run_code else "-", token(user), f"{user.created_at:%Y-%m-%d}"]
         for user in session.scalars(select(User).order_by(User.name))
     ]
+    return _table(rows)
+
+
+def _table(rows: list[list[str]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
@@ -134,6 +138,24 @@ def host_token(args: argparse.Namespace, session: Session) -> str:
     args.output.touch(mode=0o600)
     args.output.write_text(token + "\n")
     return f"host {args.name}'s token written to {args.output}"
+
+
+def host_list(args: argparse.Namespace, session: Session) -> str:
+    """Every host token, whether it works, and whether its host is in the pool: GET /v1/workers lists
+    the registered hosts only (a revoked host leaves the pool, a new one has not joined yet)."""
+    from sqlalchemy import select
+
+    from service.db.models import HostToken, WorkerHost
+
+    registered = {host.name: host for host in session.scalars(select(WorkerHost))}
+    rows = [["HOST", "TOKEN", "ISSUED", "IN THE POOL"]]
+    for token in session.scalars(select(HostToken).order_by(HostToken.host_name)):
+        host = registered.get(token.host_name)
+        rows.append([
+            token.host_name, f"revoked {token.revoked_at:%Y-%m-%d %H:%M}" if token.revoked_at else "works", f"{token.created_at:%Y-%m-%d %H:%M}",
+            f"last heartbeat {host.last_heartbeat:%Y-%m-%d %H:%M:%S}" if host else "-",
+        ])
+    return _table(rows) if len(rows) > 1 else "no host tokens yet: `trainyard host token NAME` makes one"
 
 
 def host_revoke(args: argparse.Namespace, session: Session) -> str:
@@ -205,9 +227,11 @@ def add_host_commands(parser: argparse.ArgumentParser, settings: Callable[[], Se
     for name, action, help in (
         ("token", host_token, "print a new token for a worker host (its only credential: the worker protocol over HTTP)"),
         ("revoke", host_revoke, "stop a host's token from working: its attempts are lost and requeued, as a dead host's"),
+        ("list", host_list, "every host token: whether it works, and whether its host is in the pool"),
     ):
         sub = commands.add_parser(name, help=help)
-        sub.add_argument("name", type=host_name if action is host_token else str, help="the host's name (its worker's --host-name)")
+        if action is not host_list:
+            sub.add_argument("name", type=host_name if action is host_token else str, help="the host's name (its worker's --host-name)")
         sub.set_defaults(func=lambda args, action=action: run(action, args, settings()))
         if action is host_token:
             sub.add_argument("--output", type=Path, help="write the token to this file (0600) instead of printing it")

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from service.db.accounts import create_user
+from service.db.hosts import register_host
 from service.db.session import session_factory
 from tests.helpers import tiny_spec
 from trainyard.cli import main
@@ -66,6 +67,23 @@ def test_an_admin_revokes_a_user_and_rotates_them_a_new_token(run, api_url):
         code, _, err = run("host", "token", bad)
         assert code == 2 and "a host name is letters, digits and . _ -" in err, bad
     assert run("host", "token", "gpu-01.lab")[0] == 0
+
+
+def test_host_list_shows_every_token_revoked_or_not_and_whether_its_host_is_in_the_pool(run, settings):
+    """GET /v1/workers lists registered hosts only: a revoked host left it, a new one had not joined."""
+    assert run("host", "list")[1].strip() == "no host tokens yet: `trainyard host token NAME` makes one"
+    for name in ("gpu-1", "gpu-2", "gpu-3"):
+        assert run("host", "token", name)[0] == 0
+    with session_factory(settings.resolved_database_url)() as session:
+        register_host(session, "gpu-1", "cuda", 8, {})
+        register_host(session, "gpu-2", "cuda", 8, {})
+    assert run("host", "revoke", "gpu-2")[0] == 0
+    code, out, _ = run("host", "list")
+    rows = {line.split()[0]: line for line in out.splitlines()[1:]}
+    assert code == 0 and out.split()[:4] == ["HOST", "TOKEN", "ISSUED", "IN"]
+    assert "works" in rows["gpu-1"] and "last heartbeat" in rows["gpu-1"]
+    assert "revoked" in rows["gpu-2"] and rows["gpu-2"].endswith("-")  # taken out of the pool with its token
+    assert "works" in rows["gpu-3"] and rows["gpu-3"].endswith("-")  # not joined yet
 
 
 def test_token_rotate_writes_the_new_token_where_the_old_one_was_read(run, settings, tmp_path, monkeypatch):
