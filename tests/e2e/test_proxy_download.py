@@ -48,6 +48,7 @@ def proxied(tmp_path):
     reader_gid = grp.getgrnam("nogroup").gr_gid
     settings = Settings(data_dir=base / "yard", artifact_reader_gid=reader_gid)
     settings.data_dir.mkdir()
+    settings.data_dir.chmod(0o711)  # passable, as a volume's root is (whatever this process's umask: a server command sets 077)
     upgrade(settings.resolved_database_url)
     sessions = session_factory(settings.resolved_database_url)
     with sessions() as session:

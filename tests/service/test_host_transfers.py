@@ -39,6 +39,7 @@ class CutOnce(httpx.HTTPTransport):
     def __init__(self, picks):
         super().__init__()
         self.picks, self.cut, self.sent, self.ranges, self.files = picks, None, 0, [], []
+        self.kept: int | None = None  # what the service said it kept of the cut file, asked by the host after the cut
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if self.cut is None and self.picks(request):
@@ -49,7 +50,11 @@ class CutOnce(httpx.HTTPTransport):
         if "/files/" in request.url.path:
             self.ranges.append(request.headers.get("Range"))
             self.files.append(request.url.path)
-        return super().handle_request(request)
+        answer = super().handle_request(request)
+        if request.method == "GET" and request.url.path == self.cut and "/uploads/" in self.cut and self.kept is None:
+            answer.read()
+            self.kept = answer.json().get("received") if answer.status_code == 200 else None
+        return answer
 
     def _cut(self, request: httpx.Request) -> httpx.Response:
         if request.method == "PUT":
@@ -140,10 +145,13 @@ def test_a_checkpoint_sent_through_the_api_survives_a_cut_is_verified_listed_and
 
     path, sha256, size = store.checkpoint(claimed, source, 5, None)
 
-    # The cut file went on from where the service's copy ended: half of it was not sent twice.
+    # The cut file went on from where the service's copy ended: what it kept of the half that
+    # reached it (all of it, unless a busy server had not written the last bytes when asked, or the
+    # cut lost some in flight) was not sent twice.
     assert cutter.cut and cutter.cut.endswith("model.safetensors")
     total = sum(len(data) for data in files.values())
-    assert cutter.sent == total - 3_000_001 // 2
+    assert cutter.kept is not None and 3_000_001 // 4 <= cutter.kept <= 3_000_001 // 2
+    assert cutter.sent == total - cutter.kept
     stored = settings.resolved_artifact_root / path
     assert path == f"jobs/{job_id}/checkpoints/step-00000005"
     assert {p.relative_to(stored): p.read_bytes() for p in stored.rglob("*") if p.is_file()} == files
