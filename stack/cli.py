@@ -51,16 +51,12 @@ def _schema_ready() -> bool:
 def db_upgrade(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import OperationalError
 
-    from service.db.migrate import SchemaNotReady, check_schema, upgrade
+    from service.db.migrate import upgrade
 
-    url = _settings().resolved_database_url
     try:
-        before, now = upgrade(url)
+        before, now = upgrade(_settings().resolved_database_url)
     except OperationalError:
-        try:
-            check_schema(url)  # says which database could not be opened, and why, in a line
-        except SchemaNotReady as exc:
-            print(f"error: {exc}", file=sys.stderr)
+        if not _schema_ready():  # says which database could not be opened, and why, in a line
             return 2
         raise
     if before == now:
